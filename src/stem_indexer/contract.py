@@ -1,0 +1,374 @@
+"""The one home of the StemIndexer semantics' small parts.
+
+Everything a backend needs to know about *which* blocks a row may pick and *how
+many* lives here: the visible range (causal, right-down aligned), the forced
+sink/window blocks, the position-decayed top-k budget (TPD), the ranking key
+(tie-break to the lower block index) and the input checks. Backends call these
+functions; they never re-derive them. ``reference.py`` is the one deliberate
+exception: it re-states section 4 of the contract row by row, so that tests have
+an independent oracle to compare against.
+
+Section numbers refer to SPEC.md, the operator contract.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "StemIndexerInputError",
+    "BRANCH_MEDIUM",
+    "BRANCH_LARGE",
+    "TOPK_CAP",
+    "IndexerParams",
+    "ceil_div",
+    "score_scale",
+    "visible_blocks",
+    "candidate_range",
+    "prompt_budget",
+    "row_budget",
+    "rank_keys",
+    "check_indexer_inputs",
+    "check_metadata_inputs",
+    "check_lengths",
+]
+
+# Section 4: the budget branch edges (in prompt blocks) and the cap on K.
+BRANCH_MEDIUM = 56
+BRANCH_LARGE = 160
+TOPK_CAP = 256
+MAX_BATCH = 65536
+
+
+class StemIndexerInputError(ValueError):
+    """Raised for any input that breaks the contract (section 7).
+
+    The message always names the offending argument and the rule it breaks.
+    """
+
+
+def _fail(arg: str, rule: str, got: object) -> None:
+    raise StemIndexerInputError(f"stem_indexer: {arg} {rule}; got {got}")
+
+
+def ceil_div(a, b):
+    """ceil(a / b) for non-negative ints or integer tensors."""
+    return (a + b - 1) // b
+
+
+# --------------------------------------------------------------------------- #
+# Parameters
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class IndexerParams:
+    """The scalar attributes of ``npu_stem_indexer`` (schema defaults)."""
+
+    causal: bool = True
+    stem_block_size: int = 128
+    stem_stride: int = 16
+    alpha: float = 1.0
+    initial_blocks: int = 4
+    window_size: int = 4
+    k_block_num_rate_medium: float = 0.2
+    k_block_num_bias_medium: int = 30
+    k_block_num_rate_large: float = 0.1
+    k_block_num_bias_large: int = 30
+    topk_score_precision: int = 1
+
+    @property
+    def ratio(self) -> int:
+        """R = Bs / Ts: tokens folded into each representative vector."""
+        return self.stem_block_size // self.stem_stride
+
+    def check(self) -> None:
+        """Section 7 rules on the scalar attributes."""
+        _check_int("stem_block_size", self.stem_block_size, 1)
+        _check_int("stem_stride", self.stem_stride, 1)
+        if self.stem_block_size % self.stem_stride:
+            _fail(
+                "stem_block_size",
+                f"must be a multiple of stem_stride ({self.stem_stride})",
+                self.stem_block_size,
+            )
+        if not (math.isfinite(self.alpha) and 0.0 < self.alpha <= 1.0):
+            _fail("alpha", "must be finite with 0 < alpha <= 1", self.alpha)
+        _check_int("initial_blocks", self.initial_blocks, 0)
+        _check_int("window_size", self.window_size, 0)
+        for name in ("k_block_num_rate_medium", "k_block_num_rate_large"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0.0):
+                _fail(name, "must be finite and >= 0", v)
+        for name in ("k_block_num_bias_medium", "k_block_num_bias_large"):
+            _check_int(name, getattr(self, name), 0)
+        if self.topk_score_precision not in (1, 2):
+            _fail(
+                "topk_score_precision",
+                "must be 1 (float32 ranking) or 2 (bfloat16 ranking)",
+                self.topk_score_precision,
+            )
+
+
+def _check_int(name: str, value: int, lo: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(name, "must be an int", type(value).__name__)
+    if value < lo:
+        _fail(name, f"must be >= {lo}", value)
+
+
+def score_scale(params: IndexerParams) -> float:
+    """The float32 factor 1/R^2 applied to each block dot product."""
+    r = params.ratio
+    return float(torch.tensor(1.0 / (r * r), dtype=torch.float32))
+
+
+# --------------------------------------------------------------------------- #
+# Visibility, forced blocks, candidates (section 4)
+# --------------------------------------------------------------------------- #
+
+
+def visible_blocks(i: torch.Tensor, qb, kb, causal: bool) -> torch.Tensor:
+    """s2_valid for query blocks ``i`` of batches with qb query / kb key blocks.
+
+    ``qb`` and ``kb`` are ints or tensors broadcasting against ``i``. Causal
+    rows are aligned right-down: the last query block sees the last key block.
+    Key blocks ``0 .. s2_valid-1`` are visible.
+    """
+    kb = torch.as_tensor(kb, dtype=i.dtype, device=i.device)
+    if not causal:
+        return torch.broadcast_to(kb, torch.broadcast_shapes(i.shape, kb.shape)).clone()
+    return torch.minimum((i + (kb - qb + 1)).clamp(min=0), kb)
+
+
+def candidate_range(s2: torch.Tensor, initial_blocks: int, window_size: int):
+    """Split each row's visible range into forced blocks and top-k candidates.
+
+    Forced = sink [0, sink_end) united with window [max(s2 - window, 0), s2).
+    Because both forced pieces are prefix/suffix intervals, the candidates
+    (visible minus forced) are always the contiguous range [sink_end, cand_end),
+    and the forced set is exactly [0, sink_end) + [cand_end, s2).
+
+    Returns ``(sink_end, cand_end)``, both with ``sink_end <= cand_end <= s2``.
+    """
+    sink_end = s2.clamp(max=initial_blocks)
+    window_start = (s2 - window_size).clamp(min=0)
+    cand_end = torch.maximum(window_start, sink_end)
+    return sink_end, cand_end
+
+
+# --------------------------------------------------------------------------- #
+# Budget: Token Position-Decay (section 4)
+# --------------------------------------------------------------------------- #
+
+# Any Ks at or above this is equivalent: then Ks >= P, so the budget is Ks and
+# the cap (256) applies. Clamping keeps int64 arithmetic safe for huge rates.
+_KS_CLAMP = 1 << 40
+
+
+def prompt_budget(p: torch.Tensor, params: IndexerParams) -> torch.Tensor:
+    """Ks, the initial top-k budget for prompts of ``p`` blocks (int64 tensor)."""
+    p = p.to(torch.int64)
+    pf = p.to(torch.float32)
+
+    def branch(rate: float, bias: int) -> torch.Tensor:
+        # f32(f32(P) * f32(rate)), then floor, then + bias (exact integer add).
+        prod = (pf * torch.tensor(rate, dtype=torch.float32)).to(torch.float64)
+        prod = prod.clamp(max=float(_KS_CLAMP))
+        return (torch.floor(prod).to(torch.int64) + bias).clamp(max=_KS_CLAMP)
+
+    medium = branch(params.k_block_num_rate_medium, params.k_block_num_bias_medium)
+    large = branch(params.k_block_num_rate_large, params.k_block_num_bias_large)
+    return torch.where(p < BRANCH_MEDIUM, p, torch.where(p < BRANCH_LARGE, medium, large))
+
+
+def row_budget(
+    pos: torch.Tensor, p: torch.Tensor, ks: torch.Tensor, alpha: float
+) -> torch.Tensor:
+    """K for rows at right-down aligned positions ``pos`` (broadcasting).
+
+    ``p`` is the prompt length in blocks and ``ks`` its ``prompt_budget``.
+    Past position Ks the budget decays linearly from Ks to alpha*Ks over the
+    rest of the prompt, with the float32 roundings the contract prescribes.
+    """
+    pos, p, ks = torch.broadcast_tensors(
+        pos.to(torch.int64), p.to(torch.int64), ks.to(torch.int64)
+    )
+    decay = p - ks
+    decays = (pos >= ks) & (decay > 1)
+
+    f32 = torch.float32
+    ks32 = ks.to(f32)
+    ke32 = ks32 * torch.tensor(alpha, dtype=f32)
+    t32 = (pos - ks).to(f32) / (decay - 1).clamp(min=1).to(f32)
+    d32 = ke32 - ks32
+    # t*d + ks with a single rounding: the float64 product of two float32
+    # values is exact, so float64 multiply-add then one cast to float32.
+    fma = (t32.double() * d32.double() + ks32.double()).to(f32)
+    decayed = torch.floor(fma).to(torch.int64)
+    decayed = torch.minimum(decayed.clamp(min=1), ks)
+
+    k = torch.where(decays, decayed, ks)
+    return k.clamp(0, TOPK_CAP)
+
+
+# --------------------------------------------------------------------------- #
+# Ranking (section 4, "Selection")
+# --------------------------------------------------------------------------- #
+
+_LOW32 = 0xFFFFFFFF
+NO_CANDIDATE = torch.iinfo(torch.int64).min
+
+
+def rank_keys(scores: torch.Tensor, first_block: int, precision: int) -> torch.Tensor:
+    """Distinct int64 keys whose descending order is the contract's ranking.
+
+    ``scores[..., c]`` is the float32 score of key block ``first_block + c``.
+    The high 32 bits order the score (rounded to bfloat16 first when
+    ``precision == 2``); the low 32 bits order equal scores so that the lower
+    block index ranks first. +0.0 and -0.0 are equal; NaN ranks as -inf.
+    Keys are unique per row, so any top-k, stable or not, picks exactly the
+    contract's set.
+    """
+    s = scores.float()
+    if precision == 2:
+        s = s.to(torch.bfloat16).float()
+    s = torch.nan_to_num(s + 0.0, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+    bits = s.view(torch.int32)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # float order as signed int order
+    block = torch.arange(first_block, first_block + s.shape[-1], device=s.device)
+    return (ordered.to(torch.int64) << 32) | (_LOW32 - block)
+
+
+def block_of_key(keys: torch.Tensor) -> torch.Tensor:
+    """Inverse of the tie-break part of ``rank_keys``: the key block index."""
+    return _LOW32 - (keys & _LOW32)
+
+
+# --------------------------------------------------------------------------- #
+# Input checks (section 7)
+# --------------------------------------------------------------------------- #
+
+
+def _check_tensor(name: str, t, ndim: int, dtype: torch.dtype) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(name, "must be a torch.Tensor", type(t).__name__)
+    if t.dim() != ndim:
+        _fail(name, f"must be {ndim}-D", f"shape {tuple(t.shape)}")
+    if t.dtype != dtype:
+        _fail(name, f"must have dtype {dtype}", t.dtype)
+
+
+def _check_heads(q_heads: int, kv_heads: int, q_name: str, kv_name: str) -> None:
+    if q_heads < 1:
+        _fail(q_name, "must be >= 1", q_heads)
+    if kv_heads < 1:
+        _fail(kv_name, "must be >= 1", kv_heads)
+    if q_heads % kv_heads:
+        _fail(q_name, f"must be a multiple of {kv_name} ({kv_heads})", q_heads)
+
+
+def _check_batch(batch: int) -> None:
+    if not 1 <= batch <= MAX_BATCH:
+        _fail("q_seq_lens", f"batch size must be in [1, {MAX_BATCH}]", batch)
+
+
+def check_indexer_inputs(
+    qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens, metadata,
+    params: IndexerParams,
+) -> None:
+    """Shape, dtype and attribute checks of the main op.
+
+    Uses only static information (shapes, dtypes, attributes), so it runs in
+    the fake kernel too and never reads tensor data.
+    """
+    params.check()
+    _check_tensor("qflat", qflat, 4, torch.bfloat16)
+    _check_tensor("kflat", kflat, 4, torch.bfloat16)
+    _check_tensor("vbias", vbias, 3, torch.float32)
+    _check_tensor("q_seq_lens", q_seq_lens, 1, torch.int32)
+    _check_tensor("kv_seq_lens", kv_seq_lens, 1, torch.int32)
+    if num_prompt_tokens is not None:
+        _check_tensor("num_prompt_tokens", num_prompt_tokens, 1, torch.int32)
+    if metadata is None:
+        raise StemIndexerInputError(
+            "stem_indexer: metadata is required; build it with "
+            "npu_stem_indexer_metadata(q_seq_lens, kv_seq_lens, q_heads, kv_heads, ...) "
+            "(stem_indexer.stem_indexer() builds it when omitted)"
+        )
+    _check_tensor("metadata", metadata, 1, torch.int32)
+
+    b, nq, qmax, df = qflat.shape
+    if any(d == 0 for d in qflat.shape):
+        _fail("qflat", "must have no zero-sized dimension", f"shape {tuple(qflat.shape)}")
+    _check_batch(b)
+    kb, nk, kmax, kdf = kflat.shape
+    if kb != b:
+        _fail("kflat", f"batch dim must equal qflat's ({b})", kb)
+    if kdf != df:
+        _fail("kflat", f"last dim (Df) must equal qflat's ({df})", kdf)
+    _check_heads(nq, nk, "qflat", "kflat")
+    if tuple(vbias.shape) != (b, nk, kmax):
+        _fail("vbias", f"must have shape (B, Nk, Kmax) = {(b, nk, kmax)}", tuple(vbias.shape))
+    for name, t in (("q_seq_lens", q_seq_lens), ("kv_seq_lens", kv_seq_lens),
+                    ("num_prompt_tokens", num_prompt_tokens)):
+        if t is not None and t.shape[0] != b:
+            _fail(name, f"must have one entry per batch ({b})", f"shape {tuple(t.shape)}")
+    devices = {t.device for t in (qflat, kflat, vbias, q_seq_lens, kv_seq_lens,
+                                  num_prompt_tokens, metadata) if t is not None}
+    if len(devices) > 1:
+        _fail("qflat", "and all other tensors must be on one device",
+              sorted(str(d) for d in devices))
+
+
+def check_metadata_inputs(
+    q_seq_lens, kv_seq_lens, q_heads: int, kv_heads: int,
+    stem_block_size: int, dim_qkflat: int, window_size: int,
+) -> None:
+    """Shape, dtype and attribute checks of the metadata op (static only)."""
+    _check_tensor("q_seq_lens", q_seq_lens, 1, torch.int32)
+    _check_tensor("kv_seq_lens", kv_seq_lens, 1, torch.int32)
+    if kv_seq_lens.shape[0] != q_seq_lens.shape[0]:
+        _fail("kv_seq_lens", f"must have one entry per batch ({q_seq_lens.shape[0]})",
+              f"shape {tuple(kv_seq_lens.shape)}")
+    if kv_seq_lens.device != q_seq_lens.device:
+        _fail("kv_seq_lens", "must be on the device of q_seq_lens", kv_seq_lens.device)
+    _check_batch(q_seq_lens.shape[0])
+    _check_int("q_heads", q_heads, 1)
+    _check_int("kv_heads", kv_heads, 1)
+    _check_heads(q_heads, kv_heads, "q_heads", "kv_heads")
+    _check_int("stem_block_size", stem_block_size, 1)
+    _check_int("dim_qkflat", dim_qkflat, 1)
+    _check_int("window_size", window_size, 0)
+
+
+def check_lengths(
+    q_lens: torch.Tensor, kv_lens: torch.Tensor, prompt: torch.Tensor | None,
+    qmax: int, kmax: int, block_size: int,
+) -> None:
+    """Value checks on host (CPU) copies of the per-batch lengths."""
+    _check_range("q_seq_lens", q_lens, qmax * block_size, "Qmax*stem_block_size")
+    _check_range("kv_seq_lens", kv_lens, kmax * block_size, "Kmax*stem_block_size")
+    if prompt is not None:
+        bad = (prompt < kv_lens).nonzero()
+        if bad.numel():
+            b = int(bad[0, 0])
+            _fail(f"num_prompt_tokens[{b}]", f"must be >= kv_seq_lens[{b}] ({int(kv_lens[b])})",
+                  int(prompt[b]))
+
+
+def _check_range(name: str, lens: torch.Tensor, hi: int | None, hi_name: str) -> None:
+    bad = (lens < 0) if hi is None else ((lens < 0) | (lens > hi))
+    idx = bad.nonzero()
+    if idx.numel():
+        b = int(idx[0, 0])
+        rule = "must be >= 0" if hi is None else f"must be in [0, {hi_name} = {hi}]"
+        _fail(f"{name}[{b}]", rule, int(lens[b]))
+
+
+def check_nonnegative(name: str, lens: torch.Tensor) -> None:
+    """Lengths the metadata op sees must not be negative."""
+    _check_range(name, lens, None, "")

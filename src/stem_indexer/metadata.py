@@ -1,0 +1,172 @@
+"""Metadata: the work plan the metadata op builds and the main op consumes.
+
+Size (section 6 of the contract, kept from the NPU operator)::
+
+    M = AlignUp(16 + B * kv_heads * (36 + 72) * 16, 4096)   int32 elements
+
+Layout (version 1), all int32::
+
+    [0, 16)                header (see ``Header``)
+    [16, 16 + B)           q_seq_lens the plan was built for
+    [16 + B, 16 + 2B)      kv_seq_lens the plan was built for
+    [16 + 2B, ...)         tiles, 4 int32 each: (batch, q_block_begin,
+                           q_block_end, key_blocks_visible_to_last_row)
+    rest                   zero
+
+A tile is a run of query blocks of one batch whose scores (for every query
+head of one KV group, against every key block visible to its last row) fit a
+fixed budget. Rows that see no key block at all get no tile. The main op
+checks that the metadata matches its inputs exactly (header, lengths and the
+plan itself) before using the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import contract
+from .contract import StemIndexerInputError, ceil_div
+
+HEADER_SIZE = 16
+AIC_CORE_NUM = 36
+AIV_CORE_NUM = 72
+CORE_STRIDE = 16
+ALIGN_SIZE = 4096
+
+MAGIC = 0x5354454D  # "STEM"
+VERSION = 1
+TILE_FIELDS = 4
+
+# Work budget of one tile: score elements (query rows x key blocks, all heads
+# of a KV group). The CPU path keeps its temporaries proportional to this.
+TILE_ELEMENTS = 1 << 21
+# At most this many query blocks per tile, so that the causal triangle a tile
+# spans beyond its first row's visible range stays small.
+TILE_ROWS_MAX = 64
+# Key blocks scored at once; wider rows are processed in chunks.
+KEY_CHUNK = 1 << 14
+
+
+def metadata_size(batch, kv_heads):
+    """Number of int32 elements of the metadata tensor (works on SymInts)."""
+    raw = HEADER_SIZE + batch * kv_heads * (AIC_CORE_NUM + AIV_CORE_NUM) * CORE_STRIDE
+    return ceil_div(raw, ALIGN_SIZE) * ALIGN_SIZE
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a metadata tensor was built for. Field order is the storage order."""
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    causal: int
+    stem_block_size: int
+    dim_qkflat: int
+    window_size: int
+    num_tiles: int
+
+    # header slots: 0 magic, 1 version, 2..9 the fields above, 10..15 reserved
+    def to_list(self) -> list[int]:
+        fields = [self.batch, self.q_heads, self.kv_heads, self.causal,
+                  self.stem_block_size, self.dim_qkflat, self.window_size, self.num_tiles]
+        return [MAGIC, VERSION, *fields] + [0] * (HEADER_SIZE - 2 - len(fields))
+
+    @classmethod
+    def from_tensor(cls, metadata: torch.Tensor) -> "Header":
+        h = metadata[:HEADER_SIZE].tolist()
+        if h[0] != MAGIC or h[1] != VERSION:
+            raise StemIndexerInputError(
+                "stem_indexer: metadata was not built by npu_stem_indexer_metadata "
+                f"(version {VERSION}); got magic {h[0]:#x}, version {h[1]}"
+            )
+        return cls(*h[2:10])
+
+
+def _plan(q_lens: torch.Tensor, kv_lens: torch.Tensor, group: int, causal: bool,
+          block_size: int, capacity: int) -> torch.Tensor:
+    """Tiles (num_tiles, 4) int64 for host lengths; see the module docstring."""
+    qb = ceil_div(q_lens.to(torch.int64), block_size)
+    kb = ceil_div(kv_lens.to(torch.int64), block_size)
+    live = (qb > 0) & (kb > 0)
+    # First query block that sees any key block (all of them when not causal).
+    first = (qb - kb).clamp(min=0) if causal else torch.zeros_like(qb)
+    rows = torch.where(live, qb - first, 0)
+    width = kb.clamp(min=1, max=KEY_CHUNK)
+    per_tile = (TILE_ELEMENTS // (group * width)).clamp(min=1, max=TILE_ROWS_MAX)
+    per_tile = torch.minimum(per_tile, rows.clamp(min=1))
+    while int(ceil_div(rows, per_tile).sum()) > capacity:  # only for extreme shapes
+        per_tile = torch.minimum(per_tile * 2, rows.clamp(min=1))
+    counts = ceil_div(rows, per_tile)
+
+    batch = torch.repeat_interleave(torch.arange(len(qb)), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    nth = torch.arange(int(counts.sum())) - starts[batch]
+    i0 = first[batch] + nth * per_tile[batch]
+    i1 = torch.minimum(i0 + per_tile[batch], qb[batch])
+    kend = contract.visible_blocks(i1 - 1, qb[batch], kb[batch], causal)
+    return torch.stack([batch, i0, i1, kend], dim=1)
+
+
+def build_metadata(q_lens: torch.Tensor, kv_lens: torch.Tensor, q_heads: int, kv_heads: int,
+                   causal: bool, stem_block_size: int, dim_qkflat: int,
+                   window_size: int) -> torch.Tensor:
+    """The metadata tensor (CPU, int32) for host copies of the lengths."""
+    batch = q_lens.shape[0]
+    size = metadata_size(batch, kv_heads)
+    lens_end = HEADER_SIZE + 2 * batch
+    capacity = (size - lens_end) // TILE_FIELDS
+    tiles = _plan(q_lens, kv_lens, q_heads // kv_heads, causal, stem_block_size, capacity)
+    header = Header(batch, q_heads, kv_heads, int(causal), stem_block_size, dim_qkflat,
+                    window_size, tiles.shape[0])
+
+    out = torch.zeros(size, dtype=torch.int32)
+    out[:HEADER_SIZE] = torch.tensor(header.to_list(), dtype=torch.int32)
+    out[HEADER_SIZE:HEADER_SIZE + batch] = q_lens
+    out[HEADER_SIZE + batch:lens_end] = kv_lens
+    out[lens_end:lens_end + tiles.numel()] = tiles.flatten().to(torch.int32)
+    return out
+
+
+def read_plan(metadata: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor,
+              q_heads: int, kv_heads: int, causal: bool, stem_block_size: int,
+              dim_qkflat: int, window_size: int) -> torch.Tensor:
+    """Check that ``metadata`` was built for these inputs; return its tiles.
+
+    All tensors are host (CPU) copies. Raises ``StemIndexerInputError`` naming
+    the first mismatch; a plan that differs from the one these inputs give is
+    rejected too, so a corrupted plan is never used.
+    """
+    batch = q_lens.shape[0]
+    expected_size = metadata_size(batch, kv_heads)
+    if metadata.numel() != expected_size:
+        raise StemIndexerInputError(
+            f"stem_indexer: metadata must have {expected_size} elements for batch {batch} "
+            f"and {kv_heads} kv heads; got {metadata.numel()}")
+    header = Header.from_tensor(metadata)
+    wanted = {"batch": batch, "q_heads": q_heads, "kv_heads": kv_heads, "causal": int(causal),
+              "stem_block_size": stem_block_size, "dim_qkflat": dim_qkflat,
+              "window_size": window_size}
+    for field, value in wanted.items():
+        got = getattr(header, field)
+        if got != value:
+            raise StemIndexerInputError(
+                f"stem_indexer: metadata was built for {field}={got}, but this call has "
+                f"{field}={value}; rebuild it with npu_stem_indexer_metadata")
+    for name, lens, start in (("q_seq_lens", q_lens, HEADER_SIZE),
+                              ("kv_seq_lens", kv_lens, HEADER_SIZE + batch)):
+        if not torch.equal(metadata[start:start + batch], lens):
+            raise StemIndexerInputError(
+                f"stem_indexer: metadata was built for other {name}; "
+                "rebuild it with npu_stem_indexer_metadata")
+    rebuilt = build_metadata(q_lens, kv_lens, q_heads, kv_heads, causal, stem_block_size,
+                             dim_qkflat, window_size)
+    used = HEADER_SIZE + 2 * batch + header.num_tiles * TILE_FIELDS
+    if header != Header.from_tensor(rebuilt) or not torch.equal(metadata[:used], rebuilt[:used]):
+        raise StemIndexerInputError(
+            "stem_indexer: metadata work plan does not match its header (corrupted?); "
+            "rebuild it with npu_stem_indexer_metadata")
+    start = HEADER_SIZE + 2 * batch
+    return metadata[start:used].view(-1, TILE_FIELDS).to(torch.int64)

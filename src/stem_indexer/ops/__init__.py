@@ -1,0 +1,1 @@
+"""Operator registrations and backend kernels."""

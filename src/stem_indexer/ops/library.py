@@ -1,0 +1,97 @@
+"""torch.library registrations of the two ops in the ``custom`` namespace.
+
+The schemas are the Ascend extension's, verbatim, so code written against
+``torch.ops.custom.npu_stem_indexer`` runs unchanged. Each op has a CPU and a
+CUDA kernel (both the device-agnostic fast path for now) and a fake kernel
+that derives shapes and dtypes only, for ``torch.compile`` and ``torch.export``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import contract, metadata as md
+from ..contract import IndexerParams
+from . import cpu
+
+NAMESPACE = "custom"
+
+INDEXER_SCHEMA = (
+    "npu_stem_indexer(Tensor qflat, Tensor kflat, Tensor vbias, Tensor q_seq_lens, "
+    "Tensor kv_seq_lens, *, Tensor? num_prompt_tokens=None, Tensor? metadata=None, "
+    "bool causal=True, int stem_block_size=128, int stem_stride=16, float alpha=1.0, "
+    "int initial_blocks=4, int window_size=4, float k_block_num_rate_medium=0.2, "
+    "int k_block_num_bias_medium=30, float k_block_num_rate_large=0.1, "
+    "int k_block_num_bias_large=30, int topk_score_precision=1) -> (Tensor, Tensor)"
+)
+METADATA_SCHEMA = (
+    "npu_stem_indexer_metadata(Tensor q_seq_lens, Tensor kv_seq_lens, int q_heads, "
+    "int kv_heads, *, bool causal=True, int stem_block_size=128, int dim_qkflat=2048, "
+    "int window_size=4) -> Tensor"
+)
+
+_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+_lib.define(INDEXER_SCHEMA)
+_lib.define(METADATA_SCHEMA)
+
+
+def _checked(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens, metadata,
+             attrs) -> IndexerParams:
+    params = IndexerParams(**attrs)
+    contract.check_indexer_inputs(qflat, kflat, vbias, q_seq_lens, kv_seq_lens,
+                                  num_prompt_tokens, metadata, params)
+    return params
+
+
+# The scalar attributes arrive as keyword arguments named as in the schema,
+# which are exactly the fields of ``IndexerParams``.
+def _indexer_kernel(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, *, num_prompt_tokens=None,
+                    metadata=None, **attrs):
+    params = _checked(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens,
+                      metadata, attrs)
+    q_lens, kv_lens = q_seq_lens.cpu(), kv_seq_lens.cpu()
+    prompt = None if num_prompt_tokens is None else num_prompt_tokens.cpu()
+    _, nq, qmax, df = qflat.shape
+    nk, kmax = kflat.shape[1], kflat.shape[2]
+    contract.check_lengths(q_lens, kv_lens, prompt, qmax, kmax, params.stem_block_size)
+    tiles = md.read_plan(metadata.cpu(), q_lens, kv_lens, nq, nk, params.causal,
+                         params.stem_block_size, df, params.window_size)
+    return cpu.stem_indexer_forward(qflat, kflat, vbias, q_lens, kv_lens,
+                                    kv_lens if prompt is None else prompt, tiles, params)
+
+
+def _indexer_fake(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, *, num_prompt_tokens=None,
+                  metadata=None, **attrs):
+    _checked(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens, metadata, attrs)
+    batch, nq, qmax, _ = qflat.shape
+    kmax = kflat.shape[2]
+    indices = qflat.new_empty((batch, nq, qmax, kmax), dtype=torch.int32)
+    seq_len = qflat.new_empty((batch, nq, qmax), dtype=torch.int32)
+    return indices, seq_len
+
+
+def _metadata_kernel(q_seq_lens, kv_seq_lens, q_heads, kv_heads, *, causal=True,
+                     stem_block_size=128, dim_qkflat=2048, window_size=4):
+    contract.check_metadata_inputs(q_seq_lens, kv_seq_lens, q_heads, kv_heads,
+                                   stem_block_size, dim_qkflat, window_size)
+    q_lens, kv_lens = q_seq_lens.cpu(), kv_seq_lens.cpu()
+    contract.check_nonnegative("q_seq_lens", q_lens)
+    contract.check_nonnegative("kv_seq_lens", kv_lens)
+    out = md.build_metadata(q_lens, kv_lens, q_heads, kv_heads, causal, stem_block_size,
+                            dim_qkflat, window_size)
+    return out.to(q_seq_lens.device)
+
+
+def _metadata_fake(q_seq_lens, kv_seq_lens, q_heads, kv_heads, *, causal=True,
+                   stem_block_size=128, dim_qkflat=2048, window_size=4):
+    contract.check_metadata_inputs(q_seq_lens, kv_seq_lens, q_heads, kv_heads,
+                                   stem_block_size, dim_qkflat, window_size)
+    size = md.metadata_size(q_seq_lens.shape[0], kv_heads)
+    return q_seq_lens.new_empty((size,), dtype=torch.int32)
+
+
+for _key in ("CPU", "CUDA"):
+    _lib.impl("npu_stem_indexer", _indexer_kernel, _key)
+    _lib.impl("npu_stem_indexer_metadata", _metadata_kernel, _key)
+torch.library.register_fake(f"{NAMESPACE}::npu_stem_indexer", _indexer_fake, lib=_lib)
+torch.library.register_fake(f"{NAMESPACE}::npu_stem_indexer_metadata", _metadata_fake, lib=_lib)
