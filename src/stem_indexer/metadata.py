@@ -14,8 +14,8 @@ Layout (version 1), all int32::
     rest                   zero
 
 A tile is a run of query blocks of one batch whose scores (for every query
-head of one KV group, against every key block visible to its last row) fit a
-fixed budget. Rows that see no key block at all get no tile. The main op
+head, against at most ``key_chunk`` key blocks at a time) and float32 operand
+copies fit a fixed budget. Rows that see no key block at all get no tile. The main op
 checks that the metadata matches its inputs exactly (header, lengths and the
 plan itself) before using the plan.
 """
@@ -39,14 +39,31 @@ MAGIC = 0x5354454D  # "STEM"
 VERSION = 1
 TILE_FIELDS = 4
 
-# Work budget of one tile: score elements (query rows x key blocks, all heads
-# of a KV group). The CPU path keeps its temporaries proportional to this.
-TILE_ELEMENTS = 1 << 21
+# Work budget of one tile: score elements (query rows x key blocks, all query
+# heads). The CPU path keeps its temporaries proportional to this.
+TILE_ELEMENTS = 1 << 20
 # At most this many query blocks per tile, so that the causal triangle a tile
 # spans beyond its first row's visible range stays small.
 TILE_ROWS_MAX = 64
-# Key blocks scored at once; wider rows are processed in chunks.
-KEY_CHUNK = 1 << 14
+# Bytes of the float32 operand copies of one tile (its query rows, one chunk
+# of key blocks): the tile's rows and the key chunk are sized to fit.
+OPERAND_BYTES = 32 << 20
+# At most this many key blocks are scored at once; wider rows go in chunks.
+KEY_CHUNK_MAX = 1 << 14
+
+
+def key_chunk(kv_heads: int, dim_qkflat: int) -> int:
+    """Key blocks scored at once: their float32 copy fits ``OPERAND_BYTES``."""
+    return max(1, min(KEY_CHUNK_MAX, OPERAND_BYTES // (4 * kv_heads * dim_qkflat)))
+
+
+def tile_rows(q_heads: int, dim_qkflat: int, width):
+    """Query blocks per tile for rows ``width`` key blocks wide (int or tensor)."""
+    by_scores = TILE_ELEMENTS // (q_heads * width)
+    by_operand = max(1, OPERAND_BYTES // (4 * q_heads * dim_qkflat))
+    if isinstance(by_scores, torch.Tensor):
+        return by_scores.clamp(min=1, max=min(TILE_ROWS_MAX, by_operand))
+    return max(1, min(by_scores, TILE_ROWS_MAX, by_operand))
 
 
 def metadata_size(batch, kv_heads):
@@ -85,8 +102,8 @@ class Header:
         return cls(*h[2:10])
 
 
-def _plan(q_lens: torch.Tensor, kv_lens: torch.Tensor, group: int, causal: bool,
-          block_size: int, capacity: int) -> torch.Tensor:
+def _plan(q_lens: torch.Tensor, kv_lens: torch.Tensor, q_heads: int, kv_heads: int,
+          causal: bool, block_size: int, dim_qkflat: int, capacity: int) -> torch.Tensor:
     """Tiles (num_tiles, 4) int64 for host lengths; see the module docstring."""
     qb = ceil_div(q_lens.to(torch.int64), block_size)
     kb = ceil_div(kv_lens.to(torch.int64), block_size)
@@ -94,8 +111,8 @@ def _plan(q_lens: torch.Tensor, kv_lens: torch.Tensor, group: int, causal: bool,
     # First query block that sees any key block (all of them when not causal).
     first = (qb - kb).clamp(min=0) if causal else torch.zeros_like(qb)
     rows = torch.where(live, qb - first, 0)
-    width = kb.clamp(min=1, max=KEY_CHUNK)
-    per_tile = (TILE_ELEMENTS // (group * width)).clamp(min=1, max=TILE_ROWS_MAX)
+    width = kb.clamp(min=1, max=key_chunk(kv_heads, dim_qkflat))
+    per_tile = tile_rows(q_heads, dim_qkflat, width)
     per_tile = torch.minimum(per_tile, rows.clamp(min=1))
     while int(ceil_div(rows, per_tile).sum()) > capacity:  # only for extreme shapes
         per_tile = torch.minimum(per_tile * 2, rows.clamp(min=1))
@@ -118,7 +135,8 @@ def build_metadata(q_lens: torch.Tensor, kv_lens: torch.Tensor, q_heads: int, kv
     size = metadata_size(batch, kv_heads)
     lens_end = HEADER_SIZE + 2 * batch
     capacity = (size - lens_end) // TILE_FIELDS
-    tiles = _plan(q_lens, kv_lens, q_heads // kv_heads, causal, stem_block_size, capacity)
+    tiles = _plan(q_lens, kv_lens, q_heads, kv_heads, causal, stem_block_size, dim_qkflat,
+                  capacity)
     header = Header(batch, q_heads, kv_heads, int(causal), stem_block_size, dim_qkflat,
                     window_size, tiles.shape[0])
 

@@ -10,7 +10,7 @@ heads) is processed:
    the budget K; the candidates of every row form one contiguous range;
 2. scores only for key blocks inside the union of the rows' candidate
    ranges (sink and window blocks need no score, blocks past the last row's
-   visible range are never touched), ``KEY_CHUNK`` key blocks at a time:
+   visible range are never touched), ``metadata.key_chunk`` key blocks at a time:
    one batched float32 matmul over all KV heads, times 1/R^2, plus vbias;
 3. scores become distinct int64 ranking keys (``contract.rank_keys``), so an
    ordinary top-k is exact and ties go to the lower block index; chunks are
@@ -18,8 +18,10 @@ heads) is processed:
 4. each row is written as sink ++ sorted(top-k) ++ window, which is already
    ascending and duplicate-free because the candidates lie between the two.
 
-Temporaries are proportional to the tile (``metadata.TILE_ELEMENTS`` score
-elements, a few bytes each), whatever the sequence length.
+Temporaries are bounded by the tile budget (``metadata.TILE_ELEMENTS`` score
+elements of a few bytes each, plus float32 copies of the tile's query rows and
+of one key chunk, ``metadata.OPERAND_BYTES`` each), whatever the sequence
+length.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 
 from .. import contract
 from ..contract import IndexerParams, ceil_div
-from ..metadata import KEY_CHUNK
+from ..metadata import key_chunk
 
 
 def _tile_top_keys(q, kflat_b, vbias_b, lo, hi, sink_end, cand_end, take, scale, precision):
@@ -38,12 +40,13 @@ def _tile_top_keys(q, kflat_b, vbias_b, lo, hi, sink_end, cand_end, take, scale,
     sink_end, cand_end: (c,) candidate range per query block.
     Returns (Nk, G, c, take) int64 keys, descending.
     """
-    nk, rows, _ = q.shape
+    nk, rows, df = q.shape
     c = sink_end.shape[0]
     qf = q.float()
+    chunk = key_chunk(nk, df)
     best = None
-    for j0 in range(lo, hi, KEY_CHUNK):
-        j1 = min(j0 + KEY_CHUNK, hi)
+    for j0 in range(lo, hi, chunk):
+        j1 = min(j0 + chunk, hi)
         k = kflat_b[:, j0:j1].float()
         scores = torch.bmm(qf, k.transpose(1, 2)) * scale + vbias_b[:, None, j0:j1]
         keys = contract.rank_keys(scores.view(nk, -1, c, j1 - j0), j0, precision)
@@ -91,6 +94,9 @@ def stem_indexer_forward(
             continue
         c = i1 - i0
         take_max = int(take.max())
+        if take_max > 0:  # score only the key blocks some row can pick
+            picking = take > 0
+            lo, hi = int(sink_end[picking].min()), int(cand_end[picking].max())
         sink_end, cand_end, take, length = (
             t.to(device) for t in (sink_end, cand_end, take, length))
 
@@ -101,7 +107,6 @@ def stem_indexer_forward(
         out = out.expand(nq, c, width)
         if take_max > 0:
             q = qflat[b, :, i0:i1].reshape(nk, group * c, df)
-            lo, hi = int(sink_end.min()), int(cand_end.max())
             top = _tile_top_keys(q, kflat[b], vbias[b], lo, hi, sink_end, cand_end,
                                  take_max, scale, params.topk_score_precision)
             picks = contract.block_of_key(top).view(nq, c, take_max)
