@@ -178,7 +178,7 @@ def prompt_budget(p: torch.Tensor, params: IndexerParams) -> torch.Tensor:
         # f32(f32(P) * f32(rate)), then floor, then + bias (exact integer add).
         prod = (pf * torch.tensor(rate, dtype=torch.float32)).to(torch.float64)
         prod = prod.clamp(max=float(_KS_CLAMP))
-        return (torch.floor(prod).to(torch.int64) + bias).clamp(max=_KS_CLAMP)
+        return (torch.floor(prod).to(torch.int64) + min(bias, _KS_CLAMP)).clamp(max=_KS_CLAMP)
 
     medium = branch(params.k_block_num_rate_medium, params.k_block_num_bias_medium)
     large = branch(params.k_block_num_rate_large, params.k_block_num_bias_large)
@@ -310,7 +310,7 @@ def check_indexer_inputs(
         _fail("kflat", f"batch dim must equal qflat's ({b})", kb)
     if kdf != df:
         _fail("kflat", f"last dim (Df) must equal qflat's ({df})", kdf)
-    _check_heads(nq, nk, "qflat", "kflat")
+    _check_heads(nq, nk, "qflat heads (dim 1, Nq)", "kflat heads (dim 1, Nk)")
     if tuple(vbias.shape) != (b, nk, kmax):
         _fail("vbias", f"must have shape (B, Nk, Kmax) = {(b, nk, kmax)}", tuple(vbias.shape))
     for name, t in (("q_seq_lens", q_seq_lens), ("kv_seq_lens", kv_seq_lens),

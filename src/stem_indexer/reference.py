@@ -40,10 +40,12 @@ def reference_budget(
     p = prompt_blocks
     if p < 56:
         ks = p
-    elif p < 160:
-        ks = math.floor(_f32(_f32(p) * _f32(k_block_num_rate_medium))) + k_block_num_bias_medium
     else:
-        ks = math.floor(_f32(_f32(p) * _f32(k_block_num_rate_large))) + k_block_num_bias_large
+        rate, bias = ((k_block_num_rate_medium, k_block_num_bias_medium) if p < 160
+                      else (k_block_num_rate_large, k_block_num_bias_large))
+        product = _f32(_f32(p) * _f32(rate))
+        # A product beyond float32 range is +inf: an unbounded budget, capped below.
+        ks = math.floor(product) + bias if math.isfinite(product) else math.inf
 
     decay = p - ks
     if pos < ks or decay <= 1:
