@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .contract import IndexerParams, check_indexer_inputs
 from .ops import library as _library  # noqa: F401  (registers the ops)
 
 __all__ = ["stem_indexer", "stem_indexer_metadata"]
@@ -80,6 +81,18 @@ def stem_indexer(
         for any input outside the contract.
     """
     if metadata is None:
+        # Check the inputs first, so that errors name this call's arguments,
+        # not the metadata op's parameters derived from them.
+        params = IndexerParams(
+            causal=causal, stem_block_size=stem_block_size, stem_stride=stem_stride,
+            alpha=alpha, initial_blocks=initial_blocks, window_size=window_size,
+            k_block_num_rate_medium=k_block_num_rate_medium,
+            k_block_num_bias_medium=k_block_num_bias_medium,
+            k_block_num_rate_large=k_block_num_rate_large,
+            k_block_num_bias_large=k_block_num_bias_large,
+            topk_score_precision=topk_score_precision)
+        check_indexer_inputs(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens,
+                             None, params, metadata_required=False)
         metadata = stem_indexer_metadata(
             q_seq_lens, kv_seq_lens, qflat.shape[1], kflat.shape[1], causal=causal,
             stem_block_size=stem_block_size, dim_qkflat=qflat.shape[-1],

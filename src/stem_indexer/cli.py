@@ -62,6 +62,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _progress(done: int, total: int, failed: int, label: str) -> None:
+    if not sys.stderr.isatty():
+        return  # a bar redrawn with carriage returns only clutters logs
     width = 30
     filled = width * done // max(total, 1)
     bar = "#" * filled + "." * (width - filled)
@@ -122,7 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     listing.set_defaults(func=_cases)
 
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # e.g. `stem-indexer cases | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -271,19 +271,21 @@ def _check_heads(q_heads: int, kv_heads: int, q_name: str, kv_name: str) -> None
         _fail(q_name, f"must be a multiple of {kv_name} ({kv_heads})", q_heads)
 
 
-def _check_batch(batch: int) -> None:
+def _check_batch(name: str, batch: int) -> None:
     if not 1 <= batch <= MAX_BATCH:
-        _fail("q_seq_lens", f"batch size must be in [1, {MAX_BATCH}]", batch)
+        _fail(name, f"batch size must be in [1, {MAX_BATCH}] (its dim 0)", batch)
 
 
 def check_indexer_inputs(
     qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens, metadata,
-    params: IndexerParams,
+    params: IndexerParams, *, metadata_required: bool = True,
 ) -> None:
     """Shape, dtype and attribute checks of the main op.
 
     Uses only static information (shapes, dtypes, attributes), so it runs in
-    the fake kernel too and never reads tensor data.
+    the fake kernel too and never reads tensor data. With
+    ``metadata_required=False`` a missing metadata is accepted (for callers
+    that build it once the other inputs are known to be sound).
     """
     params.check()
     _check_tensor("qflat", qflat, 4, torch.bfloat16)
@@ -293,18 +295,19 @@ def check_indexer_inputs(
     _check_tensor("kv_seq_lens", kv_seq_lens, 1, torch.int32)
     if num_prompt_tokens is not None:
         _check_tensor("num_prompt_tokens", num_prompt_tokens, 1, torch.int32)
-    if metadata is None:
+    if metadata is None and metadata_required:
         raise StemIndexerInputError(
             "stem_indexer: metadata is required; build it with "
             "npu_stem_indexer_metadata(q_seq_lens, kv_seq_lens, q_heads, kv_heads, ...) "
             "(stem_indexer.stem_indexer() builds it when omitted)"
         )
-    _check_tensor("metadata", metadata, 1, torch.int32)
+    if metadata is not None:
+        _check_tensor("metadata", metadata, 1, torch.int32)
 
     b, nq, qmax, df = qflat.shape
     if any(d == 0 for d in qflat.shape):
         _fail("qflat", "must have no zero-sized dimension", f"shape {tuple(qflat.shape)}")
-    _check_batch(b)
+    _check_batch("qflat", b)
     kb, nk, kmax, kdf = kflat.shape
     if kb != b:
         _fail("kflat", f"batch dim must equal qflat's ({b})", kb)
@@ -336,7 +339,7 @@ def check_metadata_inputs(
               f"shape {tuple(kv_seq_lens.shape)}")
     if kv_seq_lens.device != q_seq_lens.device:
         _fail("kv_seq_lens", "must be on the device of q_seq_lens", kv_seq_lens.device)
-    _check_batch(q_seq_lens.shape[0])
+    _check_batch("q_seq_lens", q_seq_lens.shape[0])
     _check_int("q_heads", q_heads, 1)
     _check_int("kv_heads", kv_heads, 1)
     _check_heads(q_heads, kv_heads, "q_heads", "kv_heads")

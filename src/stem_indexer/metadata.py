@@ -15,7 +15,10 @@ Layout (version 1), all int32::
 
 A tile is a run of query blocks of one batch whose scores (for every query
 head, against at most ``key_chunk`` key blocks at a time) and float32 operand
-copies fit a fixed budget. Rows that see no key block at all get no tile. The main op
+copies fit a fixed budget. Rows that see no key block at all get no tile.
+When the metadata's fixed size cannot hold that many tiles (extreme shapes:
+tens of thousands of query blocks), tiles grow to fit and the backend runs
+each in budget-sized steps; the tiles then still partition the rows. The main op
 checks that the metadata matches its inputs exactly (header, lengths and the
 plan itself) before using the plan.
 """
@@ -36,6 +39,7 @@ CORE_STRIDE = 16
 ALIGN_SIZE = 4096
 
 MAGIC = 0x5354454D  # "STEM"
+INT32_MAX = 2**31 - 1
 VERSION = 1
 TILE_FIELDS = 4
 
@@ -84,6 +88,18 @@ class Header:
     dim_qkflat: int
     window_size: int
     num_tiles: int
+
+    @classmethod
+    def recording(cls, batch, q_heads, kv_heads, causal, stem_block_size, dim_qkflat,
+                  window_size, num_tiles) -> "Header":
+        """The header as stored: values past int32 saturate at INT32_MAX.
+
+        That loses nothing: lengths are int32, so every block size or window
+        of at least INT32_MAX tokens/blocks plans and selects alike.
+        """
+        values = (batch, q_heads, kv_heads, int(causal), stem_block_size, dim_qkflat,
+                  window_size, num_tiles)
+        return cls(*(min(v, INT32_MAX) for v in values))
 
     # header slots: 0 magic, 1 version, 2..9 the fields above, 10..15 reserved
     def to_list(self) -> list[int]:
@@ -137,8 +153,8 @@ def build_metadata(q_lens: torch.Tensor, kv_lens: torch.Tensor, q_heads: int, kv
     capacity = (size - lens_end) // TILE_FIELDS
     tiles = _plan(q_lens, kv_lens, q_heads, kv_heads, causal, stem_block_size, dim_qkflat,
                   capacity)
-    header = Header(batch, q_heads, kv_heads, int(causal), stem_block_size, dim_qkflat,
-                    window_size, tiles.shape[0])
+    header = Header.recording(batch, q_heads, kv_heads, causal, stem_block_size, dim_qkflat,
+                              window_size, tiles.shape[0])
 
     out = torch.zeros(size, dtype=torch.int32)
     out[:HEADER_SIZE] = torch.tensor(header.to_list(), dtype=torch.int32)
@@ -164,11 +180,11 @@ def read_plan(metadata: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tenso
             f"stem_indexer: metadata must have {expected_size} elements for batch {batch} "
             f"and {kv_heads} kv heads; got {metadata.numel()}")
     header = Header.from_tensor(metadata)
-    wanted = {"batch": batch, "q_heads": q_heads, "kv_heads": kv_heads, "causal": int(causal),
-              "stem_block_size": stem_block_size, "dim_qkflat": dim_qkflat,
-              "window_size": window_size}
-    for field, value in wanted.items():
-        got = getattr(header, field)
+    wanted = Header.recording(batch, q_heads, kv_heads, causal, stem_block_size, dim_qkflat,
+                              window_size, header.num_tiles)
+    for field in ("batch", "q_heads", "kv_heads", "causal", "stem_block_size", "dim_qkflat",
+                  "window_size"):
+        got, value = getattr(header, field), getattr(wanted, field)
         if got != value:
             raise StemIndexerInputError(
                 f"stem_indexer: metadata was built for {field}={got}, but this call has "

@@ -30,7 +30,7 @@ import torch
 
 from .. import contract
 from ..contract import IndexerParams, ceil_div
-from ..metadata import key_chunk
+from ..metadata import key_chunk, tile_rows
 
 
 def _tile_top_keys(q, kflat_b, vbias_b, lo, hi, sink_end, cand_end, take, scale, precision):
@@ -70,52 +70,69 @@ def stem_indexer_forward(
     device = qflat.device
     batch, nq, qmax, df = qflat.shape
     nk, kmax = kflat.shape[1], kflat.shape[2]
-    group = nq // nk
     bs = params.stem_block_size
     indices = torch.full((batch, nq, qmax, kmax), -1, dtype=torch.int32, device=device)
     seq_len = torch.zeros((batch, nq, qmax), dtype=torch.int32, device=device)
 
-    qb_all = ceil_div(q_lens.to(torch.int64), bs)
-    kb_all = ceil_div(kv_lens.to(torch.int64), bs)
+    qb_all = ceil_div(q_lens.to(torch.int64), bs).tolist()
+    kb_all = ceil_div(kv_lens.to(torch.int64), bs).tolist()
     p_all = ceil_div(prompt_lens.to(torch.int64), bs)
     ks_all = contract.prompt_budget(p_all, params)
-    scale = contract.score_scale(params)
 
     for b, i0, i1, _ in tiles.tolist():
-        qb, kb = int(qb_all[b]), int(kb_all[b])
-        rows = torch.arange(i0, i1)
-        s2 = contract.visible_blocks(rows, qb, kb, params.causal)
-        sink_end, cand_end = contract.candidate_range(s2, params.initial_blocks, params.window_size)
-        budget = contract.row_budget(rows + (kb - qb), p_all[b], ks_all[b], params.alpha)
-        take = torch.minimum(budget, cand_end - sink_end)  # picks per row
-        length = s2 - (cand_end - sink_end) + take  # forced + picks
-        width = int(length.max())
-        if width == 0:
-            continue
-        c = i1 - i0
-        take_max = int(take.max())
-        if take_max > 0:  # score only the key blocks some row can pick
-            picking = take > 0
-            lo, hi = int(sink_end[picking].min()), int(cand_end[picking].max())
-        sink_end, cand_end, take, length = (
-            t.to(device) for t in (sink_end, cand_end, take, length))
-
-        pos = torch.arange(width, device=device)
-        # Forced part of each row: sink [0, sink_end), window from cand_end on.
-        after_picks = pos - sink_end[:, None] - take[:, None]
-        out = torch.where(pos < sink_end[:, None], pos, cand_end[:, None] + after_picks)
-        out = out.expand(nq, c, width)
-        if take_max > 0:
-            q = qflat[b, :, i0:i1].reshape(nk, group * c, df)
-            top = _tile_top_keys(q, kflat[b], vbias[b], lo, hi, sink_end, cand_end,
-                                 take_max, scale, params.topk_score_precision)
-            picks = contract.block_of_key(top).view(nq, c, take_max)
-            ranked_out = torch.arange(take_max, device=device) >= take[:, None]
-            picks = picks.masked_fill(ranked_out, kmax).sort(dim=-1).values
-            slot = (pos - sink_end[:, None]).clamp(0, take_max - 1).expand(nq, c, width)
-            is_pick = (pos >= sink_end[:, None]) & (after_picks < 0)
-            out = torch.where(is_pick, picks.gather(-1, slot), out)
-        out = torch.where(pos < length[:, None], out, -1)
-        indices[b, :, i0:i1, :width] = out.to(torch.int32)
-        seq_len[b, :, i0:i1] = length.to(torch.int32)
+        qb, kb = qb_all[b], kb_all[b]
+        # A plan squeezed into the fixed-size metadata may hold tiles of more
+        # rows than the budget allows; such tiles run in budget-sized steps.
+        step = tile_rows(nq, df, min(kb, key_chunk(nk, df)))
+        for r0 in range(i0, i1, step):
+            r1 = min(r0 + step, i1)
+            rows = torch.arange(r0, r1)
+            s2 = contract.visible_blocks(rows, qb, kb, params.causal)
+            budget = contract.row_budget(rows + (kb - qb), p_all[b], ks_all[b], params.alpha)
+            out, length = _select_rows(qflat[b, :, r0:r1], kflat[b], vbias[b], s2, budget,
+                                       params)
+            if out is not None:
+                indices[b, :, r0:r1, :out.shape[-1]] = out
+                seq_len[b, :, r0:r1] = length
     return indices, seq_len
+
+
+def _select_rows(q, kflat_b, vbias_b, s2, budget, params):
+    """Selections of consecutive query blocks of one batch, all heads.
+
+    q: (Nq, c, Df); s2, budget: (c,) host int64. Returns the rows' leading
+    ``width`` output columns (Nq, c, width) int32 and their lengths (c,)
+    int32, or ``(None, None)`` when every row is empty.
+    """
+    device = q.device
+    nq, c, df = q.shape
+    nk, kmax = kflat_b.shape[0], kflat_b.shape[1]
+    sink_end, cand_end = contract.candidate_range(s2, params.initial_blocks, params.window_size)
+    take = torch.minimum(budget, cand_end - sink_end)  # picks per row
+    length = s2 - (cand_end - sink_end) + take  # forced + picks
+    width = int(length.max())
+    if width == 0:
+        return None, None
+    take_max = int(take.max())
+    if take_max > 0:  # score only the key blocks some row can pick
+        picking = take > 0
+        lo, hi = int(sink_end[picking].min()), int(cand_end[picking].max())
+    sink_end, cand_end, take, length = (t.to(device) for t in (sink_end, cand_end, take, length))
+
+    pos = torch.arange(width, device=device)
+    # Forced part of each row: sink [0, sink_end), window from cand_end on.
+    after_picks = pos - sink_end[:, None] - take[:, None]
+    out = torch.where(pos < sink_end[:, None], pos, cand_end[:, None] + after_picks)
+    out = out.expand(nq, c, width)
+    if take_max > 0:
+        top = _tile_top_keys(q.reshape(nk, (nq // nk) * c, df), kflat_b, vbias_b, lo, hi,
+                             sink_end, cand_end, take_max, contract.score_scale(params),
+                             params.topk_score_precision)
+        picks = contract.block_of_key(top).view(nq, c, take_max)
+        ranked_out = torch.arange(take_max, device=device) >= take[:, None]
+        picks = picks.masked_fill(ranked_out, kmax).sort(dim=-1).values
+        slot = (pos - sink_end[:, None]).clamp(0, take_max - 1).expand(nq, c, width)
+        is_pick = (pos >= sink_end[:, None]) & (after_picks < 0)
+        out = torch.where(is_pick, picks.gather(-1, slot), out)
+    out = torch.where(pos < length[:, None], out, -1)
+    return out.to(torch.int32), length.to(torch.int32)

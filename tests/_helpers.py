@@ -1,0 +1,182 @@
+"""Small shared helpers for the semantics/property/check/registration tests.
+
+Nothing here computes an expected result: expected values are written by hand
+in the tests or come from ``stem_indexer_reference``. These helpers only build
+inputs, call the entry points and pad hand-written rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import stem_indexer
+from stem_indexer.contract import IndexerParams
+from stem_indexer.reference import reference_budget
+
+
+def bf16_exact(values) -> torch.Tensor:
+    """A bf16 tensor of ``values``, asserting that no value was rounded."""
+    t = torch.tensor(values, dtype=torch.float32)
+    b = t.to(torch.bfloat16)
+    exact = (b.float() == t) | (torch.isnan(t) & torch.isnan(b.float()))
+    assert bool(exact.all()), f"values not exactly representable in bf16: {values}"
+    return b
+
+
+def i32(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+@dataclasses.dataclass
+class Inputs:
+    """The tensor inputs of one call."""
+
+    qflat: torch.Tensor
+    kflat: torch.Tensor
+    vbias: torch.Tensor
+    q_seq_lens: torch.Tensor
+    kv_seq_lens: torch.Tensor
+    num_prompt_tokens: torch.Tensor | None = None
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def tensors(self):
+        return (self.qflat, self.kflat, self.vbias, self.q_seq_lens, self.kv_seq_lens)
+
+    def to(self, device) -> "Inputs":
+        return Inputs(*(t.to(device) for t in self.tensors()),
+                      None if self.num_prompt_tokens is None
+                      else self.num_prompt_tokens.to(device))
+
+
+def make_inputs(qflat, kflat, vbias, q_lens, kv_lens, prompt=None) -> Inputs:
+    """Inputs from nested lists (bf16-exactness of qflat/kflat is asserted)."""
+    return Inputs(
+        qflat=bf16_exact(qflat), kflat=bf16_exact(kflat),
+        vbias=torch.tensor(vbias, dtype=torch.float32),
+        q_seq_lens=i32(q_lens), kv_seq_lens=i32(kv_lens),
+        num_prompt_tokens=None if prompt is None else i32(prompt))
+
+
+def run_api(inp: Inputs, **params):
+    """``stem_indexer.stem_indexer`` (builds metadata itself)."""
+    return stem_indexer.stem_indexer(*inp.tensors(), num_prompt_tokens=inp.num_prompt_tokens,
+                                     **params)
+
+
+def metadata_for(inp: Inputs, **params) -> torch.Tensor:
+    p = IndexerParams(**params)
+    return torch.ops.custom.npu_stem_indexer_metadata(
+        inp.q_seq_lens, inp.kv_seq_lens, inp.qflat.shape[1], inp.kflat.shape[1],
+        causal=p.causal, stem_block_size=p.stem_block_size, dim_qkflat=inp.qflat.shape[-1],
+        window_size=p.window_size)
+
+
+def run_op(inp: Inputs, metadata: torch.Tensor | None = None, **params):
+    """``torch.ops.custom.npu_stem_indexer`` with metadata from the metadata op."""
+    if metadata is None:
+        metadata = metadata_for(inp, **params)
+    return torch.ops.custom.npu_stem_indexer(
+        *inp.tensors(), num_prompt_tokens=inp.num_prompt_tokens, metadata=metadata, **params)
+
+
+def run_ref(inp: Inputs, **params):
+    return stem_indexer.stem_indexer_reference(
+        *inp.tensors(), num_prompt_tokens=inp.num_prompt_tokens, **params)
+
+
+def expected_tensors(rows, kmax: int):
+    """Pad hand-written rows ``rows[b][h][i] = [valid indices]`` with -1.
+
+    ``sparse_seq_len`` is the length of each hand-written row (SPEC section 4:
+    seq_len = L = number of selected blocks).
+    """
+    batch, nq, qmax = len(rows), len(rows[0]), len(rows[0][0])
+    idx = torch.full((batch, nq, qmax, kmax), -1, dtype=torch.int32)
+    seq = torch.zeros((batch, nq, qmax), dtype=torch.int32)
+    for b in range(batch):
+        assert len(rows[b]) == nq
+        for h in range(nq):
+            assert len(rows[b][h]) == qmax
+            for i, row in enumerate(rows[b][h]):
+                seq[b, h, i] = len(row)
+                if row:
+                    idx[b, h, i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    return idx, seq
+
+
+def assert_out_equal(actual, expected, label=""):
+    a_idx, a_len = actual
+    e_idx, e_len = expected
+    assert a_idx.dtype == torch.int32 and a_len.dtype == torch.int32, label
+    assert a_idx.shape == e_idx.shape and a_len.shape == e_len.shape, (
+        f"{label}: shapes {tuple(a_idx.shape)}/{tuple(a_len.shape)} != "
+        f"{tuple(e_idx.shape)}/{tuple(e_len.shape)}")
+    if not torch.equal(a_len, e_len):
+        raise AssertionError(f"{label}: sparse_seq_len\n{a_len.tolist()}\n!= expected\n"
+                             f"{e_len.tolist()}")
+    if not torch.equal(a_idx, e_idx):
+        bad = (a_idx != e_idx).any(-1).nonzero().tolist()
+        first = tuple(bad[0])
+        raise AssertionError(f"{label}: sparse_indices differ in rows {bad[:8]}; row {first}: "
+                             f"{a_idx[first].tolist()} != expected {e_idx[first].tolist()}")
+
+
+def on_cpu(out, device):
+    """Check that outputs are on ``device``, then bring them to the CPU."""
+    for t in out:
+        assert t.device.type == torch.device(device).type, (t.device, device)
+    return tuple(t.cpu() for t in out)
+
+
+def check_all_paths(device, inp: Inputs, expected, **params):
+    """The API and the raw op (with metadata from the metadata op), both on
+    ``device``, and the reference must all give exactly ``expected``."""
+    dev = inp.to(device)
+    assert_out_equal(on_cpu(run_api(dev, **params), device), expected,
+                     f"stem_indexer.stem_indexer ({device})")
+    assert_out_equal(on_cpu(run_op(dev, **params), device), expected,
+                     f"torch.ops.custom.npu_stem_indexer ({device})")
+    assert_out_equal(run_ref(inp, **params), expected, "stem_indexer_reference")
+
+
+# --------------------------------------------------------------------------- #
+# Random inputs
+# --------------------------------------------------------------------------- #
+
+
+def random_inputs(gen: torch.Generator, *, batch, nq, nk, qmax, kmax, df, q_lens, kv_lens,
+                  prompt=None, integer=False) -> Inputs:
+    """Random inputs. With ``integer`` the bf16 values are small integers and
+    vbias lies on a 1/64 grid, so every score is exact in float32 whatever the
+    summation order (as long as R is a power of two)."""
+    if integer:
+        qflat = torch.randint(-3, 4, (batch, nq, qmax, df), generator=gen).to(torch.bfloat16)
+        kflat = torch.randint(-3, 4, (batch, nk, kmax, df), generator=gen).to(torch.bfloat16)
+        vbias = torch.randint(-128, 129, (batch, nk, kmax), generator=gen).float() / 64
+    else:
+        qflat = torch.randn((batch, nq, qmax, df), generator=gen).to(torch.bfloat16)
+        kflat = torch.randn((batch, nk, kmax, df), generator=gen).to(torch.bfloat16)
+        vbias = torch.randn((batch, nk, kmax), generator=gen) * 0.3
+    return Inputs(qflat, kflat, vbias, i32(q_lens), i32(kv_lens),
+                  None if prompt is None else i32(prompt))
+
+
+def spec_row_facts(q_len: int, kv_len: int, prompt_len: int, i: int, params: IndexerParams):
+    """(s2, forced set, candidate count, K) of row i, restated from SPEC section 4
+    in plain Python (independent of ``contract``; K from the scalar golden)."""
+    bs = params.stem_block_size
+    qb, kb, p = -(-q_len // bs), -(-kv_len // bs), -(-prompt_len // bs)
+    s2 = min(max(kb - qb + i + 1, 0), kb) if params.causal else kb
+    forced = set(range(min(params.initial_blocks, s2)))
+    forced |= set(range(max(s2 - params.window_size, 0), s2))
+    k = reference_budget(
+        p, i + kb - qb, alpha=params.alpha,
+        k_block_num_rate_medium=params.k_block_num_rate_medium,
+        k_block_num_bias_medium=params.k_block_num_bias_medium,
+        k_block_num_rate_large=params.k_block_num_rate_large,
+        k_block_num_bias_large=params.k_block_num_bias_large)
+    return s2, forced, s2 - len(forced), k

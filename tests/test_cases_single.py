@@ -1,0 +1,60 @@
+"""Single mode: every case of the table against the golden, one test each.
+
+Selection follows the reference suite's environment variables:
+
+* ``STEM_INDEXER_CASE_ID`` -- comma-separated ids (default: the whole table;
+  large cases are marked ``large`` and need ``--run-large``, unless named);
+* ``STEM_INDEXER_MODE`` -- ``eager`` or ``graph`` for the whole selection.
+
+With neither set (the default run) every case runs eager, and the
+representative ``cases.GRAPH_SUBSET`` also runs in graph mode (torch.compile),
+so the default suite exercises compilation too.
+
+Each test compares the op with ``stem_indexer_reference`` under the SPEC
+section 5 rules; cases with ``data="integer"`` have exact scores, so they must
+also match the reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from stem_indexer import cases, runner
+
+_SPEC = os.environ.get(runner.ENV_CASE_ID, "").strip()
+_MODE_GIVEN = bool(os.environ.get(runner.ENV_MODE, "").strip())
+
+
+def _params() -> list:
+    mode = runner.env_mode()
+    named = bool(_SPEC)
+    out = []
+    for case in cases.select_cases(_SPEC, include_large=True):
+        marks = [pytest.mark.large] if case.large and not named else []
+        case_id = case.label if mode == "eager" else f"{case.label}-graph"
+        out.append(pytest.param(case, mode, id=case_id, marks=marks))
+    if not named and not _MODE_GIVEN:
+        out += [pytest.param(case, "graph", id=f"{case.label}-graph")
+                for case in cases.graph_subset()]
+    return out
+
+
+@pytest.mark.parametrize("case, mode", _params())
+def test_case(case: cases.Case, mode: str, device: str):
+    result = runner.run_case(case, device=device, mode=mode)
+    assert result.ok, f"{case.id} [{case.covers}] {mode}/{device}: {result.summary}"
+
+    if case.data == "integer":
+        # Exact scores: no summation-order slack, the outputs must be identical.
+        golden, _ = runner.golden_outputs(case)
+        actual = runner.op_outputs(case, case.make_inputs(), device, mode)
+        for name, a, g in zip(("sparse_indices", "sparse_seq_len"), actual, golden):
+            a = a.cpu()
+            assert a.shape == g.shape, f"{case.id}: {name} shape {tuple(a.shape)}"
+            rows = (a != g).reshape(-1, a.shape[-1]).any(-1).nonzero().flatten()
+            assert torch.equal(a, g), (
+                f"{case.id}: {name} differs from the reference although every score is exact "
+                f"({rows.numel()} flat rows differ, first {rows[:8].tolist()})")
