@@ -3,8 +3,8 @@
 Written for CPU tensors and device-agnostic, so it also serves CUDA tensors
 until a dedicated GPU path exists.
 
-How a tile of the metadata's work plan (one batch, query blocks [i0, i1), all
-heads) is processed:
+How the rows of a tile of the metadata's work plan (one batch, query blocks
+[i0, i1), all heads; run in budget-sized steps) are processed:
 
 1. per row, from ``contract``: visible range s2, sink end, candidate end and
    the budget K; the candidates of every row form one contiguous range;
@@ -40,7 +40,7 @@ def _tile_top_keys(q, kflat_b, vbias_b, lo, hi, sink_end, cand_end, take, scale,
     sink_end, cand_end: (c,) candidate range per query block.
     Returns (Nk, G, c, take) int64 keys, descending.
     """
-    nk, rows, df = q.shape
+    nk, _, df = q.shape
     c = sink_end.shape[0]
     qf = q.float()
     chunk = key_chunk(nk, df)
