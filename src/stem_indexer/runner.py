@@ -189,8 +189,17 @@ def _call_op(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens, at
 # (Nq, Nk, Df through the metadata op), so recompiles are expected and the
 # limits are raised -- with a hard failure instead of a silent eager fallback.
 _graph_fns: dict[tuple, Callable] = {}
-_GRAPH_DYNAMO_CONFIG = dict(recompile_limit=512, accumulated_recompile_limit=4096,
-                            fail_on_recompile_limit_hit=True)
+# Older torch releases name the first limit ``cache_size_limit``; only the
+# options this torch has are set.
+_GRAPH_DYNAMO_CONFIG = {
+    name: value
+    for name, value in (("recompile_limit", 512), ("cache_size_limit", 512),
+                        ("accumulated_recompile_limit", 4096),
+                        ("accumulated_cache_size_limit", 4096),
+                        ("fail_on_recompile_limit_hit", True),
+                        ("fail_on_cache_limit_hit", True))
+    if hasattr(torch._dynamo.config, name)
+}
 
 
 def _graph_fn(params: IndexerParams) -> Callable:
