@@ -25,6 +25,7 @@ plan itself) before using the plan.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -150,9 +151,8 @@ def build_metadata(q_lens: torch.Tensor, kv_lens: torch.Tensor, q_heads: int, kv
     batch = q_lens.shape[0]
     size = metadata_size(batch, kv_heads)
     lens_end = HEADER_SIZE + 2 * batch
-    capacity = (size - lens_end) // TILE_FIELDS
     tiles = _plan(q_lens, kv_lens, q_heads, kv_heads, causal, stem_block_size, dim_qkflat,
-                  capacity)
+                  (size - lens_end) // TILE_FIELDS)
     header = Header.recording(batch, q_heads, kv_heads, causal, stem_block_size, dim_qkflat,
                               window_size, tiles.shape[0])
 
@@ -195,12 +195,14 @@ def read_plan(metadata: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tenso
             raise StemIndexerInputError(
                 f"stem_indexer: metadata was built for other {name}; "
                 "rebuild it with npu_stem_indexer_metadata")
-    rebuilt = build_metadata(q_lens, kv_lens, q_heads, kv_heads, causal, stem_block_size,
-                             dim_qkflat, window_size)
-    used = HEADER_SIZE + 2 * batch + header.num_tiles * TILE_FIELDS
-    if header != Header.from_tensor(rebuilt) or not torch.equal(metadata[:used], rebuilt[:used]):
+    lens_end = HEADER_SIZE + 2 * batch
+    tiles = _plan(q_lens, kv_lens, q_heads, kv_heads, causal, stem_block_size, dim_qkflat,
+                  (expected_size - lens_end) // TILE_FIELDS)
+    stored = metadata[lens_end:lens_end + tiles.numel()]
+    if (metadata[:HEADER_SIZE].tolist() != dataclasses.replace(
+            wanted, num_tiles=tiles.shape[0]).to_list()
+            or not torch.equal(stored, tiles.flatten().to(torch.int32))):
         raise StemIndexerInputError(
             "stem_indexer: metadata work plan does not match its header (corrupted?); "
             "rebuild it with npu_stem_indexer_metadata")
-    start = HEADER_SIZE + 2 * batch
-    return metadata[start:used].view(-1, TILE_FIELDS).to(torch.int64)
+    return tiles
