@@ -80,29 +80,23 @@ def stem_indexer(
         StemIndexerInputError (a ValueError) naming the argument and the rule
         for any input outside the contract.
     """
+    attrs = dict(
+        causal=causal, stem_block_size=stem_block_size, stem_stride=stem_stride, alpha=alpha,
+        initial_blocks=initial_blocks, window_size=window_size,
+        k_block_num_rate_medium=k_block_num_rate_medium,
+        k_block_num_bias_medium=k_block_num_bias_medium,
+        k_block_num_rate_large=k_block_num_rate_large,
+        k_block_num_bias_large=k_block_num_bias_large,
+        topk_score_precision=topk_score_precision)
     if metadata is None:
         # Check the inputs first, so that errors name this call's arguments,
         # not the metadata op's parameters derived from them.
-        params = IndexerParams(
-            causal=causal, stem_block_size=stem_block_size, stem_stride=stem_stride,
-            alpha=alpha, initial_blocks=initial_blocks, window_size=window_size,
-            k_block_num_rate_medium=k_block_num_rate_medium,
-            k_block_num_bias_medium=k_block_num_bias_medium,
-            k_block_num_rate_large=k_block_num_rate_large,
-            k_block_num_bias_large=k_block_num_bias_large,
-            topk_score_precision=topk_score_precision)
         check_indexer_inputs(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens,
-                             None, params, metadata_required=False)
+                             None, IndexerParams(**attrs), metadata_required=False)
         metadata = stem_indexer_metadata(
             q_seq_lens, kv_seq_lens, qflat.shape[1], kflat.shape[1], causal=causal,
             stem_block_size=stem_block_size, dim_qkflat=qflat.shape[-1],
             window_size=window_size)
     return torch.ops.custom.npu_stem_indexer(
         qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens=num_prompt_tokens,
-        metadata=metadata, causal=causal, stem_block_size=stem_block_size,
-        stem_stride=stem_stride, alpha=alpha, initial_blocks=initial_blocks,
-        window_size=window_size, k_block_num_rate_medium=k_block_num_rate_medium,
-        k_block_num_bias_medium=k_block_num_bias_medium,
-        k_block_num_rate_large=k_block_num_rate_large,
-        k_block_num_bias_large=k_block_num_bias_large,
-        topk_score_precision=topk_score_precision)
+        metadata=metadata, **attrs)

@@ -78,6 +78,7 @@ def stem_indexer_forward(
     kb_all = ceil_div(kv_lens.to(torch.int64), bs).tolist()
     p_all = ceil_div(prompt_lens.to(torch.int64), bs)
     ks_all = contract.prompt_budget(p_all, params)
+    scale = contract.score_scale(params)
 
     for b, i0, i1, _ in tiles.tolist():
         qb, kb = qb_all[b], kb_all[b]
@@ -90,14 +91,14 @@ def stem_indexer_forward(
             s2 = contract.visible_blocks(rows, qb, kb, params.causal)
             budget = contract.row_budget(rows + (kb - qb), p_all[b], ks_all[b], params.alpha)
             out, length = _select_rows(qflat[b, :, r0:r1], kflat[b], vbias[b], s2, budget,
-                                       params)
+                                       scale, params)
             if out is not None:
                 indices[b, :, r0:r1, :out.shape[-1]] = out
                 seq_len[b, :, r0:r1] = length
     return indices, seq_len
 
 
-def _select_rows(q, kflat_b, vbias_b, s2, budget, params):
+def _select_rows(q, kflat_b, vbias_b, s2, budget, scale, params):
     """Selections of consecutive query blocks of one batch, all heads.
 
     q: (Nq, c, Df); s2, budget: (c,) host int64. Returns the rows' leading
@@ -126,8 +127,7 @@ def _select_rows(q, kflat_b, vbias_b, s2, budget, params):
     out = out.expand(nq, c, width)
     if take_max > 0:
         top = _tile_top_keys(q.reshape(nk, (nq // nk) * c, df), kflat_b, vbias_b, lo, hi,
-                             sink_end, cand_end, take_max, contract.score_scale(params),
-                             params.topk_score_precision)
+                             sink_end, cand_end, take_max, scale, params.topk_score_precision)
         picks = contract.block_of_key(top).view(nq, c, take_max)
         ranked_out = torch.arange(take_max, device=device) >= take[:, None]
         picks = picks.masked_fill(ranked_out, kmax).sort(dim=-1).values
