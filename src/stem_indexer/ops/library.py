@@ -2,8 +2,17 @@
 
 The schemas are the Ascend extension's, verbatim, so code written against
 ``torch.ops.custom.npu_stem_indexer`` runs unchanged. Each op has a CPU and a
-CUDA kernel (both the device-agnostic fast path for now) and a fake kernel
+CUDA kernel and a fake kernel
 that derives shapes and dtypes only, for ``torch.compile`` and ``torch.export``.
+
+CUDA tensors go to the Triton kernels (``ops/triton``) when Triton is
+installed, else to the device-agnostic fast path. The Triton path reads no
+tensor data on the host, so the indexer op can be captured in a CUDA graph;
+its value checks (lengths in range, prompt >= kv, metadata built for these
+inputs) run on host copies outside a capture and are skipped during one. The
+metadata op builds its plan on the host on every device (it is called once
+per batch of requests, before the captured region) and copies it to the
+lengths' device.
 """
 
 from __future__ import annotations
@@ -60,6 +69,27 @@ def _indexer_kernel(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, *, num_prompt_
                                     kv_lens if prompt is None else prompt, tiles, params)
 
 
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401  (imported lazily: CPU-only installs never need it)
+    except ImportError:
+        return False
+    return True
+
+
+def _indexer_cuda_kernel(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, *,
+                         num_prompt_tokens=None, metadata=None, **attrs):
+    if not _triton_available():
+        return _indexer_kernel(qflat, kflat, vbias, q_seq_lens, kv_seq_lens,
+                               num_prompt_tokens=num_prompt_tokens, metadata=metadata, **attrs)
+    params = _checked(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens,
+                      metadata, attrs)
+    from .triton.launch import stem_indexer_triton
+
+    return stem_indexer_triton(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens,
+                               metadata, params)
+
+
 def _indexer_fake(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, *, num_prompt_tokens=None,
                   metadata=None, **attrs):
     _checked(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens, metadata, attrs)
@@ -90,8 +120,9 @@ def _metadata_fake(q_seq_lens, kv_seq_lens, q_heads, kv_heads, *, causal=True,
     return q_seq_lens.new_empty((size,), dtype=torch.int32)
 
 
+_lib.impl("npu_stem_indexer", _indexer_kernel, "CPU")
+_lib.impl("npu_stem_indexer", _indexer_cuda_kernel, "CUDA")
 for _key in ("CPU", "CUDA"):
-    _lib.impl("npu_stem_indexer", _indexer_kernel, _key)
     _lib.impl("npu_stem_indexer_metadata", _metadata_kernel, _key)
 torch.library.register_fake(f"{NAMESPACE}::npu_stem_indexer", _indexer_fake, lib=_lib)
 torch.library.register_fake(f"{NAMESPACE}::npu_stem_indexer_metadata", _metadata_fake, lib=_lib)
