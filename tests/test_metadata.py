@@ -93,8 +93,8 @@ def test_header_records_what_it_was_built_for():
 def _check_plan(q_lens, kv_lens, q_heads, kv_heads, causal, bs, df=8, budget_rules=True):
     """The plan's tiles: each visible row exactly once, 0 <= i0 < i1 <= Qb, and
     (with ``budget_rules``) each tile within the budget rules documented in
-    metadata.py (rows <= TILE_ROWS_MAX; scores of all query heads against at
-    most key_chunk key blocks <= TILE_ELEMENTS; float32 query rows <=
+    metadata.py (rows <= TILE_ROWS_MAX; scores of all query heads against the
+    key blocks the last row sees <= TILE_ELEMENTS; float32 query rows <=
     OPERAND_BYTES; a single-row tile is always allowed)."""
     meta = METADATA(i32(q_lens), i32(kv_lens), q_heads, kv_heads, causal=causal,
                     stem_block_size=bs, dim_qkflat=df, window_size=2)
@@ -111,7 +111,7 @@ def _check_plan(q_lens, kv_lens, q_heads, kv_heads, causal, bs, df=8, budget_rul
         rows = i1 - i0
         if budget_rules:
             assert rows <= md.TILE_ROWS_MAX
-            assert rows == 1 or rows * q_heads * min(kend, chunk) <= md.TILE_ELEMENTS
+            assert rows == 1 or rows * q_heads * kend <= md.TILE_ELEMENTS
             assert rows == 1 or 4 * rows * q_heads * df <= md.OPERAND_BYTES
         for i in range(i0, i1):
             assert (b, i) not in seen, f"row {(b, i)} in two tiles"
@@ -270,25 +270,50 @@ def test_long_kv_scores_in_key_chunks_and_matches_reference(bmm_shapes):
     assert int(got[1].min()) == 8 + 256  # sink 4 + window 4 + K 256
 
 
+@pytest.fixture
+def workspace_sizes(monkeypatch):
+    """Record (name, elements) of every scratch buffer ops/cpu.py takes."""
+    from stem_indexer.ops import cpu
+
+    sizes = []
+    real = cpu._Workspace.take
+
+    def spy(self, name, shape, dtype):
+        sizes.append((name, math.prod(shape)))
+        return real(self, name, shape, dtype)
+
+    monkeypatch.setattr(cpu._Workspace, "take", spy)
+    return sizes
+
+
 @pytest.mark.parametrize("q_tokens, kv_tokens, bs, nq", [
-    pytest.param(40 * 16, 1 << 20, 16, 1, id="kv-1M-tokens-40-query-blocks"),
-    pytest.param(2048 * 128, 2048 * 128, 128, 1, id="causal-256K-tokens-2048-blocks"),
+    pytest.param(300 * 16, 1 << 20, 16, 1, id="kv-1M-tokens-300-query-blocks"),
+    pytest.param(8192 * 16, 8192 * 16, 16, 1, id="causal-128K-tokens-8192-blocks"),
 ])
-def test_score_temporaries_bounded_by_tile_budget(bmm_shapes, q_tokens, kv_tokens, bs, nq):
+def test_score_temporaries_bounded_by_tile_budget(bmm_shapes, workspace_sizes, q_tokens,
+                                                   kv_tokens, bs, nq):
     """The full score matrix (rows x key blocks, > TILE_ELEMENTS here) is never
-    materialised: every score tile is at most TILE_ELEMENTS elements (all query
-    heads) and at most key_chunk key blocks wide."""
+    materialised: the score buffer holds at most TILE_ELEMENTS elements (all
+    query heads), each matmul is at most GEMM_KEYS_MAX key blocks wide, and the
+    float32 key copy is at most one key chunk (or the small per-batch cache)."""
+    from stem_indexer.ops import cpu
+
     inp = _integer_case(nq, 1, q_tokens, kv_tokens, bs, seed=1)
     qb, kb = inp.qflat.shape[2], inp.kflat.shape[2]
     assert qb * kb > md.TILE_ELEMENTS  # a monolithic score matrix would not fit
     idx, seq = run_op(inp, stem_block_size=bs, stem_stride=bs)
-    assert bmm_shapes
-    assert max(math.prod(s) for s in bmm_shapes) <= md.TILE_ELEMENTS
-    assert max(s[-1] for s in bmm_shapes) <= md.key_chunk(1, 1)
+    assert bmm_shapes and workspace_sizes
+    sizes = dict()
+    for name, n in workspace_sizes:
+        sizes[name] = max(n, sizes.get(name, 0))
+    assert sizes["scores"] <= md.TILE_ELEMENTS
+    assert sizes["survivors"] <= md.TILE_ELEMENTS
+    assert 4 * max(sizes.get("keys", 0), sizes.get("key_cache", 0)) <= cpu.KEY_CACHE_BYTES
+    assert max(s[-1] for s in bmm_shapes) <= cpu.GEMM_KEYS_MAX
     # seq_len (SPEC section 4): sink 4 + window 4 forced when s2 >= 8, all of
     # the row when s2 < 8; alpha = 1 so K = Ks (P = Kb): L = min(s2, 8 + K).
     k = reference_budget(kb, kb - 1)
-    assert k == {65536: 256, 2048: 234}[kb]  # 2048: floor(204.8) + 30
+    assert k == 256  # capped: floor(0.1 * Kb) + 30 > 256
     s2 = torch.clamp(torch.arange(qb) + kb - qb + 1, 0, kb)
     assert torch.equal(seq[0, 0], torch.minimum(s2, torch.tensor(8 + k)).to(torch.int32))
 

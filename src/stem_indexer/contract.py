@@ -233,14 +233,20 @@ def rank_keys(scores: torch.Tensor, first_block: int, precision: int) -> torch.T
     Keys are unique per row, so any top-k, stable or not, picks exactly the
     contract's set.
     """
+    blocks = torch.arange(first_block, first_block + scores.shape[-1], device=scores.device)
+    return rank_keys_at(scores, blocks, precision)
+
+
+def rank_keys_at(scores: torch.Tensor, blocks: torch.Tensor, precision: int) -> torch.Tensor:
+    """``rank_keys`` for scores of arbitrary key blocks: ``blocks`` (int64,
+    broadcasting with ``scores``) names the block of each score."""
     s = scores.float()
     if precision == 2:
         s = s.to(torch.bfloat16).float()
     s = torch.nan_to_num(s + 0.0, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
     bits = s.view(torch.int32)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # float order as signed int order
-    block = torch.arange(first_block, first_block + s.shape[-1], device=s.device)
-    return (ordered.to(torch.int64) << 32) | (_LOW32 - block)
+    return (ordered.to(torch.int64) << 32) | (_LOW32 - blocks)
 
 
 def block_of_key(keys: torch.Tensor) -> torch.Tensor:

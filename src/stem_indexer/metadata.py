@@ -4,7 +4,7 @@ Size (section 6 of the contract, kept from the NPU operator)::
 
     M = AlignUp(16 + B * kv_heads * (36 + 72) * 16, 4096)   int32 elements
 
-Layout (version 1), all int32::
+Layout (version 2), all int32::
 
     [0, 16)                header (see ``Header``)
     [16, 16 + B)           q_seq_lens the plan was built for
@@ -14,8 +14,8 @@ Layout (version 1), all int32::
     rest                   zero
 
 A tile is a run of query blocks of one batch whose scores (for every query
-head, against at most ``key_chunk`` key blocks at a time) and float32 operand
-copies fit a fixed budget. Rows that see no key block at all get no tile.
+head, against every key block its last row sees) and float32 query copy fit
+a fixed budget. Rows that see no key block at all get no tile.
 When the metadata's fixed size cannot hold that many tiles (extreme shapes:
 tens of thousands of query blocks), tiles grow to fit and the backend runs
 each in budget-sized steps; the tiles then still partition the rows. The main op
@@ -41,12 +41,13 @@ ALIGN_SIZE = 4096
 
 MAGIC = 0x5354454D  # "STEM"
 INT32_MAX = 2**31 - 1
-VERSION = 1
+VERSION = 2
 TILE_FIELDS = 4
 
-# Work budget of one tile: score elements (query rows x key blocks, all query
-# heads). The CPU path keeps its temporaries proportional to this.
-TILE_ELEMENTS = 1 << 20
+# Work budget of one tile: score elements (query rows x the key blocks its
+# last row sees, all query heads). The CPU path keeps one float32 score
+# buffer of this size and temporaries that are fractions of it.
+TILE_ELEMENTS = 1 << 24
 # At most this many query blocks per tile, so that the causal triangle a tile
 # spans beyond its first row's visible range stays small.
 TILE_ROWS_MAX = 64
@@ -128,7 +129,7 @@ def _plan(q_lens: torch.Tensor, kv_lens: torch.Tensor, q_heads: int, kv_heads: i
     # First query block that sees any key block (all of them when not causal).
     first = (qb - kb).clamp(min=0) if causal else torch.zeros_like(qb)
     rows = torch.where(live, qb - first, 0)
-    width = kb.clamp(min=1, max=key_chunk(kv_heads, dim_qkflat))
+    width = kb.clamp(min=1)
     per_tile = tile_rows(q_heads, dim_qkflat, width)
     per_tile = torch.minimum(per_tile, rows.clamp(min=1))
     while int(ceil_div(rows, per_tile).sum()) > capacity:  # only for extreme shapes

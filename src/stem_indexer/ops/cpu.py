@@ -1,64 +1,66 @@
 """The fast path: vectorised, exact, memory-bounded; plain torch operations.
 
-Written for CPU tensors and device-agnostic, so it also serves CUDA tensors
-until a dedicated GPU path exists.
+Written for CPU tensors and device-agnostic (CUDA tensors take the Triton
+path when it is available).
 
 How the rows of a tile of the metadata's work plan (one batch, query blocks
-[i0, i1), all heads; run in budget-sized steps) are processed:
+[i0, i1), all heads) are processed:
 
-1. per row, from ``contract``: visible range s2, sink end, candidate end and
-   the budget K; the candidates of every row form one contiguous range;
-2. scores only for key blocks inside the union of the rows' candidate
-   ranges (sink and window blocks need no score, blocks past the last row's
-   visible range are never touched), ``metadata.key_chunk`` key blocks at a time:
-   one batched float32 matmul over all KV heads, times 1/R^2, plus vbias;
-3. scores become distinct int64 ranking keys (``contract.rank_keys``), so an
-   ordinary top-k is exact and ties go to the lower block index; chunks are
-   merged by a second top-k over at most 2 x 256 keys;
-4. each row is written as sink ++ sorted(top-k) ++ window, which is already
-   ascending and duplicate-free because the candidates lie between the two.
+1. Per row, from ``contract``: visible range s2, sink end, candidate end and
+   the budget K. The candidates of every row form one contiguous range, so a
+   row is sink ++ sorted(picks) ++ window, already ascending. A row whose
+   budget covers all its candidates takes them all and needs no score.
+2. Scores of the other rows, float32, for the union [lo, hi) of their
+   candidate ranges (``_scores``): batched SGEMMs over all KV heads, then
+   ``* 1/R^2`` and ``+ vbias`` written into the tile's score buffer. Query
+   blocks are the outer row index, so the rows that can pick a key block
+   form a suffix and a causal tile computes little more than its triangle
+   (``gemm_blocks``). bf16 operands are upcast into float32 buffers: keys
+   once per batch when small (``KEY_CACHE_BYTES``), else one
+   ``metadata.key_chunk`` at a time.
+3. Exact top-k without ranking every score (``_top_blocks``): a lower bound
+   of each row's K-th best score from group maxima, the few scores at or
+   above it (the survivors) packed per row in ascending block order,
+   distinct int64 ranking keys (``contract.rank_keys_at``: ties go to the
+   lower block) for the survivors only, and the K-th best key as an exact
+   threshold. The picks come out in ascending order: no sort.
+4. Rows are written straight into the output, runs of rows with the same
+   layout at once.
 
-Temporaries are bounded by the tile budget (``metadata.TILE_ELEMENTS`` score
-elements of a few bytes each, plus float32 copies of the tile's query rows and
-of one key chunk, ``metadata.OPERAND_BYTES`` each), whatever the sequence
-length.
+The score buffer holds at most ``metadata.TILE_ELEMENTS`` float32 values (a
+tile's rows x the key blocks its last row sees, all query heads; plans
+squeezed into the fixed metadata size run in steps of that size); the other
+temporaries are fractions of it or bounded by ``metadata.OPERAND_BYTES``.
+The large buffers live in a per-call ``_Workspace`` reused by every tile:
+first touches of fresh memory (page faults) would otherwise cost as much as
+the arithmetic done in it.
 """
 
 from __future__ import annotations
+
+import bisect
+import math
 
 import torch
 
 from .. import contract
 from ..contract import IndexerParams, ceil_div
-from ..metadata import key_chunk, tile_rows
+from ..metadata import OPERAND_BYTES, key_chunk, tile_rows
 
-
-def _tile_top_keys(q, kflat_b, vbias_b, lo, hi, sink_end, cand_end, take, scale, precision):
-    """Top ``take`` ranking keys per row among candidates in [lo, hi).
-
-    q: (Nk, G*c, Df) bf16; kflat_b: (Nk, Kmax, Df); vbias_b: (Nk, Kmax);
-    sink_end, cand_end: (c,) candidate range per query block.
-    Returns (Nk, G, c, take) int64 keys, descending.
-    """
-    nk, _, df = q.shape
-    c = sink_end.shape[0]
-    qf = q.float()
-    chunk = key_chunk(nk, df)
-    best = None
-    for j0 in range(lo, hi, chunk):
-        j1 = min(j0 + chunk, hi)
-        k = kflat_b[:, j0:j1].float()
-        scores = torch.bmm(qf, k.transpose(1, 2)) * scale + vbias_b[:, None, j0:j1]
-        keys = contract.rank_keys(scores.view(nk, -1, c, j1 - j0), j0, precision)
-        cols = torch.arange(j0, j1, device=q.device)
-        is_candidate = (cols >= sink_end[:, None]) & (cols < cand_end[:, None])
-        keys = keys.masked_fill(~is_candidate, contract.NO_CANDIDATE)
-        top = keys.topk(min(take, j1 - j0), dim=-1).values
-        if best is not None:
-            top = torch.cat([best, top], dim=-1)
-            top = top.topk(min(take, top.shape[-1]), dim=-1).values
-        best = top
-    return best
+# Key blocks per matmul: up to GEMM_KEYS_MAX where every row of the matmul
+# can pick them all; along a causal diagonal, steps of GEMM_KEYS_MIN (a row
+# then computes fewer than GEMM_KEYS_MIN scores it cannot pick). Narrower
+# matmuls run markedly below the SGEMM peak.
+GEMM_KEYS_MAX = 512
+GEMM_KEYS_MIN = 64
+# A batch's keys are upcast to float32 once (and reused by all its tiles)
+# when the copy is at most this large; otherwise one key chunk at a time.
+KEY_CACHE_BYTES = 2 * OPERAND_BYTES
+# Group maxima per row, as a multiple of the budget: more groups give a
+# tighter lower bound (fewer survivors) for a larger top-k over the maxima.
+GROUPS_PER_PICK = 2
+# Rows at least this many times wider than the budget are grouped.
+GROUPING_MIN_WIDTH = 8
 
 
 def stem_indexer_forward(
@@ -79,60 +81,248 @@ def stem_indexer_forward(
     p_all = ceil_div(prompt_lens.to(torch.int64), bs)
     ks_all = contract.prompt_budget(p_all, params)
     scale = contract.score_scale(params)
+    ws = _Workspace(device)
+    blocks = torch.arange(kmax, dtype=torch.int32, device=device)
 
+    keys_b, cached_for = None, None
     for b, i0, i1, _ in tiles.tolist():
         qb, kb = qb_all[b], kb_all[b]
+        if cached_for != b:
+            keys_b, cached_for = _batch_keys(kflat[b], kb, ws), b
         # A plan squeezed into the fixed-size metadata may hold tiles of more
         # rows than the budget allows; such tiles run in budget-sized steps.
-        step = tile_rows(nq, df, min(kb, key_chunk(nk, df)))
+        step = tile_rows(nq, df, kb)
         for r0 in range(i0, i1, step):
             r1 = min(r0 + step, i1)
             rows = torch.arange(r0, r1)
             s2 = contract.visible_blocks(rows, qb, kb, params.causal)
             budget = contract.row_budget(rows + (kb - qb), p_all[b], ks_all[b], params.alpha)
-            out, length = _select_rows(qflat[b, :, r0:r1], kflat[b], vbias[b], s2, budget,
-                                       scale, params)
-            if out is not None:
-                indices[b, :, r0:r1, :out.shape[-1]] = out
-                seq_len[b, :, r0:r1] = length
+            length = _select_rows(qflat[b, :, r0:r1], keys_b, vbias[b], s2, budget, scale,
+                                  params, ws, indices[b, :, r0:r1], blocks)
+            seq_len[b, :, r0:r1] = length.to(device)
     return indices, seq_len
 
 
-def _select_rows(q, kflat_b, vbias_b, s2, budget, scale, params):
-    """Selections of consecutive query blocks of one batch, all heads.
+class _Workspace:
+    """Scratch buffers of one call, reused (and grown when needed) by name."""
 
-    q: (Nq, c, Df); s2, budget: (c,) host int64. Returns the rows' leading
-    ``width`` output columns (Nq, c, width) int32 and their lengths (c,)
-    int32, or ``(None, None)`` when every row is empty.
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        size = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < size:
+            buf = self._buffers[name] = torch.empty(size, dtype=dtype, device=self.device)
+        return buf[:size].view(shape)
+
+
+def _batch_keys(kflat_b: torch.Tensor, kb: int, ws: _Workspace) -> torch.Tensor:
+    """The batch's key blocks: a float32 copy when small, else the input."""
+    nk, _, df = kflat_b.shape
+    if 4 * nk * kb * df > KEY_CACHE_BYTES:
+        return kflat_b
+    return ws.take("key_cache", (nk, kb, df), torch.float32).copy_(kflat_b[:, :kb])
+
+
+def _select_rows(q, keys_b, vbias_b, s2, budget, scale, params, ws, out, blocks):
+    """Select for consecutive query blocks of one batch, all heads, into ``out``.
+
+    q: (Nq, c, Df); s2, budget: (c,) host int64; out: (Nq, c, Kmax) int32
+    view of the output, prefilled with -1; blocks: arange(Kmax) int32.
+    Returns the rows' lengths (c,) int32 (host).
+    """
+    c = q.shape[1]
+    sink_end, cand_end = contract.candidate_range(s2, params.initial_blocks, params.window_size)
+    n_cand = cand_end - sink_end
+    take = torch.minimum(budget, n_cand)  # picks per row
+    length = s2 - n_cand + take  # forced + picks
+    # Rows whose budget is smaller than their candidate range must rank; with
+    # s2 non-decreasing along the tile they are a suffix [first, c).
+    ranking = (take < n_cand).nonzero()
+    first = int(ranking[0]) if ranking.numel() else c
+    ranked = None
+    if first < c and int(take[first:].max()) > 0:
+        ranked = _top_blocks(q[:, first:], keys_b, vbias_b, sink_end[first:], cand_end[first:],
+                             take[first:], scale, params.topk_score_precision, ws)
+
+    # Consecutive rows with the same layout (sink, picks, window lengths) are
+    # written together: sink ++ picks ++ window, the rest stays -1.
+    ar = torch.arange(int(s2.max()) if c else 0, dtype=torch.int32, device=out.device)
+    if first:  # rows taking every visible block: [0, s2)
+        whole = int(s2[first - 1])
+        s2_d = s2[:first].to(device=out.device, dtype=torch.int32)
+        out[:, :first, :whole] = torch.where(ar[:whole] < s2_d[:, None], ar[:whole], -1)
+    # Ranked rows: runs with the same layout (sink, picks and window lengths)
+    # are written together as sink ++ picks ++ window.
+    layout = torch.stack([sink_end, take, s2 - cand_end], 1)[first:].tolist()
+    a = first
+    while a < c:
+        sink_i, take_i, win_i = layout[a - first]
+        b = a + 1
+        while b < c and layout[b - first] == layout[a - first]:
+            b += 1
+        out[:, a:b, :sink_i] = ar[:sink_i]
+        if take_i:
+            out[:, a:b, sink_i:sink_i + take_i] = ranked[:, a - first:b - first, :take_i]
+        window_start = cand_end[a:b].to(device=out.device, dtype=torch.int32)
+        out[:, a:b, sink_i + take_i:sink_i + take_i + win_i] = window_start[:, None] + ar[:win_i]
+        a = b
+    return length.to(torch.int32)
+
+
+def _scores(q, keys_b, vbias_b, lo, hi, cand_end, scale, width, ws):
+    """Float32 scores (Nk, c, G, width) of key blocks [lo, hi), padding after.
+
+    Row (n, i, g) is query head n*G + g, query block i. Entries outside a row's
+    candidate range may be left unset: the caller masks them.
+    """
+    nq, c, df = q.shape
+    nk = keys_b.shape[0]
+    group = nq // nk
+    qf = ws.take("queries", (nk, c, group, df), torch.float32)
+    qf.copy_(q.view(nk, group, c, df).transpose(1, 2))  # upcast and reorder in one pass
+    scores = ws.take("scores", (nk, c, group, width), torch.float32)
+    cached = keys_b.dtype == torch.float32
+    chunk = hi - lo if cached else key_chunk(nk, df)
+    kc, held = None, None
+    for u0, u1, j0, j1, r in gemm_blocks(cand_end.tolist(), lo, hi, chunk):
+        if cached:
+            kc, held = keys_b, 0
+        elif held != u0:
+            kc = ws.take("keys", (nk, u1 - u0, df), torch.float32).copy_(keys_b[:, u0:u1])
+            held = u0
+        rows = qf[:, r:].reshape(nk, (c - r) * group, df)
+        prod = ws.take("product", (nk, (c - r) * group, j1 - j0), torch.float32)
+        torch.bmm(rows, kc[:, j0 - held:j1 - held].transpose(1, 2), out=prod)
+        prod.mul_(scale)  # then + vbias: the contract's two roundings
+        torch.add(prod.view(nk, c - r, group, j1 - j0), vbias_b[:, None, None, j0:j1],
+                  out=scores[:, r:, :, j0 - lo:j1 - lo])
+    return scores
+
+
+def gemm_blocks(cand_ends: list[int], lo: int, hi: int, chunk: int):
+    """The matmuls of a tile's scores, as ``(u0, u1, j0, j1, r)``.
+
+    Key blocks [u0, u1) are one float32 key chunk; within it, key blocks
+    [j0, j1) are multiplied with query blocks [r, c), the rows that can pick
+    block j0 (``cand_ends``, one per query block, is non-decreasing). Keys
+    that all those rows can pick go in matmuls up to ``GEMM_KEYS_MAX`` wide;
+    along a causal diagonal the steps are ``GEMM_KEYS_MIN`` wide.
+    """
+    c = len(cand_ends)
+    for u0 in range(lo, hi, chunk):
+        u1 = min(u0 + chunk, hi)
+        j0 = u0
+        while j0 < u1:
+            r = bisect.bisect_right(cand_ends, j0)  # first row that can pick block j0
+            if r >= c:
+                return
+            j1 = min(u1, j0 + GEMM_KEYS_MAX, max(cand_ends[r], j0 + GEMM_KEYS_MIN))
+            yield u0, u1, j0, j1, r
+            j0 = j1
+
+
+def _top_blocks(q, keys_b, vbias_b, sink_end, cand_end, take, scale, precision, ws):
+    """The ``take`` best candidates of each row, ascending block indices.
+
+    q: (Nq, c, Df); sink_end, cand_end, take: (c,) host int64 per query block.
+    Returns (Nq, c, max(take)) int32; entries past a row's ``take`` are junk.
     """
     device = q.device
-    nq, c, df = q.shape
-    nk, kmax = kflat_b.shape[0], kflat_b.shape[1]
-    sink_end, cand_end = contract.candidate_range(s2, params.initial_blocks, params.window_size)
-    take = torch.minimum(budget, cand_end - sink_end)  # picks per row
-    length = s2 - (cand_end - sink_end) + take  # forced + picks
-    width = int(length.max())
-    if width == 0:
-        return None, None
+    nq, c, _ = q.shape
+    nk = keys_b.shape[0]
+    group = nq // nk
+    lo, hi = int(sink_end.min()), int(cand_end.max())
     take_max = int(take.max())
-    if take_max > 0:  # score only the key blocks some row can pick
-        picking = take > 0
-        lo, hi = int(sink_end[picking].min()), int(cand_end[picking].max())
-    sink_end, cand_end, take, length = (t.to(device) for t in (sink_end, cand_end, take, length))
+    # Groups of g strided columns; at least GROUPS_PER_PICK * take_max groups.
+    # Rows only a few times wider than the budget rank directly (g = 1).
+    g = 1
+    if hi - lo >= GROUPING_MIN_WIDTH * take_max:
+        g = (hi - lo) // (GROUPS_PER_PICK * take_max)
+    n_groups = ceil_div(hi - lo, g)
+    width = n_groups * g
+    sink_d, cand_d, take_d = (t.to(device) for t in (sink_end, cand_end, take))
 
-    pos = torch.arange(width, device=device)
-    # Forced part of each row: sink [0, sink_end), window from cand_end on.
-    after_picks = pos - sink_end[:, None] - take[:, None]
-    out = torch.where(pos < sink_end[:, None], pos, cand_end[:, None] + after_picks)
-    out = out.expand(nq, c, width)
-    if take_max > 0:
-        top = _tile_top_keys(q.reshape(nk, (nq // nk) * c, df), kflat_b, vbias_b, lo, hi,
-                             sink_end, cand_end, take_max, scale, params.topk_score_precision)
-        picks = contract.block_of_key(top).view(nq, c, take_max)
-        ranked_out = torch.arange(take_max, device=device) >= take[:, None]
-        picks = picks.masked_fill(ranked_out, kmax).sort(dim=-1).values
-        slot = (pos - sink_end[:, None]).clamp(0, take_max - 1).expand(nq, c, width)
-        is_pick = (pos >= sink_end[:, None]) & (after_picks < 0)
-        out = torch.where(is_pick, picks.gather(-1, slot), out)
-    out = torch.where(pos < length[:, None], out, -1)
-    return out.to(torch.int32), length.to(torch.int32)
+    scores = _scores(q, keys_b, vbias_b, lo, hi, cand_end, scale, width, ws)
+    if precision == 2:
+        scores.copy_(scores.to(torch.bfloat16))
+    # Non-candidates (sink, window, blocks a row cannot see, padding) and
+    # entries never computed rank below every candidate. Sinks are a few
+    # columns on the left; on the right only the columns past the first row's
+    # candidate end need a per-row mask.
+    sink_max, cand_min = int(sink_end.max()), int(cand_end.min())
+    if sink_max > lo:
+        cols = torch.arange(lo, sink_max, device=device)
+        scores[..., :sink_max - lo].masked_fill_(
+            (cols < sink_d[:, None])[None, :, None, :], -math.inf)
+    cols = torch.arange(cand_min, lo + width, device=device)
+    scores[..., cand_min - lo:].masked_fill_((cols >= cand_d[:, None])[None, :, None, :],
+                                             -math.inf)
+
+    # Lower bound: the take-th largest of the group maxima is a take-th
+    # largest of a subset of the row, so at most the row's take-th largest
+    # (exactly it when g == 1).
+    n_rows = nk * c * group
+    maxima = scores.view(n_rows, width)
+    if g > 1:
+        maxima = scores.view(nk, c, group, g, n_groups).amax(dim=3).view(n_rows, n_groups)
+    if bool(maxima.sum().isnan()):  # NaN ranks as -inf (sums and maxima propagate NaN)
+        torch.nan_to_num_(scores, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+        if g > 1:
+            maxima = scores.view(nk, c, group, g, n_groups).amax(dim=3).view(n_rows, n_groups)
+    row_take = take_d[None, :, None].expand(nk, c, group).reshape(n_rows)
+    bound = _kth_largest(maxima, take, row_take)
+    bound = bound.masked_fill((row_take == 0)[:, None], math.inf)
+
+    # Survivors (every score >= bound), packed per row in column order.
+    flat = scores.view(n_rows, width)
+    survives = ws.take("survivors", (n_rows, width), torch.bool)
+    torch.ge(flat, bound, out=survives)
+    row, col = survives.nonzero().unbind(1)
+    starts = row_take.cumsum(0) - row_take  # first pick slot of each row
+    if row.numel() == int(take.sum()) * nk * group:
+        # Each row has at least take survivors, so with this total exactly
+        # take: the survivors are the picks (always when g == 1 and no tie
+        # straddles the threshold).
+        if int(take.min()) == take_max:
+            return (col + lo).to(torch.int32).view(nk, c, group, take_max).transpose(
+                1, 2).reshape(nq, c, take_max)
+        picks = torch.zeros((n_rows, take_max), dtype=torch.int32, device=device)
+        picks[row, torch.arange(row.numel(), device=device) - starts[row]] = (
+            col + lo).to(torch.int32)
+    else:
+        # Exact threshold among the survivors: the take-th best ranking key
+        # (keys are distinct, so exactly take keys of the row are >= it).
+        counts = torch.bincount(row, minlength=n_rows)
+        slot = torch.arange(row.numel(), device=device) - (counts.cumsum(0) - counts)[row]
+        i = (row // group) % c  # query block of each survivor
+        block = col + lo
+        keys = contract.rank_keys_at(flat[row, col], block, 1)  # already rounded
+        keys = keys.masked_fill((block < sink_d[i]) | (block >= cand_d[i]),
+                                contract.NO_CANDIDATE)
+        packed = torch.full((n_rows, max(int(counts.max()), take_max)), contract.NO_CANDIDATE,
+                            dtype=torch.int64, device=device)
+        packed[row, slot] = keys
+        kth = _kth_largest(packed, take, row_take)
+        kth = kth.masked_fill((row_take == 0)[:, None], torch.iinfo(torch.int64).max)
+        prow, pslot = (packed >= kth).nonzero().unbind(1)
+        picks = torch.zeros((n_rows, take_max), dtype=torch.int32, device=device)
+        picks[prow, torch.arange(prow.numel(), device=device) - starts[prow]] = (
+            contract.block_of_key(packed[prow, pslot]).to(torch.int32))
+    # Survivors and picks are in column order: ascending block indices.
+    return picks.view(nk, c, group, take_max).transpose(1, 2).reshape(nq, c, take_max)
+
+
+def _kth_largest(x: torch.Tensor, take: torch.Tensor, row_take: torch.Tensor) -> torch.Tensor:
+    """(rows, 1): the ``row_take``-th largest entry of each row of ``x``.
+
+    ``take`` (host) holds the distinct per-query-block values; when they are
+    all equal an unsorted top-k and a minimum suffice (cheaper than sorting).
+    """
+    k = int(take.max())
+    if int(take.min()) == k:
+        return x.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    nth = (row_take - 1).clamp(min=0)[:, None]
+    return x.topk(k, dim=-1).values.gather(-1, nth)
