@@ -290,14 +290,23 @@ def workspace_sizes(monkeypatch):
     pytest.param(300 * 16, 1 << 20, 16, 1, id="kv-1M-tokens-300-query-blocks"),
     pytest.param(8192 * 16, 8192 * 16, 16, 1, id="causal-128K-tokens-8192-blocks"),
 ])
-def test_score_temporaries_bounded_by_tile_budget(bmm_shapes, workspace_sizes, q_tokens,
-                                                   kv_tokens, bs, nq):
+def test_score_temporaries_bounded_by_tile_budget(bmm_shapes, workspace_sizes, monkeypatch,
+                                                   q_tokens, kv_tokens, bs, nq):
     """The full score matrix (rows x key blocks, > TILE_ELEMENTS here) is never
     materialised: the score buffer holds at most TILE_ELEMENTS elements (all
     query heads), each matmul is at most GEMM_KEYS_MAX key blocks wide, and the
     float32 key copy is at most one key chunk (or the small per-batch cache)."""
     from stem_indexer.ops import cpu
 
+    slices = []
+    real_picks = cpu._survivor_picks
+
+    def spy(flat, *args):
+        slices.append(flat.shape)
+        return real_picks(flat, *args)
+
+    monkeypatch.setattr(cpu, "_survivor_picks", spy)
+    cpu.release_workspace()
     inp = _integer_case(nq, 1, q_tokens, kv_tokens, bs, seed=1)
     qb, kb = inp.qflat.shape[2], inp.kflat.shape[2]
     assert qb * kb > md.TILE_ELEMENTS  # a monolithic score matrix would not fit
@@ -307,7 +316,7 @@ def test_score_temporaries_bounded_by_tile_budget(bmm_shapes, workspace_sizes, q
     for name, n in workspace_sizes:
         sizes[name] = max(n, sizes.get(name, 0))
     assert sizes["scores"] <= md.TILE_ELEMENTS
-    assert sizes["survivors"] <= md.TILE_ELEMENTS
+    assert all(rows == 1 or rows * width <= cpu.SURVIVOR_ELEMENTS for rows, width in slices)
     assert 4 * max(sizes.get("keys", 0), sizes.get("key_cache", 0)) <= cpu.KEY_CACHE_BYTES
     assert max(s[-1] for s in bmm_shapes) <= cpu.GEMM_KEYS_MAX
     # seq_len (SPEC section 4): sink 4 + window 4 forced when s2 >= 8, all of
@@ -397,3 +406,27 @@ def test_future_key_blocks_never_influence_earlier_causal_rows(tiling, monkeypat
             assert {12, 13} & set(row), (i, row)
     ref = run_ref(bad, **params)
     assert_out_equal((idx, seq), ref, "poisoned future blocks vs reference")
+
+
+def test_kept_workspace_carries_nothing_between_calls():
+    """The CPU path keeps its scratch buffers for the thread's next call:
+    calls of other shapes in between (and NaN-poisoned buffers) change nothing."""
+    from stem_indexer.ops import cpu
+
+    gen = torch.Generator().manual_seed(11)
+    a = random_inputs(gen, batch=2, nq=4, nk=2, qmax=40, kmax=300, df=8, q_lens=[40 * 16, 7],
+                      kv_lens=[300 * 16, 290 * 16], integer=True)
+    b = random_inputs(gen, batch=1, nq=8, nk=1, qmax=90, kmax=90, df=16, q_lens=[90 * 16],
+                      kv_lens=[90 * 16], integer=True)
+    params = dict(stem_block_size=16, stem_stride=16)
+    first = run_op(a, **params)
+    assert cpu._kept.workspace is not None
+    assert cpu._kept.workspace.nbytes() <= cpu.WORKSPACE_KEEP_BYTES
+    for buf in cpu._kept.workspace._buffers.values():  # poison what the next call reuses
+        buf.fill_(float("nan") if buf.is_floating_point() else True if buf.dtype == torch.bool
+                  else -7)
+    assert_out_equal(run_op(b, **params), run_ref(b, **params), "after another shape")
+    assert_out_equal(run_op(a, **params), first, "again")
+    assert_out_equal(first, run_ref(a, **params), "reference")
+    cpu.release_workspace()
+    assert cpu._kept.workspace is None

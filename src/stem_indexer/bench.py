@@ -373,14 +373,6 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    # A fixed mmap threshold: large temporaries go back to the system when
-    # freed, so the resident-set peak of a call is that call's own.
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    return env
-
-
 def run(names: list[str], *, threads: int | None = None, out: Path | None = None,
         command_line: str = "", echo=print) -> list[dict]:
     """Measure ``names`` (each in a subprocess); optionally append to ``out``."""
@@ -389,7 +381,7 @@ def run(names: list[str], *, threads: int | None = None, out: Path | None = None
         cmd = [sys.executable, "-m", "stem_indexer.bench", "--child", name]
         if threads:
             cmd += ["--threads", str(threads)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env())
+        proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"benchmark {name} failed:\n{proc.stdout}\n{proc.stderr}")
         row = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -31,15 +31,17 @@ The score buffer holds at most ``metadata.TILE_ELEMENTS`` float32 values (a
 tile's rows x the key blocks its last row sees, all query heads; plans
 squeezed into the fixed metadata size run in steps of that size); the other
 temporaries are fractions of it or bounded by ``metadata.OPERAND_BYTES``.
-The large buffers live in a per-call ``_Workspace`` reused by every tile:
-first touches of fresh memory (page faults) would otherwise cost as much as
-the arithmetic done in it.
+The large buffers live in a ``_Workspace`` reused by every tile, and kept
+for the thread's next call (up to ``WORKSPACE_KEEP_BYTES``; see
+``release_workspace``): first touches of fresh memory (page faults) would
+otherwise cost as much as the arithmetic done in them.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+import threading
 
 import torch
 
@@ -61,6 +63,8 @@ KEY_CACHE_BYTES = 2 * OPERAND_BYTES
 GROUPS_PER_PICK = 2
 # Rows at least this many times wider than the budget are grouped.
 GROUPING_MIN_WIDTH = 8
+# Score elements per slice of the survivor stage (bounds its temporaries).
+SURVIVOR_ELEMENTS = 1 << 22
 
 
 def stem_indexer_forward(
@@ -81,7 +85,7 @@ def stem_indexer_forward(
     p_all = ceil_div(prompt_lens.to(torch.int64), bs)
     ks_all = contract.prompt_budget(p_all, params)
     scale = contract.score_scale(params)
-    ws = _Workspace(device)
+    ws = _workspace(device)
     blocks = torch.arange(kmax, dtype=torch.int32, device=device)
 
     keys_b, cached_for = None, None
@@ -100,11 +104,12 @@ def stem_indexer_forward(
             length = _select_rows(qflat[b, :, r0:r1], keys_b, vbias[b], s2, budget, scale,
                                   params, ws, indices[b, :, r0:r1], blocks)
             seq_len[b, :, r0:r1] = length.to(device)
+    _keep(ws)
     return indices, seq_len
 
 
 class _Workspace:
-    """Scratch buffers of one call, reused (and grown when needed) by name."""
+    """Scratch buffers, reused (and grown when needed) by name."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -114,8 +119,37 @@ class _Workspace:
         size = math.prod(shape)
         buf = self._buffers.get(name)
         if buf is None or buf.dtype != dtype or buf.numel() < size:
+            self._buffers.pop(name, None)  # free the old one first
             buf = self._buffers[name] = torch.empty(size, dtype=dtype, device=self.device)
         return buf[:size].view(shape)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+# CPU calls keep their scratch buffers for the next call of the same thread
+# (a model calls the op once per layer), when they total at most this much;
+# ``release_workspace()`` frees them.
+WORKSPACE_KEEP_BYTES = 256 << 20
+_kept = threading.local()
+
+
+def _workspace(device: torch.device) -> _Workspace:
+    ws = getattr(_kept, "workspace", None)
+    if device.type != "cpu":
+        return _Workspace(device)
+    _kept.workspace = None  # a call that raises leaves nothing behind
+    return ws if ws is not None else _Workspace(device)
+
+
+def _keep(ws: _Workspace) -> None:
+    if ws.device.type == "cpu" and ws.nbytes() <= WORKSPACE_KEEP_BYTES:
+        _kept.workspace = ws
+
+
+def release_workspace() -> None:
+    """Free the scratch buffers the CPU path keeps for this thread's next call."""
+    _kept.workspace = None
 
 
 def _batch_keys(kflat_b: torch.Tensor, kb: int, ws: _Workspace) -> torch.Tensor:
@@ -272,57 +306,71 @@ def _top_blocks(q, keys_b, vbias_b, sink_end, cand_end, take, scale, precision, 
         torch.nan_to_num_(scores, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
         if g > 1:
             maxima = scores.view(nk, c, group, g, n_groups).amax(dim=3).view(n_rows, n_groups)
-    row_take = take_d[None, :, None].expand(nk, c, group).reshape(n_rows)
-    bound = _kth_largest(maxima, take, row_take)
+
+    def per_row(t):  # (c,) per query block -> (n_rows,)
+        return t[None, :, None].expand(nk, c, group).reshape(n_rows)
+
+    row_take = per_row(take_d)
+    uniform = int(take.min()) == take_max
+    bound = _kth_largest(maxima, row_take, take_max, uniform)
     bound = bound.masked_fill((row_take == 0)[:, None], math.inf)
 
-    # Survivors (every score >= bound), packed per row in column order.
+    # The rest runs in slices of rows, so that its temporaries stay small.
     flat = scores.view(n_rows, width)
-    survives = ws.take("survivors", (n_rows, width), torch.bool)
-    torch.ge(flat, bound, out=survives)
-    row, col = survives.nonzero().unbind(1)
-    starts = row_take.cumsum(0) - row_take  # first pick slot of each row
-    if row.numel() == int(take.sum()) * nk * group:
-        # Each row has at least take survivors, so with this total exactly
-        # take: the survivors are the picks (always when g == 1 and no tie
-        # straddles the threshold).
-        if int(take.min()) == take_max:
-            return (col + lo).to(torch.int32).view(nk, c, group, take_max).transpose(
-                1, 2).reshape(nq, c, take_max)
-        picks = torch.zeros((n_rows, take_max), dtype=torch.int32, device=device)
-        picks[row, torch.arange(row.numel(), device=device) - starts[row]] = (
-            col + lo).to(torch.int32)
-    else:
-        # Exact threshold among the survivors: the take-th best ranking key
-        # (keys are distinct, so exactly take keys of the row are >= it).
-        counts = torch.bincount(row, minlength=n_rows)
-        slot = torch.arange(row.numel(), device=device) - (counts.cumsum(0) - counts)[row]
-        i = (row // group) % c  # query block of each survivor
-        block = col + lo
-        keys = contract.rank_keys_at(flat[row, col], block, 1)  # already rounded
-        keys = keys.masked_fill((block < sink_d[i]) | (block >= cand_d[i]),
-                                contract.NO_CANDIDATE)
-        packed = torch.full((n_rows, max(int(counts.max()), take_max)), contract.NO_CANDIDATE,
-                            dtype=torch.int64, device=device)
-        packed[row, slot] = keys
-        kth = _kth_largest(packed, take, row_take)
-        kth = kth.masked_fill((row_take == 0)[:, None], torch.iinfo(torch.int64).max)
-        prow, pslot = (packed >= kth).nonzero().unbind(1)
-        picks = torch.zeros((n_rows, take_max), dtype=torch.int32, device=device)
-        picks[prow, torch.arange(prow.numel(), device=device) - starts[prow]] = (
-            contract.block_of_key(packed[prow, pslot]).to(torch.int32))
+    row_sink, row_cand = per_row(sink_d), per_row(cand_d)
+    picks = torch.empty((n_rows, take_max), dtype=torch.int32, device=device)
+    step = max(1, SURVIVOR_ELEMENTS // width)
+    for r0 in range(0, n_rows, step):
+        r1 = min(r0 + step, n_rows)
+        picks[r0:r1] = _survivor_picks(flat[r0:r1], bound[r0:r1], row_take[r0:r1],
+                                       row_sink[r0:r1], row_cand[r0:r1], lo, take_max, uniform)
     # Survivors and picks are in column order: ascending block indices.
     return picks.view(nk, c, group, take_max).transpose(1, 2).reshape(nq, c, take_max)
 
 
-def _kth_largest(x: torch.Tensor, take: torch.Tensor, row_take: torch.Tensor) -> torch.Tensor:
+def _survivor_picks(flat, bound, row_take, row_sink, row_cand, lo, take_max, uniform):
+    """Picks (rows, take_max) int32 of score rows ``flat`` (first column = key
+    block ``lo``) from their survivors, the scores >= ``bound``."""
+    device = flat.device
+    n_rows, width = flat.shape
+    row, col = (flat >= bound).nonzero().unbind(1)  # row-major: ascending columns
+    starts = row_take.cumsum(0) - row_take  # first pick slot of each row
+    block = col + lo
+    if row.numel() == int(row_take.sum()):
+        # Each row has at least take survivors, so with this total exactly
+        # take: the survivors are the picks (always when g == 1 and no tie
+        # straddles the threshold).
+        if uniform:
+            return block.to(torch.int32).view(n_rows, take_max)
+        picks = torch.zeros((n_rows, take_max), dtype=torch.int32, device=device)
+        picks[row, torch.arange(row.numel(), device=device) - starts[row]] = block.to(
+            torch.int32)
+        return picks
+    # Exact threshold among the survivors: the take-th best ranking key (keys
+    # are distinct, so exactly take keys of a row are >= it).
+    counts = torch.bincount(row, minlength=n_rows)
+    slot = torch.arange(row.numel(), device=device) - (counts.cumsum(0) - counts)[row]
+    keys = contract.rank_keys_at(flat.view(-1)[row * width + col], block, 1)  # rounded already
+    keys.masked_fill_((block < row_sink[row]) | (block >= row_cand[row]), contract.NO_CANDIDATE)
+    packed = torch.full((n_rows, max(int(counts.max()), take_max)), contract.NO_CANDIDATE,
+                        dtype=torch.int64, device=device)
+    packed[row, slot] = keys
+    kth = _kth_largest(packed, row_take, take_max, uniform)
+    kth = kth.masked_fill((row_take == 0)[:, None], torch.iinfo(torch.int64).max)
+    prow, pslot = (packed >= kth).nonzero().unbind(1)
+    picks = torch.zeros((n_rows, take_max), dtype=torch.int32, device=device)
+    picks[prow, torch.arange(prow.numel(), device=device) - starts[prow]] = (
+        contract.block_of_key(packed[prow, pslot]).to(torch.int32))
+    return picks
+
+
+def _kth_largest(x: torch.Tensor, row_take: torch.Tensor, k: int, uniform: bool) -> torch.Tensor:
     """(rows, 1): the ``row_take``-th largest entry of each row of ``x``.
 
-    ``take`` (host) holds the distinct per-query-block values; when they are
-    all equal an unsorted top-k and a minimum suffice (cheaper than sorting).
+    When every row takes the same ``k`` (``uniform``), an unsorted top-k and
+    a minimum suffice (cheaper than sorting).
     """
-    k = int(take.max())
-    if int(take.min()) == k:
+    if uniform:
         return x.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
     nth = (row_take - 1).clamp(min=0)[:, None]
     return x.topk(k, dim=-1).values.gather(-1, nth)
