@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch as _torch
 
 from .api import stem_indexer, stem_indexer_metadata
+from .attention import block_sparse_attention, stem_attention
 from .contract import IndexerParams, StemIndexerInputError
+from .prepare import StemInputs, stem_inputs
 from .reference import stem_indexer_reference
 
 __version__ = "0.1.0"
@@ -20,6 +22,10 @@ __all__ = [
     "stem_indexer",
     "stem_indexer_metadata",
     "stem_indexer_reference",
+    "stem_inputs",
+    "StemInputs",
+    "block_sparse_attention",
+    "stem_attention",
     "IndexerParams",
     "StemIndexerInputError",
     "npu_stem_indexer",

@@ -1,8 +1,11 @@
-"""``stem-indexer``: demo, verify and cases.
+"""``stem-indexer``: demo, verify, cases, bench, eval and plot.
 
     stem-indexer demo      the article's example on CPU, summarised
     stem-indexer verify    the case table against the reference; writes result.csv
     stem-indexer cases     list the case table
+    stem-indexer bench     CPU speed: the op against its score GEMM and a plain baseline
+    stem-indexer eval      selection quality against dense attention (markdown table)
+    stem-indexer plot      a PNG of one head's selected block map
 """
 
 from __future__ import annotations
@@ -101,6 +104,45 @@ def _cases(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from . import evaluate
+
+    start = time.perf_counter()
+    try:
+        workloads, rows = evaluate.run(seq_len=args.seq_len, block_size=args.block_size,
+                                       stride=args.stride, seed=args.seed,
+                                       llama=not args.no_llama)
+    except (ImportError, ValueError) as exc:
+        print(f"stem-indexer eval: error: {exc}", file=sys.stderr)
+        return 2
+    seconds = time.perf_counter() - start
+    print(f"\n({seconds:.1f} s on {torch.get_num_threads()} CPU threads)")
+    if args.record:
+        command = "stem-indexer " + " ".join(args.argv)
+        evaluate.record_markdown(rows, workloads, args.record, command, seconds)
+        print(f"recorded in {args.record}")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from . import plot
+
+    try:
+        counts = plot.plot_example(source=args.source, q_blocks=args.q_blocks,
+                                   kv_blocks=args.kv_blocks, block_size=args.block_size,
+                                   stride=args.stride, alpha=args.alpha, budget=args.budget,
+                                   batch=args.batch, head=args.head, seed=args.seed,
+                                   path=args.out)
+    except (ImportError, ValueError) as exc:
+        print(f"stem-indexer plot: error: {exc}", file=sys.stderr)
+        return 2
+    kept = counts["sink"] + counts["window"] + counts["topk"]
+    print(f"wrote {args.out}: batch {args.batch}, head {args.head}, kept {kept} block pairs "
+          f"(sink {counts['sink']}, window {counts['window']}, top-k {counts['topk']}) "
+          f"of {kept + counts['skipped']} visible")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stem-indexer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -123,7 +165,44 @@ def main(argv: list[str] | None = None) -> int:
     listing = sub.add_parser("cases", help="list the case table")
     listing.set_defaults(func=_cases)
 
+    speed = sub.add_parser("bench", help="CPU speed against the score GEMM and a plain "
+                                         "baseline (shapes S1..S5)")
+    from . import bench
+
+    bench.add_arguments(speed)
+    speed.set_defaults(func=bench.command)
+
+    quality = sub.add_parser("eval", help="selection quality against dense attention")
+    quality.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+    quality.add_argument("--block-size", type=int, default=32,
+                         help="Stem block size (small, for small shapes)")
+    quality.add_argument("--stride", type=int, default=8, help="Stem stride")
+    quality.add_argument("--seed", type=int, default=0)
+    quality.add_argument("--no-llama", action="store_true",
+                         help="skip the tiny Llama workload (needs transformers)")
+    quality.add_argument("--record", metavar="PATH",
+                         help="also write the table, command, machine and git sha to PATH")
+    quality.set_defaults(func=_eval)
+
+    picture = sub.add_parser("plot", help="draw one head's selected block map to a PNG")
+    picture.add_argument("--source", choices=("random", "synthetic"), default="random",
+                         help="random block representations (the article's example) or "
+                              "Q/K/V with planted needles (the eval's synthetic workload)")
+    picture.add_argument("--q-blocks", type=int, default=16, help="query blocks")
+    picture.add_argument("--kv-blocks", type=int, default=64, help="key blocks")
+    picture.add_argument("--block-size", type=int, default=128)
+    picture.add_argument("--stride", type=int, default=16)
+    picture.add_argument("--alpha", type=float, default=1.0, help="TPD decay end (0, 1]")
+    picture.add_argument("--budget", choices=("default", "tight"), default="default",
+                         help="the operator's budget, or Ks = P/8 for small shapes")
+    picture.add_argument("--batch", type=int, default=0, help="batch to draw")
+    picture.add_argument("--head", type=int, default=0, help="query head to draw")
+    picture.add_argument("--seed", type=int, default=0)
+    picture.add_argument("--out", default="stem_block_map.png", help="PNG path")
+    picture.set_defaults(func=_plot)
+
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
     except BrokenPipeError:  # e.g. `stem-indexer cases | head`

@@ -1,0 +1,358 @@
+"""Stem attention as an ``attn_implementation`` of Hugging Face transformers.
+
+    import stem_indexer.integrations.transformers as stem_hf
+
+    stem_hf.register()                      # name "stem", stem_attention's defaults
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="stem")
+
+``register(name, **stem_kwargs)`` registers two functions under ``name``: an
+attention function (``transformers.AttentionInterface``) and a mask function
+(``transformers.masking_utils.AttentionMaskInterface``). Any model that calls
+its attention through the attention interface and builds its masks with
+``masking_utils`` (Llama, Mistral, Qwen2/3 and most current decoders) then runs
+Stem for prefill.
+
+What runs where
+---------------
+
+* **Prefill** (at least ``min_prefill_tokens`` query tokens, default one Stem
+  block): ``stem_attention`` on the valid tokens of every sequence.
+* **Decode** and other short queries: dense ``scaled_dot_product_attention``
+  through transformers' own ``sdpa_attention_forward``.
+* **Dense as well**, with the exact mask transformers would give SDPA, whenever
+  the mask is not "causal over each sequence's valid tokens": sliding-window
+  or chunked layers, packed sequences, custom ``or``/``and`` mask functions,
+  4-D masks passed by the caller, padding with holes, position biases, and
+  dropout during training (Stem has no dropout).
+
+Masks
+-----
+
+For a plain causal mask the mask function returns what FlashAttention's does:
+``None`` when every token is valid and queries and keys coincide, otherwise
+the boolean 2-D key-validity mask ``(batch, kv_length)``, queries aligned to
+the last ``q_length`` keys. The attention function reads each sequence's valid
+run from it. Any other mask is built by transformers' ``sdpa_mask`` and reaches
+the attention function as a 4-D mask, which always means dense attention.
+
+Padding
+-------
+
+Stem takes per-sequence lengths with the valid tokens at ``[0, len)``. Right
+padding is exactly that. With left padding (what ``generate()`` uses for
+batched prompts), or any padding that leaves one contiguous run of valid
+tokens per sequence, the queries, keys and values of each sequence are rotated
+so that its valid run starts at position 0, Stem runs on the whole batch with
+per-sequence lengths, and the outputs are rotated back. Each padded row thus
+gets the same block partition, the same selection and the same result as the
+unpadded sequence alone. Outputs at padding positions are zero (SDPA also
+returns zeros for the fully masked query rows of left padding). A sequence
+whose valid tokens are not one contiguous run makes the whole call dense.
+
+The attention function reads the padding mask on the host, so it synchronises
+with the device once per layer and is meant for eager prefill, not for
+``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+from typing import Any, Callable
+
+import torch
+
+try:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import (
+        AttentionMaskInterface,
+        causal_mask_function,
+        sdpa_mask,
+    )
+except ImportError as exc:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "stem_indexer.integrations.transformers needs Hugging Face transformers "
+        "(with AttentionInterface and masking_utils.AttentionMaskInterface); install the "
+        "'hf' extra: pip install 'stem-indexer[hf]'"
+    ) from exc
+
+from ..attention import stem_attention
+
+__all__ = ["register", "unregister", "StemAttention", "stem_mask"]
+
+# Arguments of stem_attention that the integration fills in from the model.
+_RESERVED = ("q", "k", "v", "causal", "scale", "q_lens", "kv_lens")
+
+# Attention-function keyword arguments this integration cannot honour with
+# Stem. Each one, when set, sends the call to dense SDPA (which either honours
+# it or raises its own clear error, e.g. for softcap).
+_DENSE_KWARGS = ("position_bias", "softcap")
+
+
+# --------------------------------------------------------------------------- #
+# Mask function
+# --------------------------------------------------------------------------- #
+
+
+def stem_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Callable = causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    local_size: int | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """The mask for Stem attention: compact for plain causal masks, else ``sdpa_mask``.
+
+    Registered with ``AttentionMaskInterface``; transformers calls it with the
+    keyword arguments of ``sdpa_mask``. For a plain causal mask whose queries
+    are the last ``q_length`` of ``kv_length`` keys (no cache, or a dynamic
+    cache), it returns ``None`` when all tokens are valid and
+    ``q_length == kv_length``, else the 2-D boolean key-validity mask
+    ``(batch_size, kv_length)``. Anything else (another mask function, a
+    static cache's offsets, a local window) returns ``sdpa_mask``'s result: a
+    4-D boolean mask or ``None``, as SDPA would get it.
+    """
+    plain_causal = (
+        mask_function is causal_mask_function
+        and local_size is None
+        and isinstance(q_offset, int) and isinstance(kv_offset, int)
+        and kv_offset == 0 and q_offset + q_length == kv_length
+        and (attention_mask is None
+             or (attention_mask.dim() == 2 and attention_mask.shape[-1] == kv_length))
+    )
+    if plain_causal:
+        if attention_mask is None:
+            if q_length == kv_length:
+                return None
+            return torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device"))
+        valid = attention_mask.to(torch.bool)
+        if q_length == kv_length and bool(valid.all()):
+            return None
+        return valid
+    return sdpa_mask(
+        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+        kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+        local_size=local_size, **kwargs)
+
+
+# --------------------------------------------------------------------------- #
+# Attention function
+# --------------------------------------------------------------------------- #
+
+
+class _Runs:
+    """Per-sequence valid runs of a key-validity mask, mapped onto the queries.
+
+    Queries are the last ``q_len`` of ``kv_len`` positions. For sequence b the
+    valid keys are ``[start, end)``; the valid queries are ``[q0, q1)`` (query
+    i sits at key position ``kv_len - q_len + i``).
+    """
+
+    def __init__(self, valid: torch.Tensor, q_len: int):
+        b, kv_len = valid.shape
+        pos = torch.arange(kv_len, device=valid.device)
+        count = valid.sum(1)
+        start = torch.where(valid, pos, kv_len).amin(1)
+        end = torch.where(valid, pos + 1, 0).amax(1)
+        empty = count == 0
+        start = torch.where(empty, torch.full_like(start, kv_len), start)
+        end = torch.where(empty, torch.full_like(end, kv_len), end)
+        self.contiguous = bool(((end - start) == count).all())
+        offset = kv_len - q_len
+        self.start = start
+        self.kv_lens = end - start
+        self.q0 = (start - offset).clamp(0, q_len)
+        self.q1 = (end - offset).clamp(0, q_len)
+        self.q_lens = self.q1 - self.q0
+        self.shifted = bool((self.start != 0).any())
+
+
+def _rotate(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``y[b, :, j] = x[b, :, (j + shift[b]) % S]`` along dim 2 of [B, H, S, D]."""
+    s = x.shape[2]
+    idx = (torch.arange(s, device=x.device)[None, :] + shift[:, None].to(x.device)) % s
+    return torch.gather(x, 2, idx[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
+
+
+def _dense_mask_from_valid(valid: torch.Tensor, q_len: int) -> torch.Tensor:
+    """The 4-D boolean causal-and-padding mask of a key-validity mask."""
+    kv_len = valid.shape[1]
+    q_pos = torch.arange(q_len, device=valid.device)[:, None] + (kv_len - q_len)
+    causal = torch.arange(kv_len, device=valid.device)[None, :] <= q_pos
+    return (valid[:, None, None, :] & causal[None, None]).contiguous()
+
+
+class StemAttention:
+    """The attention function registered by ``register`` (one per name).
+
+    Called by transformers as ``fn(module, query, key, value, attention_mask,
+    dropout=..., scaling=..., is_causal=..., **kwargs)`` with query
+    ``[B, Hq, Sq, D]`` and key/value ``[B, Hkv, Skv, D]``; returns
+    ``(output [B, Sq, Hq, D], None)`` like ``sdpa_attention_forward``.
+
+    ``stats`` counts which path each call took: ``"stem"`` (valid tokens at
+    the start of each sequence), ``"stem-rotated"`` (padding before the valid
+    tokens, rotated away) or ``"dense:<reason>"``.
+    """
+
+    def __init__(self, name: str, min_prefill_tokens: int, stem_kwargs: dict[str, Any]):
+        self.name = name
+        self.min_prefill_tokens = min_prefill_tokens
+        self.stem_kwargs = dict(stem_kwargs)
+        self.stats: collections.Counter[str] = collections.Counter()
+
+    def __repr__(self) -> str:
+        kw = ", ".join(f"{k}={v!r}" for k, v in self.stem_kwargs.items())
+        return (f"StemAttention(name={self.name!r}, min_prefill_tokens={self.min_prefill_tokens}"
+                f"{', ' + kw if kw else ''})")
+
+    def __call__(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        is_causal: bool | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        if kwargs.get("s_aux") is not None:
+            raise ValueError(f"attn_implementation={self.name!r}: attention sinks (s_aux) "
+                             "are not supported by Stem attention")
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        q_len, kv_len = query.shape[2], key.shape[2]
+
+        def dense(reason: str, mask: torch.Tensor | None = attention_mask):
+            self.stats[f"dense:{reason}"] += 1
+            return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout,
+                                          scaling=scaling, is_causal=is_causal, **kwargs)
+
+        compact = attention_mask is not None and attention_mask.dim() == 2
+        if attention_mask is not None and not compact:
+            return dense("mask")
+        reason = None
+        if q_len < self.min_prefill_tokens:
+            reason = "decode"
+        elif dropout:
+            reason = "dropout"
+        elif any(kwargs.get(k) is not None for k in _DENSE_KWARGS):
+            reason = next(k for k in _DENSE_KWARGS if kwargs.get(k) is not None)
+        if compact:
+            valid = attention_mask
+            runs = None if reason else _Runs(valid, q_len)
+            if runs is not None and not runs.contiguous:
+                reason = "mask-holes"
+            if reason:
+                if q_len == 1 and bool(valid.all()):
+                    return dense(reason, None)
+                return dense(reason, _dense_mask_from_valid(valid, q_len))
+            return self._stem_padded(query, key, value, runs, scaling), None
+
+        # No mask: every token is valid.
+        if reason:
+            return dense(reason)
+        if causal and kv_len > q_len:
+            # SDPA's reading of a mask-less causal call with more keys than
+            # queries (a static cache's first prefill): upper-left alignment,
+            # so only the first q_len keys are seen.
+            key, value = key[:, :, :q_len], value[:, :, :q_len]
+        self.stats["stem"] += 1
+        out = stem_attention(query, key, value, causal=bool(causal), scale=scaling,
+                             **self.stem_kwargs)
+        return out.transpose(1, 2).contiguous(), None
+
+    def _stem_padded(self, query, key, value, runs: _Runs, scaling) -> torch.Tensor:
+        """Stem on each sequence's valid run; zeros at padding positions."""
+        q_len = query.shape[2]
+        int32 = dict(dtype=torch.int32, device=query.device)
+        q_lens, kv_lens = runs.q_lens.to(**int32), runs.kv_lens.to(**int32)
+        if runs.shifted:
+            self.stats["stem-rotated"] += 1
+            query = _rotate(query, runs.q0)
+            key = _rotate(key, runs.start)
+            value = _rotate(value, runs.start)
+        else:
+            self.stats["stem"] += 1
+        out = stem_attention(query, key, value, causal=True, scale=scaling,
+                             q_lens=q_lens, kv_lens=kv_lens, **self.stem_kwargs)
+        if runs.shifted:
+            out = _rotate(out, -runs.q0)
+        pos = torch.arange(q_len, device=query.device)[None, :]
+        q_valid = (pos >= runs.q0[:, None].to(pos.device)) & (pos < runs.q1[:, None].to(pos.device))
+        out = out * q_valid[:, None, :, None].to(out.dtype)
+        return out.transpose(1, 2).contiguous()
+
+
+# --------------------------------------------------------------------------- #
+# Registration
+# --------------------------------------------------------------------------- #
+
+
+def _stem_parameters() -> dict[str, inspect.Parameter]:
+    return dict(inspect.signature(stem_attention).parameters)
+
+
+def register(name: str = "stem", *, min_prefill_tokens: int | None = None,
+             **stem_kwargs: Any) -> StemAttention:
+    """Make ``attn_implementation=name`` run Stem attention in transformers models.
+
+    Registers an attention function and a mask function under ``name``
+    (registering a name again replaces both). Use the name when loading a
+    model (``from_pretrained(..., attn_implementation=name)``) or switch a
+    loaded one with ``model.set_attn_implementation(name)``.
+
+    Args:
+        name: the ``attn_implementation`` name.
+        min_prefill_tokens: calls with fewer query tokens (decode) use dense
+            SDPA; default one Stem block (``block_size``).
+        **stem_kwargs: keyword arguments for every ``stem_attention`` call
+            (``block_size``, ``stride``, ``alpha``, ``initial_blocks``,
+            ``window_size``, ``oam``, ``oam_lambda``, budget rates, ...). The
+            model supplies q/k/v, ``causal``, ``scale`` and the lengths.
+
+    Returns:
+        The registered attention function; its ``stats`` count the paths taken.
+
+    Raises:
+        TypeError: for a keyword ``stem_attention`` does not take, or one the
+            model supplies.
+        ValueError: for an empty name or a ``min_prefill_tokens`` below 1.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register: name must be a non-empty str; got {name!r}")
+    params = _stem_parameters()
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for key in stem_kwargs:
+        if key in _RESERVED:
+            raise TypeError(f"register: {key!r} is supplied by the model for every call; "
+                            "it cannot be fixed at registration")
+        if key not in params and not takes_any:
+            raise TypeError(f"register: stem_attention has no argument {key!r}; "
+                            f"it takes {', '.join(k for k in params if k not in _RESERVED)}")
+    if min_prefill_tokens is None:
+        block = stem_kwargs.get("block_size", params["block_size"].default
+                                if "block_size" in params else 128)
+        min_prefill_tokens = int(block)
+    if isinstance(min_prefill_tokens, bool) or not isinstance(min_prefill_tokens, int) \
+            or min_prefill_tokens < 1:
+        raise ValueError(f"register: min_prefill_tokens must be an int >= 1; "
+                         f"got {min_prefill_tokens!r}")
+    fn = StemAttention(name, min_prefill_tokens, stem_kwargs)
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, stem_mask)
+    return fn
+
+
+def unregister(name: str = "stem") -> None:
+    """Remove what ``register(name)`` added (nothing happens for unknown names)."""
+    for interface in (AttentionInterface, AttentionMaskInterface):
+        if isinstance(interface._global_mapping.get(name), (StemAttention,)) \
+                or interface._global_mapping.get(name) is stem_mask:
+            del interface._global_mapping[name]

@@ -1,0 +1,259 @@
+"""Upstream of the indexer: Q/K/V -> ``qflat``, ``kflat``, ``vbias`` (SPEC section 8).
+
+All functions are vectorised torch code (no per-token Python loops) and run on
+whatever device the inputs live on.
+
+Conventions shared by every function here:
+
+* ``q`` is ``[B, Hq, Sq, D]``, ``k`` and ``v`` are ``[B, Hkv, Skv, D]``;
+* optional per-batch lengths (``q_lens``, ``kv_lens``: a 1-D integer tensor
+  or a sequence of ints, one entry per batch) mark the valid tokens of each
+  sequence as positions ``[0, len)``; everything past ``len`` is padding and
+  never influences a result;
+* a block is ``block_size`` tokens (Bs); it is viewed as ``[R, Ts, D]`` with
+  ``Ts = stride`` and ``R = Bs / Ts``, token ``t = r*Ts + s``; the ``Ts``
+  representative vectors of a block are the sums over ``r``;
+* the last block of a sequence may be partial (a tail block): its padded
+  positions contribute zero to every sum.
+
+Block representations (``block_representation``):
+``rep[b, h, i, s*D:(s+1)*D] = sum_r x[b, h, i*Bs + r*Ts + s]``; with
+``reverse=True`` (keys) the groups are stored in reversed order, slot
+``Ts-1-s`` holding group ``s``, so that ``dot(qflat, kflat)`` pairs query group
+``s`` with key group ``Ts-1-s`` (the stride-Ts antidiagonal score). Sums are
+taken in float32 and rounded once to the output dtype (bfloat16 for the op).
+
+Output-Aware Metric (``output_aware_bias``), per (batch, KV head), with ``L``
+the valid length:
+
+* runs: run ``m`` is tokens ``[m*Ts, (m+1)*Ts)``; the valid runs are the
+  ``n = ceil(L / Ts)`` runs holding at least one valid token. A partial last
+  run (``L % Ts != 0``) is a valid run whose norm is the largest over its
+  valid tokens only;
+* ``l_m = log(max_t ||v_t||_2 + eps)`` over the run's valid tokens;
+* ``z_m = (l_m - mean) / (std + eps)``, mean and unbiased std over the ``n``
+  valid runs (statistics in float64). With ``n < 2`` the unbiased std is
+  undefined: every ``z`` is then 0 and the bias is 0 (one run carries no
+  information about which blocks stand out);
+* ``vbias[j] = lambda * (1/R) * sum over the R runs of block j of relu(z_m)``:
+  the mean over the block's R runs, where runs past the valid length count as
+  0 (as padded positions contribute zero to kflat's sums). Blocks past the
+  valid length get 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from .contract import StemIndexerInputError, ceil_div
+
+__all__ = [
+    "StemInputs",
+    "stem_inputs",
+    "block_representation",
+    "output_aware_bias",
+    "seq_lens_tensor",
+]
+
+_EPS = 1e-6
+DEFAULT_OAM_LAMBDA = 0.3
+
+
+class StemInputs(NamedTuple):
+    """The indexer's tensor inputs, ready for ``stem_indexer``."""
+
+    qflat: torch.Tensor  #: (B, Hq, ceil(Sq/Bs), Ts*D) bfloat16
+    kflat: torch.Tensor  #: (B, Hkv, ceil(Skv/Bs), Ts*D) bfloat16, reversed groups
+    vbias: torch.Tensor  #: (B, Hkv, ceil(Skv/Bs)) float32
+    q_seq_lens: torch.Tensor  #: (B,) int32 query tokens per batch
+    kv_seq_lens: torch.Tensor  #: (B,) int32 KV tokens per batch
+
+
+def _fail(arg: str, rule: str, got: object) -> None:
+    raise StemIndexerInputError(f"stem_indexer: {arg} {rule}; got {got}")
+
+
+def _check_4d(name: str, x) -> None:
+    if not isinstance(x, torch.Tensor):
+        _fail(name, "must be a torch.Tensor", type(x).__name__)
+    if x.dim() != 4:
+        _fail(name, "must be 4-D [B, H, S, D]", f"shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        _fail(name, "must be a floating-point tensor", x.dtype)
+
+
+def check_blocking(block_size: int, stride: int) -> None:
+    """``block_size`` and ``stride`` are positive ints with Bs % Ts == 0."""
+    for name, value in (("block_size", block_size), ("stride", stride)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(name, "must be an int", type(value).__name__)
+        if value < 1:
+            _fail(name, "must be >= 1", value)
+    if block_size % stride:
+        _fail("block_size", f"must be a multiple of stride ({stride})", block_size)
+
+
+def seq_lens_tensor(lens, batch: int, max_len: int, name: str,
+                    device: torch.device) -> torch.Tensor:
+    """Per-batch lengths as an int64 tensor on ``device``, checked.
+
+    ``lens`` is None (every sequence is ``max_len`` long), a 1-D integer
+    tensor or a sequence of ints, with one entry per batch in ``[0, max_len]``.
+    """
+    if lens is None:
+        return torch.full((batch,), max_len, dtype=torch.int64, device=device)
+    if isinstance(lens, torch.Tensor):
+        if lens.dim() != 1:
+            _fail(name, "must be 1-D (one length per batch)", f"shape {tuple(lens.shape)}")
+        if lens.is_floating_point() or lens.is_complex() or lens.dtype == torch.bool:
+            _fail(name, "must have an integer dtype", lens.dtype)
+        t = lens
+    else:
+        try:
+            values = [int(x) for x in lens]
+        except (TypeError, ValueError):
+            _fail(name, "must be a 1-D integer tensor or a sequence of ints",
+                  type(lens).__name__)
+        t = torch.tensor(values, dtype=torch.int64)
+    if t.shape[0] != batch:
+        _fail(name, f"must have one entry per batch ({batch})", f"{t.shape[0]} entries")
+    host = t.detach().to("cpu", torch.int64)
+    bad = ((host < 0) | (host > max_len)).nonzero()
+    if bad.numel():
+        b = int(bad[0, 0])
+        _fail(f"{name}[{b}]", f"must be in [0, {max_len}] (the sequence dim)", int(host[b]))
+    return host.to(device)
+
+
+def block_representation(
+    x: torch.Tensor, block_size: int, stride: int, reverse: bool = False,
+    lens=None, *, scale: float | None = None, dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Block representations of ``x [B, H, S, D]``: ``[B, H, ceil(S/Bs), Ts*D]``.
+
+    Each block of Bs tokens gives Ts vectors, vector ``s`` the float32 sum of
+    the R = Bs/Ts tokens ``r*Ts + s``; they are concatenated in natural order
+    (``reverse=False``, qflat) or reversed (``reverse=True``, kflat: slot
+    ``Ts-1-s`` holds group ``s``). Positions at or past ``lens[b]`` and the
+    padding of a tail block contribute zero. ``scale``, when given, multiplies
+    the float32 sums before the single rounding to ``dtype``.
+    """
+    _check_4d("x", x)
+    check_blocking(block_size, stride)
+    batch, heads, seq, dim = x.shape
+    nblocks = ceil_div(seq, block_size)
+    ratio = block_size // stride
+    if lens is not None:
+        lens = seq_lens_tensor(lens, batch, seq, "lens", x.device)
+        valid = torch.arange(seq, device=x.device) < lens[:, None]
+        if not bool(valid.all()):
+            x = x.masked_fill(~valid[:, None, :, None], 0)
+    pad = nblocks * block_size - seq
+    if pad:
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+    rep = x.reshape(batch, heads, nblocks, ratio, stride, dim).sum(dim=3, dtype=torch.float32)
+    if reverse:
+        rep = rep.flip(3)
+    if scale is not None:
+        rep = rep * float(scale)
+    return rep.reshape(batch, heads, nblocks, stride * dim).to(dtype)
+
+
+def output_aware_bias(
+    v: torch.Tensor, block_size: int, stride: int, lens=None, *,
+    oam_lambda: float = DEFAULT_OAM_LAMBDA, eps: float = _EPS,
+) -> torch.Tensor:
+    """The Output-Aware Metric ``vbias [B, Hkv, ceil(Skv/Bs)]`` float32 of ``v``.
+
+    See the module docstring for the exact definition (runs of ``stride``
+    tokens, log of the largest value norm, standardised over the valid runs,
+    relu, mean over each block's runs, times ``oam_lambda``).
+    """
+    _check_4d("v", v)
+    check_blocking(block_size, stride)
+    if not (isinstance(oam_lambda, (int, float)) and math.isfinite(oam_lambda)):
+        _fail("oam_lambda", "must be a finite number", oam_lambda)
+    batch, heads, seq, _ = v.shape
+    nblocks = ceil_div(seq, block_size)
+    ratio = block_size // stride
+    nruns = nblocks * ratio
+    lens = seq_lens_tensor(lens, batch, seq, "lens", v.device)
+
+    # float32 norms whatever v's dtype (vector_norm's dtype= refuses narrowing)
+    norms = torch.linalg.vector_norm(v.float(), dim=-1)  # (B, H, S)
+    valid = torch.arange(seq, device=v.device) < lens[:, None]
+    # Norms are >= 0, so zeroed padding never wins a run's max over valid tokens.
+    norms = norms.masked_fill(~valid[:, None, :], 0.0)
+    norms = torch.nn.functional.pad(norms, (0, nblocks * block_size - seq))
+    run_max = norms.view(batch, heads, nruns, stride).amax(dim=-1).double()
+    logs = torch.log(run_max + eps)
+
+    n = ceil_div(lens, stride)  # valid runs per batch
+    run_valid = (torch.arange(nruns, device=v.device) < n[:, None])[:, None, :]
+    nf = n.to(torch.float64)[:, None, None]
+    mean = torch.where(run_valid, logs, 0.0).sum(-1, keepdim=True) / nf.clamp(min=1)
+    centred = torch.where(run_valid, logs - mean, 0.0)
+    var = centred.square().sum(-1, keepdim=True) / (nf - 1).clamp(min=1)
+    std = torch.where(nf >= 2, var.sqrt(), 0.0)
+    z = torch.where(run_valid & (nf >= 2), centred / (std + eps), 0.0)
+    per_block = torch.relu(z).view(batch, heads, nblocks, ratio).sum(-1) / ratio
+    return (float(oam_lambda) * per_block).to(torch.float32)
+
+
+def stem_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+    block_size: int = 128, stride: int = 16, q_lens=None, kv_lens=None,
+    scale: float | None = None, oam: bool = True, oam_lambda: float = DEFAULT_OAM_LAMBDA,
+) -> StemInputs:
+    """Turn ``q [B,Hq,Sq,D]``, ``k, v [B,Hkv,Skv,D]`` into the indexer's inputs.
+
+    Args:
+        q, k, v: floating-point tensors on one device; ``Hq % Hkv == 0``,
+            ``k`` and ``v`` of one shape, one head dim ``D`` throughout.
+        block_size, stride: Bs and Ts of the indexer (``stem_block_size``,
+            ``stem_stride``); Bs % Ts == 0.
+        q_lens, kv_lens: valid tokens per batch (positions ``[0, len)``);
+            None means the full sequence dim.
+        scale: folded into ``qflat`` (multiplies the float32 sums before the
+            bfloat16 rounding); None folds nothing. The indexer itself only
+            applies 1/R^2.
+        oam: compute the Output-Aware Metric; False gives an all-zero vbias.
+        oam_lambda: the OAM weight lambda.
+
+    Returns:
+        ``StemInputs(qflat, kflat, vbias, q_seq_lens, kv_seq_lens)`` with the
+        lengths as int32 tensors on the inputs' device.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_4d(name, x)
+    check_blocking(block_size, stride)
+    if k.shape != v.shape:
+        _fail("v", f"must have the shape of k {tuple(k.shape)}", tuple(v.shape))
+    batch, hq, sq, dim = q.shape
+    kb, hkv, skv, kdim = k.shape
+    if kb != batch:
+        _fail("k", f"batch dim must equal q's ({batch})", kb)
+    if kdim != dim:
+        _fail("k", f"head dim must equal q's ({dim})", kdim)
+    if hkv < 1 or hq % hkv:
+        _fail("q", f"heads (dim 1) must be a multiple of k's heads ({hkv})", hq)
+    if len({q.device, k.device, v.device}) > 1:
+        _fail("q", "k and v must be on one device", sorted({str(q.device), str(k.device),
+                                                           str(v.device)}))
+    if sq == 0 or skv == 0 or dim == 0:
+        _fail("q", "and k must have non-empty sequence and head dims",
+              f"q {tuple(q.shape)}, k {tuple(k.shape)}")
+    q_len = seq_lens_tensor(q_lens, batch, sq, "q_lens", q.device)
+    kv_len = seq_lens_tensor(kv_lens, batch, skv, "kv_lens", q.device)
+    qflat = block_representation(q, block_size, stride, lens=q_len, scale=scale)
+    kflat = block_representation(k, block_size, stride, reverse=True, lens=kv_len)
+    if oam:
+        vbias = output_aware_bias(v, block_size, stride, kv_len, oam_lambda=oam_lambda)
+    else:
+        vbias = torch.zeros(batch, hkv, ceil_div(skv, block_size), dtype=torch.float32,
+                            device=v.device)
+    return StemInputs(qflat, kflat, vbias, q_len.to(torch.int32), kv_len.to(torch.int32))
+

@@ -1,0 +1,301 @@
+"""attention.py: block-sparse attention and stem_attention against dense references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import stem_indexer
+from stem_indexer.attention import block_sparse_attention, dense_attention, stem_attention
+
+
+def expanded_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, causal):
+    """[B, Hq, Sq, Skv] token mask: listed blocks, valid tokens, right-down causal."""
+    batch, hq = seq_len.shape[:2]
+    q_lens = [sq] * batch if q_lens is None else list(q_lens)
+    kv_lens = [skv] * batch if kv_lens is None else list(kv_lens)
+    mask = torch.zeros(batch, hq, sq, skv, dtype=torch.bool)
+    for b in range(batch):
+        for h in range(hq):
+            for i in range(seq_len.shape[2]):
+                for j in idx[b, h, i, : int(seq_len[b, h, i])].tolist():
+                    mask[b, h, i * bs:(i + 1) * bs, j * bs:(j + 1) * bs] = True
+        t = torch.arange(sq)[:, None]
+        j = torch.arange(skv)[None, :]
+        visible = (j < kv_lens[b]) & (t < q_lens[b])
+        if causal:
+            visible &= j <= t + kv_lens[b] - q_lens[b]
+        mask[b] &= visible
+    return mask
+
+
+def reference(q, k, v, mask, scale=None):
+    """Dense SDPA (float64) with an expanded mask; rows without a visible key -> 0."""
+    group = q.shape[1] // k.shape[1]
+    kr = k.double().repeat_interleave(group, dim=1)
+    vr = v.double().repeat_interleave(group, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), kr, vr, attn_mask=mask, scale=scale)
+    return torch.where(mask.any(-1, keepdim=True), out, 0.0)
+
+
+def random_selection(batch, hq, qmax, kmax, gen, empty_rate=0.15):
+    idx = torch.full((batch, hq, qmax, kmax), -1, dtype=torch.int32)
+    seq_len = torch.zeros(batch, hq, qmax, dtype=torch.int32)
+    for b in range(batch):
+        for h in range(hq):
+            for i in range(qmax):
+                if torch.rand((), generator=gen) < empty_rate:
+                    continue
+                n = int(torch.randint(1, kmax + 1, (), generator=gen))
+                picked = torch.randperm(kmax, generator=gen)[:n].sort().values
+                idx[b, h, i, :n] = picked.int()
+                seq_len[b, h, i] = n
+    return idx, seq_len
+
+
+SHAPES = [  # (B, Hq, Hkv, Sq, Skv, D, Bs, q_lens, kv_lens)
+    (1, 2, 2, 32, 32, 8, 8, None, None),  # whole blocks
+    (2, 4, 2, 37, 45, 8, 8, None, None),  # GQA, tails, q shorter than kv
+    (3, 4, 1, 29, 29, 4, 8, [29, 17, 1], [29, 17, 25]),  # padded batches, decode-like row
+    (2, 2, 2, 40, 19, 8, 8, [40, 30], [19, 5]),  # kv shorter than q: early queries see nothing
+    (1, 3, 3, 9, 70, 4, 16, None, None),  # one query block against many key blocks
+]
+
+
+def _ids(s):
+    return f"B{s[0]}-Hq{s[1]}-Hkv{s[2]}-Sq{s[3]}-Skv{s[4]}-Bs{s[6]}" + ("-lens" if s[7] else "")
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("shape, backend", [(s, "gather") for s in SHAPES]
+                         + [(s, "flex") for s in SHAPES[1:3]],
+                         ids=[_ids(s) + "-gather" for s in SHAPES]
+                         + [_ids(s) + "-flex" for s in SHAPES[1:3]])
+def test_block_sparse_matches_masked_dense(shape, causal, backend):
+    batch, hq, hkv, sq, skv, dim, bs, q_lens, kv_lens = shape
+    gen = torch.Generator().manual_seed(sum(shape[:7]))
+    q = torch.randn(batch, hq, sq, dim, generator=gen)
+    k = torch.randn(batch, hkv, skv, dim, generator=gen)
+    v = torch.randn(batch, hkv, skv, dim, generator=gen)
+    qmax, kmax = -(-sq // bs), -(-skv // bs)
+    idx, seq_len = random_selection(batch, hq, qmax, kmax, gen)
+    out = block_sparse_attention(q, k, v, idx, seq_len, block_size=bs, causal=causal,
+                                 q_lens=q_lens, kv_lens=kv_lens, backend=backend)
+    mask = expanded_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, causal)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("lens", [None, ([64, 40], [64, 40])], ids=["full", "lens"])
+def test_complete_leading_rows_take_the_dense_path(causal, lens):
+    """Rows listing every block they see (as the budget makes early rows) plus
+    sparse later rows: the result is still exactly the masked one."""
+    batch, hq, hkv, seq, dim, bs = 2, 4, 2, 64, 8, 8
+    q_lens, kv_lens = lens if lens else (None, None)
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(batch, hq, seq, dim, generator=gen)
+    k = torch.randn(batch, hkv, seq, dim, generator=gen)
+    v = torch.randn(batch, hkv, seq, dim, generator=gen)
+    nb = seq // bs
+    idx = torch.full((batch, hq, nb, nb), -1, dtype=torch.int32)
+    seq_len = torch.zeros(batch, hq, nb, dtype=torch.int32)
+    for b in range(batch):
+        qb = -(-(q_lens[b] if q_lens else seq) // bs)
+        for h in range(hq):
+            for i in range(qb):
+                visible = i + 1 if causal else qb
+                keep = list(range(visible)) if i < 4 else sorted({0, i, i - 1, (3 * i + h) % i})
+                idx[b, h, i, :len(keep)] = torch.tensor(keep, dtype=torch.int32)
+                seq_len[b, h, i] = len(keep)
+    out = block_sparse_attention(q, k, v, idx, seq_len, block_size=bs, causal=causal,
+                                 q_lens=q_lens, kv_lens=kv_lens)
+    mask = expanded_mask(idx, seq_len, bs, seq, seq, q_lens, kv_lens, causal)
+    torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("score_bytes, pad_waste", [(8 * 8 * 4 * 3, 0.125), (1 << 20, 1.0),
+                                                     (8 * 8 * 4 * 2, 1.0)],
+                         ids=["keys-split", "padded-chunks", "split-and-padded"])
+@pytest.mark.parametrize("shape", SHAPES[1:4], ids=[_ids(s) for s in SHAPES[1:4]])
+def test_gather_chunking_is_exact(shape, causal, score_bytes, pad_waste, monkeypatch):
+    """Lists split across key segments (running max / sum) and rows of
+    different list lengths padded into one chunk give the masked result."""
+    from stem_indexer import attention
+
+    monkeypatch.setattr(attention, "_SCORE_BYTES", score_bytes)
+    monkeypatch.setattr(attention, "_PAD_WASTE", pad_waste)
+    batch, hq, hkv, sq, skv, dim, bs, q_lens, kv_lens = shape
+    gen = torch.Generator().manual_seed(sum(shape[:7]) + 1)
+    q = torch.randn(batch, hq, sq, dim, generator=gen)
+    k = torch.randn(batch, hkv, skv, dim, generator=gen)
+    v = torch.randn(batch, hkv, skv, dim, generator=gen)
+    qmax, kmax = -(-sq // bs), -(-skv // bs)
+    idx, seq_len = random_selection(batch, hq, qmax, kmax, gen)
+    out = block_sparse_attention(q, k, v, idx, seq_len, block_size=bs, causal=causal,
+                                 q_lens=q_lens, kv_lens=kv_lens, backend="gather")
+    mask = expanded_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, causal)
+    torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64, "strided"])
+def test_gather_dtypes_and_layouts(dtype):
+    """Converted / padded (batch, KV head) slices: bf16 (float32 compute,
+    bf16 out), float64 (float64 compute), non-contiguous float32 q; GQA, a
+    key tail, padded lengths, and a KV head whose rows are all empty."""
+    gen = torch.Generator().manual_seed(21)
+    batch, hq, hkv, sq, skv, dim, bs = 2, 4, 2, 40, 44, 8, 8
+    dt = torch.float32 if dtype == "strided" else dtype
+    q = torch.randn(batch, hq, sq, dim, generator=gen).to(dt)
+    if dtype == "strided":
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    k = torch.randn(batch, hkv, skv, dim, generator=gen).to(dt)
+    v = torch.randn(batch, hkv, skv, dim, generator=gen).to(dt)
+    idx, seq_len = random_selection(batch, hq, 5, 6, gen)
+    seq_len[1, 2:] = 0  # batch 1, KV head 1: nothing listed
+    q_lens, kv_lens = [40, 27], [44, 30]
+    out = block_sparse_attention(q, k, v, idx, seq_len, block_size=bs, q_lens=q_lens,
+                                 kv_lens=kv_lens, backend="gather")
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert torch.equal(out[1, 2:], torch.zeros_like(out[1, 2:]))
+    mask = expanded_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, True)
+    tol = 2e-2 if dt == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=tol, atol=tol)
+
+
+def test_bf16_and_unsorted_lists():
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(1, 2, 48, 16, generator=gen).bfloat16()
+    k = torch.randn(1, 1, 48, 16, generator=gen).bfloat16()
+    v = torch.randn(1, 1, 48, 16, generator=gen).bfloat16()
+    idx, seq_len = random_selection(1, 2, 3, 3, gen, empty_rate=0.0)
+    shuffled = idx.clone()
+    shuffled[..., :2] = idx[..., :2].flip(-1)
+    shuffled = torch.where(seq_len[..., None] >= 2, shuffled, idx)
+    out = block_sparse_attention(q, k, v, shuffled, seq_len, block_size=16)
+    assert out.dtype == torch.bfloat16
+    ref = reference(q, k, v, expanded_mask(idx, seq_len, 16, 48, 48, None, None, True))
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_empty_rows_and_padded_queries_are_zero():
+    gen = torch.Generator().manual_seed(13)
+    q = torch.randn(2, 2, 16, 4, generator=gen)
+    k = torch.randn(2, 2, 16, 4, generator=gen)
+    v = torch.randn(2, 2, 16, 4, generator=gen)
+    idx = torch.tensor([0, 1]).expand(2, 2, 2, 2).clone().int()
+    seq_len = torch.full((2, 2, 2), 2, dtype=torch.int32)
+    seq_len[0, 1, 1] = 0
+    out = block_sparse_attention(q, k, v, idx, seq_len, block_size=8, q_lens=[16, 5])
+    assert torch.equal(out[0, 1, 8:], torch.zeros(8, 4))
+    assert torch.equal(out[1, :, 5:], torch.zeros(2, 11, 4))
+    assert out[0, 0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("mutate, arg", [
+    (lambda a: a["idx"].__setitem__((0, 0, 0, 0), 5), r"sparse_indices\[0, 0, 0, 0\]"),
+    (lambda a: a["idx"].__setitem__((0, 0, 0, 1), 0), r"sparse_indices\[0, 0, 0\]"),
+    (lambda a: a["len"].__setitem__((0, 1, 0), 4), r"sparse_seq_len\[0, 1, 0\]"),
+    (lambda a: a.update(idx=a["idx"][:, :, :1]), "sparse_indices"),
+    (lambda a: a.update(idx=a["idx"].float()), "sparse_indices"),
+    (lambda a: a.update(len=a["len"][0]), "sparse_seq_len"),
+    (lambda a: a.update(k=a["k"][:, :1].expand(1, 3, 24, 4), v=a["v"][:, :1].expand(1, 3, 24, 4)),
+     "q"),
+    (lambda a: a.update(v=a["v"].double()), "v"),
+    (lambda a: a.update(block_size=0), "block_size"),
+    (lambda a: a.update(kv_lens=[25]), r"kv_lens\[0\]"),
+    (lambda a: a.update(backend="cuda"), "backend"),
+    (lambda a: a.update(scale=float("inf")), "scale"),
+])
+def test_block_sparse_invalid_inputs(mutate, arg):
+    gen = torch.Generator().manual_seed(14)
+    a = dict(q=torch.randn(1, 2, 24, 4, generator=gen), k=torch.randn(1, 2, 24, 4, generator=gen),
+             v=torch.randn(1, 2, 24, 4, generator=gen),
+             idx=torch.tensor([0, 1, -1]).expand(1, 2, 3, 3).clone().int(),
+             len=torch.full((1, 2, 3), 2, dtype=torch.int32), block_size=8)
+    mutate(a)
+    with pytest.raises(stem_indexer.StemIndexerInputError, match=arg):
+        block_sparse_attention(a.pop("q"), a.pop("k"), a.pop("v"), a.pop("idx"), a.pop("len"),
+                               **a)
+
+
+# --------------------------------------------------------------------------- #
+# stem_attention
+# --------------------------------------------------------------------------- #
+
+SMALL = dict(block_size=16, stride=4)
+
+
+def _qkv(batch, hq, hkv, sq, skv, dim, seed, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, hq, sq, dim, generator=gen).to(dtype),
+            torch.randn(batch, hkv, skv, dim, generator=gen).to(dtype),
+            torch.randn(batch, hkv, skv, dim, generator=gen).to(dtype))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_stem_attention_is_the_indexer_selection(causal):
+    """Long enough for the budget to drop blocks: the result is block-sparse
+    attention over exactly the indexer's selection (with scale/stride folded)."""
+    q, k, v = _qkv(2, 4, 2, 1100, 1100, 8, 15)
+    lens = [1100, 900]
+    out = stem_attention(q, k, v, causal=causal, q_lens=lens, kv_lens=lens, **SMALL)
+    inputs = stem_indexer.stem_inputs(q, k, v, q_lens=lens, kv_lens=lens, scale=8 ** -0.5 / 4,
+                                      **SMALL)
+    idx, seq_len = stem_indexer.stem_indexer(*inputs, causal=causal, stem_block_size=16,
+                                             stem_stride=4)
+    assert int(seq_len.sum()) < int((idx.shape[-1] * (seq_len > 0)).sum())  # really sparse
+    mask = expanded_mask(idx, seq_len, 16, 1100, 1100, lens, lens, causal)
+    torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    dense = dense_attention(q, k, v, causal=causal, q_lens=lens, kv_lens=lens)
+    assert (out - dense).abs().max() > 1e-4  # sparse, so not the dense result
+
+
+def test_stem_attention_parameters_reach_the_indexer():
+    q, k, v = _qkv(1, 2, 2, 1100, 1100, 8, 16)
+    a = stem_attention(q, k, v, **SMALL)
+    b = stem_attention(q, k, v, alpha=0.3, **SMALL)
+    c = stem_attention(q, k, v, oam=False, **SMALL)
+    assert not torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("case", [
+    dict(shape=(2, 4, 2, 100, 100, 8), lens=([100, 60], [100, 60])),  # few blocks: budget keeps all
+    dict(shape=(2, 4, 2, 1, 700, 8), lens=([1, 1], [700, 300])),  # single-token decode
+    dict(shape=(1, 2, 1, 16, 700, 8), lens=(None, None)),  # one query block: decode-like chunk
+], ids=["short", "decode", "one-q-block"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_stem_attention_dense_fallback(case, causal):
+    batch, hq, hkv, sq, skv, dim = case["shape"]
+    q_lens, kv_lens = case["lens"]
+    q, k, v = _qkv(batch, hq, hkv, sq, skv, dim, 17)
+    out = stem_attention(q, k, v, causal=causal, q_lens=q_lens, kv_lens=kv_lens, **SMALL)
+    full = torch.ones(batch, hq, -(-sq // 16), -(-skv // 16), dtype=torch.int32)
+    everything = torch.arange(full.shape[-1], dtype=torch.int32).expand_as(full)
+    mask = expanded_mask(everything, full.sum(-1), 16, sq, skv, q_lens, kv_lens, causal)
+    torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
+
+
+def test_stem_attention_dtype_scale_and_errors():
+    q, k, v = _qkv(1, 2, 1, 64, 64, 8, 18, torch.bfloat16)
+    out = stem_attention(q, k, v, scale=0.2, **SMALL)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    every = torch.ones(1, 2, 4, 4, dtype=torch.bool)
+    ref = reference(q, k, v, expanded_mask(torch.arange(4).expand(1, 2, 4, 4), every.sum(-1),
+                                           16, 64, 64, None, None, True), scale=0.2)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    with pytest.raises(stem_indexer.StemIndexerInputError, match="alpha"):
+        stem_attention(q, k, v, alpha=0.0)
+    with pytest.raises(stem_indexer.StemIndexerInputError, match="num_prompt_tokens"):
+        stem_attention(q, k, v, num_prompt_tokens=[10])
+    with pytest.raises(stem_indexer.StemIndexerInputError, match="stem_block_size"):
+        stem_attention(q, k, v, block_size=12, stride=8)
+
+
+def test_flex_backend_is_available():
+    from stem_indexer import attention
+
+    assert attention._flex_available()  # torch >= 2.6 ships FlexAttention with BlockMask
