@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from . import contract
 from .api import stem_indexer, stem_indexer_metadata
 from .contract import IndexerParams, StemIndexerInputError, ceil_div
-from .prepare import DEFAULT_OAM_LAMBDA, seq_lens_tensor, stem_inputs
+from .prepare import DEFAULT_OAM_LAMBDA, check_qkv, seq_lens_tensor, stem_inputs
 
 __all__ = ["block_sparse_attention", "dense_attention", "stem_attention"]
 
@@ -71,32 +71,7 @@ def _fail(arg: str, rule: str, got: object) -> None:
 
 def _check_qkv(q, k, v) -> tuple[int, int, int, int, int, int]:
     """Shapes of q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D]; returns (B, Hq, Hkv, Sq, Skv, D)."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            _fail(name, "must be a torch.Tensor", type(x).__name__)
-        if x.dim() != 4:
-            _fail(name, "must be 4-D [B, H, S, D]", f"shape {tuple(x.shape)}")
-        if not x.is_floating_point():
-            _fail(name, "must be a floating-point tensor", x.dtype)
-    if k.shape != v.shape:
-        _fail("v", f"must have the shape of k {tuple(k.shape)}", tuple(v.shape))
-    if not (q.dtype == k.dtype == v.dtype):
-        _fail("k", f"and v must have q's dtype ({q.dtype})", (k.dtype, v.dtype))
-    if len({q.device, k.device, v.device}) > 1:
-        _fail("k", "and v must be on q's device", (str(k.device), str(v.device)))
-    batch, hq, sq, dim = q.shape
-    kb, hkv, skv, kdim = k.shape
-    if kb != batch:
-        _fail("k", f"batch dim must equal q's ({batch})", kb)
-    if kdim != dim:
-        _fail("k", f"head dim must equal q's ({dim})", kdim)
-    if hkv < 1 or hq % hkv:
-        _fail("q", f"heads (dim 1) must be a multiple of k's heads ({hkv})", hq)
-    if batch == 0 or sq == 0 or dim == 0:
-        _fail("q", "must have non-empty batch, sequence and head dims", tuple(q.shape))
-    if skv == 0:
-        _fail("k", "must have a non-empty sequence dim", tuple(k.shape))
-    return batch, hq, hkv, sq, skv, dim
+    return check_qkv(q, k, v, "stem_attention", same_dtype=True)
 
 
 def _check_scale(scale, dim: int) -> float:

@@ -72,17 +72,45 @@ class StemInputs(NamedTuple):
     kv_seq_lens: torch.Tensor  #: (B,) int32 KV tokens per batch
 
 
-def _fail(arg: str, rule: str, got: object) -> None:
-    raise StemIndexerInputError(f"stem_indexer: {arg} {rule}; got {got}")
+def _fail(arg: str, rule: str, got: object, who: str = "stem_indexer") -> None:
+    raise StemIndexerInputError(f"{who}: {arg} {rule}; got {got}")
 
 
-def _check_4d(name: str, x) -> None:
+def _check_4d(name: str, x, who: str = "stem_indexer") -> None:
     if not isinstance(x, torch.Tensor):
-        _fail(name, "must be a torch.Tensor", type(x).__name__)
+        _fail(name, "must be a torch.Tensor", type(x).__name__, who)
     if x.dim() != 4:
-        _fail(name, "must be 4-D [B, H, S, D]", f"shape {tuple(x.shape)}")
+        _fail(name, "must be 4-D [B, H, S, D]", f"shape {tuple(x.shape)}", who)
     if not x.is_floating_point():
-        _fail(name, "must be a floating-point tensor", x.dtype)
+        _fail(name, "must be a floating-point tensor", x.dtype, who)
+
+
+def check_qkv(q, k, v, who: str = "stem_indexer", *, same_dtype: bool = False
+              ) -> tuple[int, int, int, int, int, int]:
+    """q [B,Hq,Sq,D], k and v [B,Hkv,Skv,D] of one shape, one device, Hq % Hkv
+    == 0, non-empty dims; returns (B, Hq, Hkv, Sq, Skv, D). Errors name
+    ``who`` (the calling function) and the argument."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_4d(name, x, who)
+    if k.shape != v.shape:
+        _fail("v", f"must have the shape of k {tuple(k.shape)}", tuple(v.shape), who)
+    if same_dtype and not (q.dtype == k.dtype == v.dtype):
+        _fail("k", f"and v must have q's dtype ({q.dtype})", (k.dtype, v.dtype), who)
+    if len({q.device, k.device, v.device}) > 1:
+        _fail("k", "and v must be on q's device", (str(k.device), str(v.device)), who)
+    batch, hq, sq, dim = q.shape
+    kb, hkv, skv, kdim = k.shape
+    if kb != batch:
+        _fail("k", f"batch dim must equal q's ({batch})", kb, who)
+    if kdim != dim:
+        _fail("k", f"head dim must equal q's ({dim})", kdim, who)
+    if hkv < 1 or hq % hkv:
+        _fail("q", f"heads (dim 1) must be a multiple of k's heads ({hkv})", hq, who)
+    if batch == 0 or sq == 0 or dim == 0:
+        _fail("q", "must have non-empty batch, sequence and head dims", tuple(q.shape), who)
+    if skv == 0:
+        _fail("k", "must have a non-empty sequence dim", tuple(k.shape), who)
+    return batch, hq, hkv, sq, skv, dim
 
 
 def check_blocking(block_size: int, stride: int) -> None:
@@ -227,25 +255,8 @@ def stem_inputs(
         ``StemInputs(qflat, kflat, vbias, q_seq_lens, kv_seq_lens)`` with the
         lengths as int32 tensors on the inputs' device.
     """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_4d(name, x)
+    batch, hq, hkv, sq, skv, dim = check_qkv(q, k, v)
     check_blocking(block_size, stride)
-    if k.shape != v.shape:
-        _fail("v", f"must have the shape of k {tuple(k.shape)}", tuple(v.shape))
-    batch, hq, sq, dim = q.shape
-    kb, hkv, skv, kdim = k.shape
-    if kb != batch:
-        _fail("k", f"batch dim must equal q's ({batch})", kb)
-    if kdim != dim:
-        _fail("k", f"head dim must equal q's ({dim})", kdim)
-    if hkv < 1 or hq % hkv:
-        _fail("q", f"heads (dim 1) must be a multiple of k's heads ({hkv})", hq)
-    if len({q.device, k.device, v.device}) > 1:
-        _fail("q", "k and v must be on one device", sorted({str(q.device), str(k.device),
-                                                           str(v.device)}))
-    if sq == 0 or skv == 0 or dim == 0:
-        _fail("q", "and k must have non-empty sequence and head dims",
-              f"q {tuple(q.shape)}, k {tuple(k.shape)}")
     q_len = seq_lens_tensor(q_lens, batch, sq, "q_lens", q.device)
     kv_len = seq_lens_tensor(kv_lens, batch, skv, "kv_lens", q.device)
     qflat = block_representation(q, block_size, stride, lens=q_len, scale=scale)
