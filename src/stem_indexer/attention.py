@@ -38,6 +38,7 @@ dense attention where sparsity cannot help (see its docstring).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -726,14 +727,7 @@ def stem_attention(
         stem_block_size=block_size, dim_qkflat=inputs.qflat.shape[-1], window_size=window_size)
     sparse_indices, sparse_seq_len = stem_indexer(
         inputs.qflat, inputs.kflat, inputs.vbias, inputs.q_seq_lens, inputs.kv_seq_lens,
-        num_prompt_tokens=prompt_dev, metadata=metadata, causal=causal,
-        stem_block_size=block_size, stem_stride=stride, alpha=alpha,
-        initial_blocks=initial_blocks, window_size=window_size,
-        k_block_num_rate_medium=k_block_num_rate_medium,
-        k_block_num_bias_medium=k_block_num_bias_medium,
-        k_block_num_rate_large=k_block_num_rate_large,
-        k_block_num_bias_large=k_block_num_bias_large,
-        topk_score_precision=topk_score_precision)
+        num_prompt_tokens=prompt_dev, metadata=metadata, **dataclasses.asdict(params))
     return block_sparse_attention(q, k, v, sparse_indices, sparse_seq_len,
                                   block_size=block_size, causal=causal, scale=scale,
                                   q_lens=qlen, kv_lens=kvlen, backend=backend)
