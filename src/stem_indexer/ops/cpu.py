@@ -75,7 +75,7 @@ def stem_indexer_forward(
     """Run the indexer over the plan's ``tiles`` (host tensors for lengths/plan)."""
     device = qflat.device
     batch, nq, qmax, df = qflat.shape
-    nk, kmax = kflat.shape[1], kflat.shape[2]
+    kmax = kflat.shape[2]
     bs = params.stem_block_size
     indices = torch.full((batch, nq, qmax, kmax), -1, dtype=torch.int32, device=device)
     seq_len = torch.zeros((batch, nq, qmax), dtype=torch.int32, device=device)
