@@ -84,13 +84,13 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
           (2048,) * 4, (8192,) * 4, 64, 8),
     Shape("S2", "B1 Nq32 Nk8, q 3968, kv 32K", (3968,), (32768,), 32, 8),
     Shape("S3", "B1 Nq32 Nk8, q 8K, kv 1M", (8192,), (1 << 20,), 32, 8,
-          check="plain", repeat=3),
+          check="plain", repeat=5),
     Shape("S4", "B1 Nq32 Nk8, q = kv = 128K, causal prefill", (1 << 17,), (1 << 17,), 32, 8,
-          check="plain", repeat=3),
+          check="plain", repeat=5),
     Shape("S5", "B8 Nq64 Nk8, mixed prefill/decode, lengths up to 64K",
           (65536, 1, 16384, 1, 40000, 128, 1, 30000),
           (65536, 65536, 50000, 12345, 40000, 64000, 777, 61000), 64, 8,
-          check="plain", repeat=3),
+          check="plain", repeat=5),
 )}
 
 
