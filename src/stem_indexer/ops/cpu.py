@@ -135,9 +135,9 @@ _kept = threading.local()
 
 
 def _workspace(device: torch.device) -> _Workspace:
-    ws = getattr(_kept, "workspace", None)
     if device.type != "cpu":
         return _Workspace(device)
+    ws = getattr(_kept, "workspace", None)
     _kept.workspace = None  # a call that raises leaves nothing behind
     return ws if ws is not None else _Workspace(device)
 
@@ -181,8 +181,7 @@ def _select_rows(q, keys_b, vbias_b, s2, budget, scale, params, ws, out, blocks)
         ranked = _top_blocks(q[:, first:], keys_b, vbias_b, sink_end[first:], cand_end[first:],
                              take[first:], scale, params.topk_score_precision, ws)
 
-    # Consecutive rows with the same layout (sink, picks, window lengths) are
-    # written together: sink ++ picks ++ window, the rest stays -1.
+    # Rows are written into the prefilled output; past their length stays -1.
     ar = torch.arange(int(s2.max()) if c else 0, dtype=torch.int32, device=out.device)
     if first:  # rows taking every visible block: [0, s2)
         whole = int(s2[first - 1])
