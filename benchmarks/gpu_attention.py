@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 import stem_indexer
+from stem_indexer import contract
 from stem_indexer.attention import block_sparse_attention
 
 
@@ -105,7 +106,7 @@ def run(seq: int, device: str, reps: int, lines: list[str]) -> bool:
 
     inp, (idx, lens) = indexer()
     nb = -(-seq // bs)
-    visible = nb * (nb + 1) // 2 * hq
+    visible = int(contract.visible_blocks(torch.arange(nb), nb, nb, True).sum()) * hq
     density = float(lens.sum()) / visible
 
     def sparse():

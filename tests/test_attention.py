@@ -67,6 +67,17 @@ def _ids(s):
     return f"B{s[0]}-Hq{s[1]}-Hkv{s[2]}-Sq{s[3]}-Skv{s[4]}-Bs{s[6]}" + ("-lens" if s[7] else "")
 
 
+def _random_case(shape, seed):
+    """Random q/k/v and a random block selection for ``shape``."""
+    batch, hq, hkv, sq, skv, dim, bs, _, _ = shape
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, hq, sq, dim, generator=gen)
+    k = torch.randn(batch, hkv, skv, dim, generator=gen)
+    v = torch.randn(batch, hkv, skv, dim, generator=gen)
+    idx, seq_len = random_selection(batch, hq, -(-sq // bs), -(-skv // bs), gen)
+    return q, k, v, idx, seq_len
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("shape, backend", [(s, "gather") for s in SHAPES]
@@ -75,12 +86,7 @@ def _ids(s):
                          + [_ids(s) + "-flex" for s in SHAPES[1:3]])
 def test_block_sparse_matches_masked_dense(shape, causal, backend):
     batch, hq, hkv, sq, skv, dim, bs, q_lens, kv_lens = shape
-    gen = torch.Generator().manual_seed(sum(shape[:7]))
-    q = torch.randn(batch, hq, sq, dim, generator=gen)
-    k = torch.randn(batch, hkv, skv, dim, generator=gen)
-    v = torch.randn(batch, hkv, skv, dim, generator=gen)
-    qmax, kmax = -(-sq // bs), -(-skv // bs)
-    idx, seq_len = random_selection(batch, hq, qmax, kmax, gen)
+    q, k, v, idx, seq_len = _random_case(shape, sum(shape[:7]))
     out = block_sparse_attention(q, k, v, idx, seq_len, block_size=bs, causal=causal,
                                  q_lens=q_lens, kv_lens=kv_lens, backend=backend)
     mask = expanded_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, causal)
@@ -129,12 +135,7 @@ def test_gather_chunking_is_exact(shape, causal, score_bytes, pad_waste, monkeyp
     monkeypatch.setattr(attention, "_SCORE_BYTES", score_bytes)
     monkeypatch.setattr(attention, "_PAD_WASTE", pad_waste)
     batch, hq, hkv, sq, skv, dim, bs, q_lens, kv_lens = shape
-    gen = torch.Generator().manual_seed(sum(shape[:7]) + 1)
-    q = torch.randn(batch, hq, sq, dim, generator=gen)
-    k = torch.randn(batch, hkv, skv, dim, generator=gen)
-    v = torch.randn(batch, hkv, skv, dim, generator=gen)
-    qmax, kmax = -(-sq // bs), -(-skv // bs)
-    idx, seq_len = random_selection(batch, hq, qmax, kmax, gen)
+    q, k, v, idx, seq_len = _random_case(shape, sum(shape[:7]) + 1)
     out = block_sparse_attention(q, k, v, idx, seq_len, block_size=bs, causal=causal,
                                  q_lens=q_lens, kv_lens=kv_lens, backend="gather")
     mask = expanded_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, causal)
