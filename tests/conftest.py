@@ -5,6 +5,9 @@
 * ``device`` fixture: every test that takes it runs on "cpu" and "cuda"; the
   cuda variant is skipped when no GPU is usable. ``STEM_INDEXER_DEVICE=cpu``
   (or ``cuda``) restricts it to one device.
+* ``selection`` fixture: how the CPU path selects, "native" (the C kernel of
+  ``ops/native.py``) or "torch" (its fallback, plain torch operations);
+  modules that use it run each CPU test both ways.
 
 Nothing here touches CUDA at import or collection time, so the suite always
 collects on a CPU-only machine.
@@ -54,4 +57,19 @@ def device(request) -> str:
     """"cpu" or "cuda"; the cuda variant skips cleanly without a usable GPU."""
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("CUDA is not available")
+    return request.param
+
+
+@pytest.fixture(params=["native", "torch"])
+def selection(request, monkeypatch) -> str:
+    """"native" or "torch": the CPU path's selection for this test."""
+    from stem_indexer.ops import native
+    callspec = getattr(request.node, "callspec", None)
+    on_cuda = callspec is not None and callspec.params.get("device") == "cuda"
+    if request.param == "torch":
+        if on_cuda:
+            pytest.skip("the torch selection is a variant of the CPU path")
+        monkeypatch.setattr(native, "kernel", lambda: None)
+    elif not on_cuda and native.kernel() is None:
+        pytest.skip(native.status())  # tests/test_native.py fails where a compiler exists
     return request.param

@@ -24,6 +24,8 @@ import torch
 
 from stem_indexer import cases, runner
 
+pytestmark = pytest.mark.usefixtures("selection")  # CPU: native and torch
+
 _SPEC = os.environ.get(runner.ENV_CASE_ID, "").strip()
 _MODE_GIVEN = bool(os.environ.get(runner.ENV_MODE, "").strip())
 

@@ -116,12 +116,14 @@ def _non_contiguous(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@pytest.mark.usefixtures("selection")
 @settings(max_examples=400, **SETTINGS)
 @given(cfg=configs(), strided=st.booleans())
 def test_integer_inputs_op_equals_reference_exactly(device, cfg, strided):
     _check_exact(device, cfg, strided)
 
 
+@pytest.mark.usefixtures("selection")
 @settings(max_examples=250, **SETTINGS)
 @given(cfg=configs(selective=True), strided=st.booleans())
 def test_integer_inputs_budget_limited_op_equals_reference_exactly(device, cfg, strided):

@@ -14,7 +14,9 @@ reports in one run:
 * ``plain``: the version a user would write: one full float32 score matmul
   per (batch, KV head), mask, stable descending sort per row, take the budget;
 * the ratios op/gemm and plain/op, and the op's peak extra memory (resident
-  set growth during one call, outputs included) against inputs + outputs.
+  set growth during one call, outputs included) against inputs + outputs;
+* which selection the op ran: ``native`` (the C kernel of ``ops/native.py``)
+  or ``torch`` (its fallback; ``STEM_INDEXER_NATIVE=0`` forces it).
 
 Each shape runs in a fresh subprocess so that its memory peak is its own.
 """
@@ -39,6 +41,7 @@ import torch
 from . import contract
 from .compare import compare
 from .contract import IndexerParams, ceil_div
+from .ops import native
 
 DEFAULT_RESULTS = Path("benchmarks") / "RESULTS.md"
 
@@ -321,6 +324,7 @@ def measure_shape(shape: Shape) -> dict:
         "mem_ratio": (None if peak is None
                       else (in_bytes / 2**20 + peak) / ((in_bytes + out_bytes) / 2**20)),
         "threads": torch.get_num_threads(),
+        "selection": "native" if native.kernel() is not None else "torch",
     }
 
 
@@ -355,7 +359,7 @@ def git_sha() -> str:
 
 
 COLUMNS = ("shape", "op ms", "gemm ms", "op/gemm", "sgemm ms", "plain ms", "plain/op",
-           "gemm GFLOP/s", "peak extra MiB", "in+out MiB", "mem ratio", "check")
+           "gemm GFLOP/s", "peak extra MiB", "in+out MiB", "mem ratio", "selection", "check")
 
 
 def format_row(r: dict) -> list[str]:
@@ -364,7 +368,8 @@ def format_row(r: dict) -> list[str]:
     ratio = "n/a" if r["mem_ratio"] is None else f"{r['mem_ratio']:.2f}"
     return [r["shape"], f"{r['op_ms']:.1f}", f"{r['gemm_ms']:.1f}", f"{r['op_over_gemm']:.2f}",
             f"{r['sgemm_ms']:.1f}", f"{r['plain_ms']:.0f}", f"{r['plain_over_op']:.1f}",
-            f"{r['gemm_gflops']:.0f}", peak, f"{r['in_mib'] + r['out_mib']:.0f}", ratio, check]
+            f"{r['gemm_gflops']:.0f}", peak, f"{r['in_mib'] + r['out_mib']:.0f}", ratio,
+            r.get("selection", "torch"), check]
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -434,6 +439,8 @@ def command(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"--shapes: unknown {unknown}; choose from {sorted(SHAPES)}")
     command_line = f"stem-indexer bench --shapes {','.join(names)}"
+    if os.environ.get("STEM_INDEXER_NATIVE") == "0":
+        command_line = "STEM_INDEXER_NATIVE=0 " + command_line
     if args.threads:
         command_line += f" --threads {args.threads}"
     if args.out:

@@ -18,14 +18,19 @@ How the rows of a tile of the metadata's work plan (one batch, query blocks
    (``gemm_blocks``). bf16 operands are upcast into float32 buffers: keys
    once per batch when small (``KEY_CACHE_BYTES``), else one
    ``metadata.key_chunk`` at a time.
-3. Exact top-k without ranking every score (``_top_blocks``): a lower bound
-   of each row's K-th best score from group maxima, the few scores at or
-   above it (the survivors) packed per row in ascending block order,
-   distinct int64 ranking keys (``contract.rank_keys_at``: ties go to the
-   lower block) for the survivors only, and the K-th best key as an exact
-   threshold. The picks come out in ascending order: no sort.
-4. Rows are written straight into the output, runs of rows with the same
-   layout at once.
+3. Exact top-k and the output rows, by the native kernel where it is built
+   (``native.py``; the default wherever a C compiler exists): per row, a
+   radix select over order-preserving integer keys finds the K-th best, and
+   one ascending pass writes sink ++ picks ++ window into the output.
+4. Otherwise with torch operations, to the same results:
+   a. exact top-k without ranking every score (``_top_blocks``): a lower
+      bound of each row's K-th best score from group maxima, the few scores
+      at or above it (the survivors) packed per row in ascending block
+      order, distinct int64 ranking keys (``contract.rank_keys_at``: ties go
+      to the lower block) for the survivors only, and the K-th best key as
+      an exact threshold. The picks come out in ascending order: no sort;
+   b. rows written straight into the output, runs of rows with the same
+      layout at once.
 
 The score buffer holds at most ``metadata.TILE_ELEMENTS`` float32 values (a
 tile's rows x the key blocks its last row sees, all query heads; plans
@@ -48,6 +53,7 @@ import torch
 from .. import contract
 from ..contract import IndexerParams, ceil_div
 from ..metadata import OPERAND_BYTES, key_chunk, tile_rows
+from . import native
 
 # Key blocks per matmul: up to GEMM_KEYS_MAX where every row of the matmul
 # can pick them all; along a causal diagonal, steps of GEMM_KEYS_MIN (a row
@@ -86,7 +92,6 @@ def stem_indexer_forward(
     ks_all = contract.prompt_budget(p_all, params)
     scale = contract.score_scale(params)
     ws = _workspace(device)
-    blocks = torch.arange(kmax, dtype=torch.int32, device=device)
 
     keys_b, cached_for = None, None
     for b, i0, i1, _ in tiles.tolist():
@@ -102,7 +107,7 @@ def stem_indexer_forward(
             s2 = contract.visible_blocks(rows, qb, kb, params.causal)
             budget = contract.row_budget(rows + (kb - qb), p_all[b], ks_all[b], params.alpha)
             length = _select_rows(qflat[b, :, r0:r1], keys_b, vbias[b], s2, budget, scale,
-                                  params, ws, indices[b, :, r0:r1], blocks)
+                                  params, ws, indices[b, :, r0:r1])
             seq_len[b, :, r0:r1] = length.to(device)
     _keep(ws)
     return indices, seq_len
@@ -160,11 +165,11 @@ def _batch_keys(kflat_b: torch.Tensor, kb: int, ws: _Workspace) -> torch.Tensor:
     return ws.take("key_cache", (nk, kb, df), torch.float32).copy_(kflat_b[:, :kb])
 
 
-def _select_rows(q, keys_b, vbias_b, s2, budget, scale, params, ws, out, blocks):
+def _select_rows(q, keys_b, vbias_b, s2, budget, scale, params, ws, out):
     """Select for consecutive query blocks of one batch, all heads, into ``out``.
 
     q: (Nq, c, Df); s2, budget: (c,) host int64; out: (Nq, c, Kmax) int32
-    view of the output, prefilled with -1; blocks: arange(Kmax) int32.
+    view of the output, prefilled with -1.
     Returns the rows' lengths (c,) int32 (host).
     """
     c = q.shape[1]
@@ -176,8 +181,20 @@ def _select_rows(q, keys_b, vbias_b, s2, budget, scale, params, ws, out, blocks)
     # s2 non-decreasing along the tile they are a suffix [first, c).
     ranking = (take < n_cand).nonzero()
     first = int(ranking[0]) if ranking.numel() else c
+    picking = first < c and int(take[first:].max()) > 0
+    if out.device.type == "cpu" and native.kernel() is not None:
+        scores, lo = None, 0
+        if picking:
+            lo, hi = int(sink_end[first:].min()), int(cand_end.max())
+            scores = _scores(q[:, first:], keys_b, vbias_b, lo, hi, cand_end[first:], scale,
+                             hi - lo, ws)
+        nk = keys_b.shape[0]
+        native.select_rows(nk, c, q.shape[0] // nk, s2, sink_end, cand_end, take, scores,
+                           first, lo, params.topk_score_precision, out)
+        return length.to(torch.int32)
+
     ranked = None
-    if first < c and int(take[first:].max()) > 0:
+    if picking:
         ranked = _top_blocks(q[:, first:], keys_b, vbias_b, sink_end[first:], cand_end[first:],
                              take[first:], scale, params.topk_score_precision, ws)
 

@@ -1,0 +1,172 @@
+/* Exact top-k selection and output rows of the CPU path (ops/native.py).
+ *
+ * One call writes the output rows of one tile of the work plan (query head,
+ * query block pairs): sink ++ picks ++ window, into rows prefilled with -1.
+ * A row whose budget covers its candidates is simply 0 .. s2-1. The picks are the
+ * `take` candidates with the largest ranking keys (contract.rank_keys: the
+ * float order with -0.0 == +0.0 and NaN as -inf, ties to the lower block),
+ * found with a radix select over the row's own key range and emitted in one
+ * ascending pass: no sort, no score is written.
+ *
+ * Only integer operations on the score bits: the scores arrive rounded
+ * (scale, then + vbias), so nothing here depends on floating-point flags.
+ * Built with -fopenmp where the compiler has it (the loop over rows is then
+ * shared by threads), serial otherwise.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define DIGIT_BITS 8
+#define BUCKETS (1 << DIGIT_BITS)
+
+/* Unsigned key with the order of contract.rank_keys' score part. */
+static inline uint32_t order_key(uint32_t bits, int precision)
+{
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u)
+        return 0x007FFFFFu; /* NaN ranks as -inf */
+    if (precision == 2) /* round to bfloat16, nearest even (as torch) */
+        bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+    if (bits == 0x80000000u)
+        bits = 0; /* -0.0 ranks as +0.0 */
+    return bits ^ ((uint32_t)((int32_t)bits >> 31) | 0x80000000u);
+}
+
+/* The k-th largest (1 <= k <= n) of keys[0..n), all in [lo, hi]: radix
+ * select, DIGIT_BITS of the remaining range per pass, each pass on the
+ * bucket the previous one chose (gathered into buf). Returns it; *ties gets
+ * how many of the keys equal to it rank among the k largest, *equal how
+ * many there are. */
+static uint32_t kth_largest(const uint32_t *keys, int64_t n, int64_t k, uint32_t lo,
+                            uint32_t hi, uint32_t *buf, int64_t *ties, int64_t *equal)
+{
+    const uint32_t *src = keys;
+    int64_t m = n;
+    /* Four interleaved histograms: runs of equal buckets (common, as nearby
+     * floats share their high bits) do not serialise on one counter. */
+    uint32_t count[4][BUCKETS];
+    while (lo != hi) {
+        int bits = 32 - __builtin_clz(hi - lo);
+        int shift = bits > DIGIT_BITS ? bits - DIGIT_BITS : 0;
+        int top = (int)((hi - lo) >> shift);
+        for (int h = 0; h < 4; h++)
+            memset(count[h], 0, sizeof(uint32_t) * (size_t)(top + 1));
+        int64_t i = 0;
+        for (; i + 4 <= m; i += 4)
+            for (int h = 0; h < 4; h++)
+                count[h][(src[i + h] - lo) >> shift]++;
+        for (; i < m; i++)
+            count[0][(src[i] - lo) >> shift]++;
+        int d = top;
+        for (;;) { /* the buckets above d hold fewer than k keys */
+            int64_t in_d = (int64_t)count[0][d] + count[1][d] + count[2][d] + count[3][d];
+            if (in_d >= k)
+                break;
+            k -= in_d;
+            d--;
+        }
+        uint32_t b_lo = lo + ((uint32_t)d << shift);
+        uint32_t b_span = d == top ? hi - b_lo : (1u << shift) - 1u;
+        int64_t w = 0;
+        for (i = 0; i < m; i++) { /* in place from the second pass on (w <= i) */
+            uint32_t v = src[i];
+            buf[w] = v;
+            w += v - b_lo <= b_span;
+        }
+        src = buf;
+        m = w;
+        lo = UINT32_MAX;
+        hi = 0;
+        for (i = 0; i < m; i++) {
+            lo = src[i] < lo ? src[i] : lo;
+            hi = src[i] > hi ? src[i] : hi;
+        }
+    }
+    *ties = k;
+    *equal = m;
+    return lo;
+}
+
+/* The picks of one row, ascending, into dst[0..take); 0 < take < n. */
+static void pick(const float *scores, int64_t n, int64_t take, int precision, int64_t first,
+                 uint32_t *keys, uint32_t *buf, int32_t *dst)
+{
+    const uint32_t *bits = (const uint32_t *)scores;
+    uint32_t lo = UINT32_MAX, hi = 0;
+    for (int64_t j = 0; j < n; j++) {
+        uint32_t v = order_key(bits[j], precision);
+        keys[j] = v;
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+    }
+    int64_t ties, equal;
+    uint32_t t = kth_largest(keys, n, take, lo, hi, buf, &ties, &equal);
+    int64_t w = 0;
+    /* Exactly take keys qualify: the loops stop at the last (w == take). */
+    if (ties == equal) { /* every key equal to the threshold is a pick */
+        for (int64_t j = 0; w < take; j++) {
+            dst[w] = (int32_t)(first + j);
+            w += keys[j] >= t;
+        }
+        return;
+    }
+    for (int64_t j = 0; w < take; j++) { /* the first `ties` of them */
+        uint32_t v = keys[j];
+        int64_t tie = (v == t) & (ties > 0);
+        ties -= tie;
+        dst[w] = (int32_t)(first + j);
+        w += (v > t) | tie;
+    }
+}
+
+/* The output rows of one tile: row r = (n * c + i) * group + g for KV head
+ * n, query block i of the tile and query g of the head's group (query head
+ * n * group + g). Per query block i: s2 visible blocks, candidates
+ * [sink_end, cand_end), take picks. Scores (float32) of query blocks
+ * [ranked, c) only, rows of `width` columns, column 0 = key block lo.
+ * Output row of (head h, query block i) at out + h * head_stride +
+ * i * row_stride. Rows are shared by `threads` OpenMP threads
+ * (the caller's runtime: torch's). Returns 0, or -1 when scratch memory is
+ * unavailable. */
+int stem_select_rows(int64_t nk, int64_t c, int64_t group, const int64_t *s2,
+                     const int64_t *sink_end, const int64_t *cand_end, const int64_t *take,
+                     const float *scores, int64_t ranked, int64_t lo, int64_t width,
+                     int precision, int32_t *out, int64_t head_stride, int64_t row_stride,
+                     int threads)
+{
+    int failed = 0;
+    int64_t rows = nk * c * group;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        uint32_t *keys = malloc(sizeof(uint32_t) * (size_t)(2 * width + 1));
+        uint32_t *buf = keys + width;
+        failed = keys == NULL;
+#pragma omp for schedule(dynamic, 16)
+        for (int64_t r = 0; r < rows; r++) {
+            if (keys == NULL)
+                continue;
+            int64_t g = r % group, i = (r / group) % c, n = r / (group * c);
+            int32_t *row = out + (n * group + g) * head_stride + i * row_stride;
+            int64_t k = 0;
+            int64_t n_cand = cand_end[i] - sink_end[i];
+            if (take[i] >= n_cand) { /* every visible block */
+                for (; k < s2[i]; k++)
+                    row[k] = (int32_t)k;
+            } else {
+                for (; k < sink_end[i]; k++)
+                    row[k] = (int32_t)k;
+                if (take[i] > 0) {
+                    const float *s =
+                        scores + ((n * (c - ranked) + i - ranked) * group + g) * width;
+                    pick(s + (sink_end[i] - lo), n_cand, take[i], precision, sink_end[i], keys,
+                         buf, row + k);
+                    k += take[i];
+                }
+                for (int64_t j = cand_end[i]; j < s2[i]; k++, j++)
+                    row[k] = (int32_t)j;
+            }
+        }
+        free(keys);
+    }
+    return failed ? -1 : 0;
+}
