@@ -44,6 +44,9 @@ from .contract import IndexerParams, ceil_div
 from .ops import native
 
 DEFAULT_RESULTS = Path("benchmarks") / "RESULTS.md"
+# Environment settings that change what is measured; the recorded command
+# line names those that are set.
+RECORDED_ENV = ("STEM_INDEXER_NATIVE", "THP_MEM_ALLOC_ENABLE", "OMP_NUM_THREADS")
 
 
 @dataclass(frozen=True)
@@ -439,8 +442,8 @@ def command(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"--shapes: unknown {unknown}; choose from {sorted(SHAPES)}")
     command_line = f"stem-indexer bench --shapes {','.join(names)}"
-    if os.environ.get("STEM_INDEXER_NATIVE") == "0":
-        command_line = "STEM_INDEXER_NATIVE=0 " + command_line
+    settings = [f"{name}={os.environ[name]}" for name in RECORDED_ENV if name in os.environ]
+    command_line = " ".join([*settings, command_line])
     if args.threads:
         command_line += f" --threads {args.threads}"
     if args.out:
