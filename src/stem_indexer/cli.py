@@ -61,6 +61,8 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"  last query block of batch 0, head 0 keeps {len(row)} blocks: {row}")
     print(f"  time: {elapsed * 1e3:.1f} ms on {torch.get_num_threads()} CPU threads "
           f"(torch {torch.__version__})")
+    from .ops import native
+    print(f"  selection: {native.status()}")
     return 0
 
 
