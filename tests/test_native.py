@@ -167,6 +167,7 @@ def _op_case():
 @pytest.mark.parametrize("env, why", [
     ({"STEM_INDEXER_NATIVE": "0"}, "disabled by STEM_INDEXER_NATIVE=0"),
     ({"CC": "no-such-compiler-here"}, "no C compiler"),
+    ({"CC": "false"}, "compiling select_rows.c failed"),  # a compiler that always fails
 ])
 def test_without_the_kernel_the_op_falls_back_to_torch(fresh_native, monkeypatch, env, why):
     inputs, params = _op_case()

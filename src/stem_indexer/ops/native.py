@@ -2,7 +2,7 @@
 
 The kernel writes finished output rows from a tile's float32 scores: exact
 top-k by a radix select over each row's keys, then sink ++ picks ++ window
-++ -1, in one pass per row. It is plain C with no dependency (not even on
+in one pass per row. It is plain C with no dependency (not even on
 torch's headers), built with the system C compiler at first use into a cache
 directory, and called through ``ctypes``. Its rows are shared by OpenMP
 threads: built with ``-fopenmp``, it binds to the ``libgomp.so.1`` torch has
@@ -40,6 +40,7 @@ import torch
 SOURCE = Path(__file__).parent / "csrc" / "select_rows.c"
 CFLAGS = ("-O3", "-std=c11", "-shared", "-fPIC")
 OPENMP = ("-fopenmp",)
+COMPILE_SECONDS = 120
 
 _lock = threading.Lock()
 _state: dict = {}  # "lib" (ctypes.CDLL or None), "why" (str)
@@ -60,7 +61,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     if not compiler or shutil.which(compiler[0]) is None:
         return None, f"no C compiler ({' '.join(compiler) or 'CC is empty'})"
     source = SOURCE.read_bytes()
-    tag = hashlib.sha256(source + repr((compiler, CFLAGS, platform.machine())).encode())
+    tag = hashlib.sha256(source + repr((compiler, CFLAGS, OPENMP, platform.machine())).encode())
     target = _cache_dir() / f"select_rows-{tag.hexdigest()[:16]}.so"
     if not target.exists():
         try:
@@ -72,12 +73,14 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         try:
             for extra in (OPENMP, ()):
                 proc = subprocess.run([*compiler, *CFLAGS, *extra, "-o", tmp, str(SOURCE)],
-                                      capture_output=True, text=True)
+                                      capture_output=True, text=True, timeout=COMPILE_SECONDS)
                 if proc.returncode == 0:
                     break
             else:
                 return None, f"compiling {SOURCE.name} failed: {proc.stderr.strip()[-500:]}"
             os.replace(tmp, target)  # atomic: concurrent builders agree
+        except (OSError, subprocess.TimeoutExpired) as err:
+            return None, f"compiling {SOURCE.name} failed ({err})"
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -90,7 +93,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     fn.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int,
                    ptr, i64, i64, ctypes.c_int]
     fn.restype = ctypes.c_int
-    return lib, f"built from {SOURCE.name} at {target}"
+    return lib, f"{SOURCE.name} built into {target}"
 
 
 def kernel() -> ctypes.CDLL | None:
