@@ -195,3 +195,15 @@ def test_build_goes_to_the_cache_dir_and_is_reused(fresh_native):
     assert native.kernel() is not None
     assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
     assert list(fresh_native.glob("*")) == built  # no temporary left behind
+
+
+def test_concurrent_calls_from_python_threads_agree():
+    """Two threads calling the op at once (each its own kernel team and
+    workspace) get what one call alone gets."""
+    from concurrent.futures import ThreadPoolExecutor
+    inputs, params = _op_case()
+    want = stem_indexer(**inputs, **params)
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda _: stem_indexer(**inputs, **params), range(8)))
+    for out in outs:
+        assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
