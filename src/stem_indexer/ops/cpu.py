@@ -1,7 +1,8 @@
-"""The fast path: vectorised, exact, memory-bounded; plain torch operations.
+"""The fast path: vectorised, exact, memory-bounded.
 
+Torch operations and, on CPU, a small C selection kernel (``native.py``).
 Written for CPU tensors and device-agnostic (CUDA tensors take the Triton
-path when it is available).
+path when it is available; without it they select with torch operations).
 
 How the rows of a tile of the metadata's work plan (one batch, query blocks
 [i0, i1), all heads) are processed:
