@@ -252,6 +252,7 @@ def _integer_case(nq, nk, q_tokens, kv_tokens, bs, seed=0, prompt=None):
                          q_lens=[q_tokens], kv_lens=[kv_tokens], prompt=prompt, integer=True)
 
 
+@pytest.mark.usefixtures("selection")
 def test_long_kv_scores_in_key_chunks_and_matches_reference(bmm_shapes):
     """kv = 1M tokens at Bs = 16: 65536 key blocks (chunks of key_chunk), 4
     query blocks, Nq 4 / Nk 2. The budget is 256 (capped), chosen among 65000+
@@ -291,7 +292,7 @@ def workspace_sizes(monkeypatch):
     pytest.param(8192 * 16, 8192 * 16, 16, 1, id="causal-128K-tokens-8192-blocks"),
 ])
 def test_score_temporaries_bounded_by_tile_budget(bmm_shapes, workspace_sizes, monkeypatch,
-                                                   q_tokens, kv_tokens, bs, nq):
+                                                   selection, q_tokens, kv_tokens, bs, nq):
     """The full score matrix (rows x key blocks, > TILE_ELEMENTS here) is never
     materialised: the score buffer holds at most TILE_ELEMENTS elements (all
     query heads), each matmul is at most GEMM_KEYS_MAX key blocks wide, and the
@@ -316,6 +317,8 @@ def test_score_temporaries_bounded_by_tile_budget(bmm_shapes, workspace_sizes, m
     for name, n in workspace_sizes:
         sizes[name] = max(n, sizes.get(name, 0))
     assert sizes["scores"] <= md.TILE_ELEMENTS
+    if selection == "torch":  # the native kernel keeps no survivors
+        assert slices
     assert all(rows == 1 or rows * width <= cpu.SURVIVOR_ELEMENTS for rows, width in slices)
     assert 4 * max(sizes.get("keys", 0), sizes.get("key_cache", 0)) <= cpu.KEY_CACHE_BYTES
     assert max(s[-1] for s in bmm_shapes) <= cpu.GEMM_KEYS_MAX
@@ -327,6 +330,7 @@ def test_score_temporaries_bounded_by_tile_budget(bmm_shapes, workspace_sizes, m
     assert torch.equal(seq[0, 0], torch.minimum(s2, torch.tensor(8 + k)).to(torch.int32))
 
 
+@pytest.mark.usefixtures("selection")
 def test_key_chunk_narrower_than_the_budget(bmm_shapes):
     """Df = 40000 makes the float32 key chunk 209 blocks (OPERAND_BYTES), fewer
     than the budget 256 (P = 3000 blocks): the top-k is merged over chunks
@@ -352,6 +356,7 @@ def _clone(inp: Inputs) -> Inputs:
                   None if inp.num_prompt_tokens is None else inp.num_prompt_tokens.clone())
 
 
+@pytest.mark.usefixtures("selection")
 @pytest.mark.parametrize("precision", [1, 2])
 def test_padding_and_empty_batches_are_never_read(precision):
     """b0: q 10 tokens (Qb 3 of Qmax 5), kv 37 tokens (Kb 10 of Kmax 12);
@@ -376,6 +381,7 @@ def test_padding_and_empty_batches_are_never_read(precision):
     assert int(clean[1].sum()) > 0
 
 
+@pytest.mark.usefixtures("selection")
 @pytest.mark.parametrize("tiling", ["one-tile", "single-row-tiles"])
 def test_future_key_blocks_never_influence_earlier_causal_rows(tiling, monkeypatch):
     """Causal, Qb = Kb = 20 (Bs 4), K = 2, sink 1, window 1. Key blocks
@@ -408,6 +414,7 @@ def test_future_key_blocks_never_influence_earlier_causal_rows(tiling, monkeypat
     assert_out_equal((idx, seq), ref, "poisoned future blocks vs reference")
 
 
+@pytest.mark.usefixtures("selection")
 def test_kept_workspace_carries_nothing_between_calls():
     """The CPU path keeps its scratch buffers for the thread's next call:
     calls of other shapes in between (and NaN-poisoned buffers) change nothing."""
