@@ -15,6 +15,7 @@ run on both selections too (the ``selection`` fixture of conftest.py).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import shutil
 
@@ -194,7 +195,9 @@ def test_build_goes_to_the_cache_dir_and_is_reused(fresh_native):
     native.reset()
     assert native.kernel() is not None
     assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
-    assert list(fresh_native.glob("*")) == built  # no temporary left behind
+    digest = built[0].with_suffix(".sha256")
+    assert sorted(fresh_native.glob("*")) == sorted([*built, digest])  # no temporary left
+    assert digest.read_text().strip() == hashlib.sha256(built[0].read_bytes()).hexdigest()
 
 
 def test_concurrent_calls_from_python_threads_agree():

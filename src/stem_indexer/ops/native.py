@@ -1,25 +1,29 @@
-"""The CPU path's native selection kernel (``csrc/select_rows.c``).
+"""Native CPU kernels: plain C files in ``csrc/``, built at first use, verified, loaded.
 
-The kernel writes finished output rows from a tile's float32 scores: exact
-top-k by a radix select over each row's keys, then sink ++ picks ++ window
-in one pass per row. It is plain C with no dependency (not even on
-torch's headers), built with the system C compiler at first use into a cache
-directory, and called through ``ctypes``. Its rows are shared by OpenMP
-threads: built with ``-fopenmp``, it binds to the ``libgomp.so.1`` torch has
-loaded, so it uses torch's own thread pool (threads of a second pool would
-compete with torch's spinning workers for the cores). Compilers without
-OpenMP build it serial.
+Each kernel is one C file with no dependency (not even on torch's headers),
+compiled with the system C compiler into a cache directory and called through
+``ctypes``. Built with ``-fopenmp`` where the compiler has it, a kernel binds
+to the ``libgomp.so.1`` torch has loaded and so runs on torch's own thread
+pool (threads of a second pool would compete with torch's spinning workers
+for the cores); compilers without OpenMP build it serial.
 
-Without a compiler (or with ``STEM_INDEXER_NATIVE=0``) ``kernel()`` returns
-None and ``ops/cpu.py`` selects with torch operations instead: the same
-results, a little slower. ``status()`` says which and why.
+What gets loaded is checked, so that a damaged or planted file can neither
+crash the process nor run:
 
-Environment:
+* the cache directory must belong to the current user and be writable by
+  nobody else; otherwise nothing is built or loaded there (one warning) and
+  the callers fall back to torch operations;
+* next to each library lies the SHA-256 of the file as this package built
+  it; a library is loaded only when its digest matches (a truncated,
+  replaced or foreign file is rebuilt instead) and when it has every
+  function it must have;
+* a build is compiled to a private temporary file, loaded from there, then
+  moved into place atomically, so concurrent builders never see each
+  other's half-written files.
 
-* ``STEM_INDEXER_NATIVE=0``: do not build or use the kernel.
-* ``STEM_INDEXER_CACHE_DIR``: where the built library goes (default
-  ``$XDG_CACHE_HOME/stem_indexer`` or ``~/.cache/stem_indexer``).
-* ``CC``: the C compiler (default ``cc``).
+Without a compiler, when a build fails or with ``STEM_INDEXER_NATIVE=0`` a
+library is None and its callers use their torch fallback (same results,
+slower). ``status()`` says which and why. Environment: see ``_env.py``.
 """
 
 from __future__ import annotations
@@ -28,93 +32,218 @@ import ctypes
 import hashlib
 import os
 import platform
-import shlex
 import shutil
 import subprocess
 import tempfile
 import threading
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "select_rows.c"
+from .. import _env
+
+CSRC = Path(__file__).parent / "csrc"
 CFLAGS = ("-O3", "-std=c11", "-shared", "-fPIC")
 OPENMP = ("-fopenmp",)
 COMPILE_SECONDS = 120
 
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+@dataclass(frozen=True)
+class Library:
+    """One C file of ``csrc/`` and the functions Python calls in it.
+
+    ``functions`` maps each exported name to ``(restype, argtypes)``.
+    """
+
+    source: str
+    functions: dict = field(hash=False, compare=False)
+    cflags: tuple[str, ...] = ()
+
+    @property
+    def path(self) -> Path:
+        return CSRC / f"{self.source}.c"
+
+
+SELECT_ROWS = Library("select_rows", {
+    "stem_select_rows": (ctypes.c_int, [_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64,
+                                        _i64, _i64, ctypes.c_int, _ptr, _i64, _i64,
+                                        ctypes.c_int]),
+})
+
 _lock = threading.Lock()
-_state: dict = {}  # "lib" (ctypes.CDLL or None), "why" (str)
+_loaded: dict[str, tuple[ctypes.CDLL | None, str]] = {}
 
 
-def _cache_dir() -> Path:
-    explicit = os.environ.get("STEM_INDEXER_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "stem_indexer"
+def load(lib: Library) -> ctypes.CDLL | None:
+    """The library, built and loaded on first use; None when it cannot be used."""
+    if lib.source not in _loaded:
+        with _lock:
+            if lib.source not in _loaded:
+                _loaded[lib.source] = _load(lib)
+    return _loaded[lib.source][0]
 
 
-def _build() -> tuple[ctypes.CDLL | None, str]:
-    if os.environ.get("STEM_INDEXER_NATIVE", "1") == "0":
-        return None, "disabled by STEM_INDEXER_NATIVE=0"
-    compiler = shlex.split(os.environ.get("CC", "cc"))
-    if not compiler or shutil.which(compiler[0]) is None:
-        return None, f"no C compiler ({' '.join(compiler) or 'CC is empty'})"
-    source = SOURCE.read_bytes()
-    tag = hashlib.sha256(source + repr((compiler, CFLAGS, OPENMP, platform.machine())).encode())
-    target = _cache_dir() / f"select_rows-{tag.hexdigest()[:16]}.so"
-    if not target.exists():
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-            os.close(fd)
-        except OSError as err:
-            return None, f"cache directory {target.parent} not writable ({err})"
-        try:
-            for extra in (OPENMP, ()):
-                proc = subprocess.run([*compiler, *CFLAGS, *extra, "-o", tmp, str(SOURCE)],
-                                      capture_output=True, text=True, timeout=COMPILE_SECONDS)
-                if proc.returncode == 0:
-                    break
-            else:
-                return None, f"compiling {SOURCE.name} failed: {proc.stderr.strip()[-500:]}"
-            os.replace(tmp, target)  # atomic: concurrent builders agree
-        except (OSError, subprocess.TimeoutExpired) as err:
-            return None, f"compiling {SOURCE.name} failed ({err})"
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    try:
-        lib = ctypes.CDLL(str(target))
-    except OSError as err:
-        return None, f"loading {target} failed ({err})"
-    fn = lib.stem_select_rows
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int,
-                   ptr, i64, i64, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return lib, f"{SOURCE.name} built into {target}"
+def status(lib: Library = SELECT_ROWS) -> str:
+    """Whether ``lib`` is in use, and why (builds it on first call)."""
+    load(lib)
+    cdll, why = _loaded[lib.source]
+    return ("native: " if cdll is not None else "torch fallback: ") + why
 
 
 def kernel() -> ctypes.CDLL | None:
-    """The loaded library, or None when it cannot be used (see ``status``)."""
-    if "lib" not in _state:
-        with _lock:
-            if "lib" not in _state:
-                _state["lib"], _state["why"] = _build()
-    return _state["lib"]
-
-
-def status() -> str:
-    """Whether the CPU path selects natively, and why (builds on first call)."""
-    kernel()
-    return ("native: " if _state["lib"] is not None else "torch fallback: ") + _state["why"]
+    """The CPU path's selection kernel (``csrc/select_rows.c``), or None."""
+    return load(SELECT_ROWS)
 
 
 def reset() -> None:
-    """Forget the loaded state; the next ``kernel()`` looks again (tests)."""
+    """Forget what was loaded; the next ``load`` looks again (tests)."""
     with _lock:
-        _state.clear()
+        _loaded.clear()
+
+
+# --------------------------------------------------------------------------- #
+# Build, verify, load
+# --------------------------------------------------------------------------- #
+
+
+def _load(lib: Library) -> tuple[ctypes.CDLL | None, str]:
+    if not _env.flag(_env.NATIVE, True):
+        return None, f"disabled by {_env.NATIVE}={os.environ.get(_env.NATIVE)}"
+    compiler = _env.compiler()
+    if not compiler or shutil.which(compiler[0]) is None:
+        return None, f"no C compiler ({' '.join(compiler) or 'CC is empty'})"
+    directory = _env.cache_dir()
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as err:
+        return None, f"cache directory {directory} not usable ({err})"
+    why = _untrusted(directory)
+    if why:
+        warnings.warn(f"stem_indexer: not loading native kernels from {directory}: {why}; "
+                      f"using torch operations (set {_env.CACHE_DIR} to a private directory)",
+                      RuntimeWarning, stacklevel=3)
+        return None, f"cache directory refused: {why}"
+    target = directory / f"{lib.source}-{_tag(lib, compiler)}.so"
+    digest = target.with_suffix(".sha256")
+    if _verified(target, digest):
+        cdll, err = _open(lib, target)
+        if cdll is not None:
+            return cdll, f"{lib.path.name} loaded from {target}"
+    return _build(lib, compiler, target, digest)
+
+
+def _tag(lib: Library, compiler: list[str]) -> str:
+    """Cache key: the source, compiler, flags and what the flags depend on."""
+    host = platform.machine()
+    if any("native" in flag for flag in lib.cflags):  # -march=native: this CPU's features
+        host += _cpu_flags()
+    key = lib.path.read_bytes() + repr((compiler, CFLAGS, OPENMP, lib.cflags, host)).encode()
+    return hashlib.sha256(key).hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _untrusted(path: Path) -> str | None:
+    """Why ``path`` may not be trusted (None: it is this user's alone)."""
+    try:
+        st = path.stat()
+    except OSError as err:
+        return str(err)
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        return f"{path} belongs to another user"
+    if st.st_mode & 0o022:
+        return f"{path} is writable by group or others"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _verified(target: Path, digest: Path) -> bool:
+    """The library exists, is this user's alone and is the file we built."""
+    if _untrusted(target) or _untrusted(digest):
+        return False
+    try:
+        return digest.read_text().strip() == _sha256(target)
+    except OSError:
+        return False
+
+
+def _open(lib: Library, path: Path) -> tuple[ctypes.CDLL | None, str]:
+    try:
+        cdll = ctypes.CDLL(str(path))
+        for name, (restype, argtypes) in lib.functions.items():
+            fn = getattr(cdll, name)
+            fn.restype, fn.argtypes = restype, argtypes
+    except (OSError, AttributeError) as err:
+        return None, f"loading {path} failed ({err})"
+    return cdll, ""
+
+
+def _build(lib: Library, compiler: list[str], target: Path,
+           digest: Path) -> tuple[ctypes.CDLL | None, str]:
+    try:
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+    except OSError as err:
+        return None, f"cache directory {target.parent} not writable ({err})"
+    try:
+        err = _compile(lib, compiler, tmp)
+        if err:
+            return None, err
+        built = _sha256(Path(tmp))
+        cdll, err = _open(lib, Path(tmp))  # loaded from our own file: no race
+        if cdll is None:
+            return None, err
+        os.replace(tmp, target)
+        # A reader between the two replaces sees a mismatch and builds again.
+        _write_atomic(digest, built + "\n")
+        return cdll, f"{lib.path.name} built into {target}"
+    except OSError as err:
+        return None, f"installing {target} failed ({err})"
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _compile(lib: Library, compiler: list[str], out: str) -> str | None:
+    """Compile ``lib`` into ``out``; the error text, or None."""
+    for extra in (OPENMP, ()):
+        cmd = [*compiler, *CFLAGS, *lib.cflags, *extra, "-o", out, str(lib.path)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_SECONDS)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            return f"compiling {lib.path.name} failed ({err})"
+        if proc.returncode == 0:
+            return None
+    return f"compiling {lib.path.name} failed: {proc.stderr.strip()[-500:]}"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+# --------------------------------------------------------------------------- #
+# The selection kernel's face
+# --------------------------------------------------------------------------- #
 
 
 def select_rows(nk: int, c: int, group: int, s2: torch.Tensor, sink_end: torch.Tensor,
