@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import stem_indexer
+from stem_indexer import attention
 from stem_indexer.attention import block_sparse_attention, dense_attention, stem_attention
+from stem_indexer.ops import gather_attention
 
 
 def expanded_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, causal):
@@ -78,12 +80,18 @@ def _random_case(shape, seed):
     return q, k, v, idx, seq_len
 
 
-@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def _backends() -> list:
+    """Every backend that runs here; compiled FlexAttention on two shapes (each
+    new shape compiles for seconds on CPU)."""
+    out = [(s, "gather") for s in SHAPES]
+    if attention._native() is not None:
+        out += [(s, "native") for s in SHAPES]
+    out += [(s, "flex") for s in SHAPES[1:3]]
+    return [pytest.param(s, b, id=f"{_ids(s)}-{b}") for s, b in out]
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("shape, backend", [(s, "gather") for s in SHAPES]
-                         + [(s, "flex") for s in SHAPES[1:3]],
-                         ids=[_ids(s) + "-gather" for s in SHAPES]
-                         + [_ids(s) + "-flex" for s in SHAPES[1:3]])
+@pytest.mark.parametrize("shape, backend", _backends())
 def test_block_sparse_matches_masked_dense(shape, causal, backend):
     batch, hq, hkv, sq, skv, dim, bs, q_lens, kv_lens = shape
     q, k, v, idx, seq_len = _random_case(shape, sum(shape[:7]))
@@ -96,9 +104,9 @@ def test_block_sparse_matches_masked_dense(shape, causal, backend):
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("lens", [None, ([64, 40], [64, 40])], ids=["full", "lens"])
-def test_complete_leading_rows_take_the_dense_path(causal, lens):
+def test_complete_rows_and_sparse_rows_together(causal, lens):
     """Rows listing every block they see (as the budget makes early rows) plus
-    sparse later rows: the result is still exactly the masked one."""
+    sparse later rows: the result is exactly the masked one."""
     batch, hq, hkv, seq, dim, bs = 2, 4, 2, 64, 8, 8
     q_lens, kv_lens = lens if lens else (None, None)
     gen = torch.Generator().manual_seed(11)
@@ -123,17 +131,13 @@ def test_complete_leading_rows_take_the_dense_path(causal, lens):
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("score_bytes, pad_waste", [(8 * 8 * 4 * 3, 0.125), (1 << 20, 1.0),
-                                                     (8 * 8 * 4 * 2, 1.0)],
-                         ids=["keys-split", "padded-chunks", "split-and-padded"])
+@pytest.mark.parametrize("score_bytes", [8 * 8 * 4 * 2, 8 * 8 * 4 * 3, 1 << 20],
+                         ids=["keys-split", "split-and-padded", "padded-chunks"])
 @pytest.mark.parametrize("shape", SHAPES[1:4], ids=[_ids(s) for s in SHAPES[1:4]])
-def test_gather_chunking_is_exact(shape, causal, score_bytes, pad_waste, monkeypatch):
+def test_gather_chunking_is_exact(shape, causal, score_bytes, monkeypatch):
     """Lists split across key segments (running max / sum) and rows of
     different list lengths padded into one chunk give the masked result."""
-    from stem_indexer import attention
-
-    monkeypatch.setattr(attention, "_SCORE_BYTES", score_bytes)
-    monkeypatch.setattr(attention, "_PAD_WASTE", pad_waste)
+    monkeypatch.setattr(gather_attention, "SCORE_BYTES", score_bytes)
     batch, hq, hkv, sq, skv, dim, bs, q_lens, kv_lens = shape
     q, k, v, idx, seq_len = _random_case(shape, sum(shape[:7]) + 1)
     out = block_sparse_attention(q, k, v, idx, seq_len, block_size=bs, causal=causal,
@@ -198,7 +202,7 @@ def test_empty_rows_and_padded_queries_are_zero():
 
 @pytest.mark.parametrize("mutate, arg", [
     (lambda a: a["idx"].__setitem__((0, 0, 0, 0), 5), r"sparse_indices\[0, 0, 0, 0\]"),
-    (lambda a: a["idx"].__setitem__((0, 0, 0, 1), 0), r"sparse_indices\[0, 0, 0\]"),
+    (lambda a: a["idx"].__setitem__((0, 0, 0, 1), 0), r"sparse_indices\[0, 0, 0, 1\]"),
     (lambda a: a["len"].__setitem__((0, 1, 0), 4), r"sparse_seq_len\[0, 1, 0\]"),
     (lambda a: a.update(idx=a["idx"][:, :, :1]), "sparse_indices"),
     (lambda a: a.update(idx=a["idx"].float()), "sparse_indices"),
@@ -209,6 +213,7 @@ def test_empty_rows_and_padded_queries_are_zero():
     (lambda a: a.update(block_size=0), "block_size"),
     (lambda a: a.update(kv_lens=[25]), r"kv_lens\[0\]"),
     (lambda a: a.update(backend="cuda"), "backend"),
+    (lambda a: a.update(causal=None), "causal"),
     (lambda a: a.update(scale=float("inf")), "scale"),
 ])
 def test_block_sparse_invalid_inputs(mutate, arg):
@@ -218,7 +223,8 @@ def test_block_sparse_invalid_inputs(mutate, arg):
              idx=torch.tensor([0, 1, -1]).expand(1, 2, 3, 3).clone().int(),
              len=torch.full((1, 2, 3), 2, dtype=torch.int32), block_size=8)
     mutate(a)
-    with pytest.raises(stem_indexer.StemIndexerInputError, match=arg):
+    with pytest.raises(stem_indexer.StemIndexerInputError,
+                       match="^block_sparse_attention: " + arg):
         block_sparse_attention(a.pop("q"), a.pop("k"), a.pop("v"), a.pop("idx"), a.pop("len"),
                                **a)
 
@@ -227,7 +233,7 @@ def test_block_sparse_invalid_inputs(mutate, arg):
 # stem_attention
 # --------------------------------------------------------------------------- #
 
-SMALL = dict(block_size=16, stride=4)
+SMALL = dict(stem_block_size=16, stem_stride=4)
 
 
 def _qkv(batch, hq, hkv, sq, skv, dim, seed, dtype=torch.float32):
@@ -245,7 +251,7 @@ def test_stem_attention_is_the_indexer_selection(causal):
     lens = [1100, 900]
     out = stem_attention(q, k, v, causal=causal, q_lens=lens, kv_lens=lens, **SMALL)
     inputs = stem_indexer.stem_inputs(q, k, v, q_lens=lens, kv_lens=lens, scale=8 ** -0.5 / 4,
-                                      **SMALL)
+                                      block_size=16, stride=4)
     idx, seq_len = stem_indexer.stem_indexer(*inputs, causal=causal, stem_block_size=16,
                                              stem_stride=4)
     assert int(seq_len.sum()) < int((idx.shape[-1] * (seq_len > 0)).sum())  # really sparse
@@ -293,10 +299,85 @@ def test_stem_attention_dtype_scale_and_errors():
     with pytest.raises(stem_indexer.StemIndexerInputError, match="num_prompt_tokens"):
         stem_attention(q, k, v, num_prompt_tokens=[10])
     with pytest.raises(stem_indexer.StemIndexerInputError, match="stem_block_size"):
-        stem_attention(q, k, v, block_size=12, stride=8)
+        stem_attention(q, k, v, stem_block_size=12, stem_stride=8)
+    with pytest.raises(stem_indexer.StemIndexerInputError, match="block_size is not an indexer"):
+        stem_attention(q, k, v, block_size=16)
 
 
-def test_flex_backend_is_available():
-    from stem_indexer import attention
+_BAD_ARGS = [("causal", None), ("causal", "no"), ("backend", "xla"), ("oam", 1),
+             ("min_q_blocks", 1.5)]
 
-    assert attention._flex_available()  # torch >= 2.6 ships FlexAttention with BlockMask
+
+@pytest.mark.parametrize("call, name, value", [
+    (call, name, value) for call in ("stem_attention", "stem_attention-dense",
+                                     "block_sparse_attention")
+    for name, value in _BAD_ARGS
+    if call != "block_sparse_attention" or name not in ("oam", "min_q_blocks")])
+def test_arguments_are_checked_whichever_path_runs(call, name, value):
+    """Whether the call would run dense or sparse, a bad argument is refused."""
+    seq = 1100 if call == "stem_attention" else 64  # 64 tokens: the dense path
+    q, k, v = _qkv(1, 2, 1, seq, seq, 8, 19)
+    with pytest.raises(stem_indexer.StemIndexerInputError, match=f"{call.split('-')[0]}: {name}"):
+        if call == "block_sparse_attention":
+            idx = torch.zeros(1, 2, 4, 1, dtype=torch.int32)
+            block_sparse_attention(q, k, v, idx, torch.ones(1, 2, 4, dtype=torch.int32),
+                                   block_size=16, **{name: value})
+        else:
+            stem_attention(q, k, v, **SMALL, **{name: value})
+
+
+@pytest.mark.parametrize("seq", [64, 1100], ids=["dense-path", "sparse-path"])
+def test_inference_only_the_same_on_every_path(seq):
+    q, k, v = _qkv(1, 2, 1, seq, seq, 8, 20)
+    q.requires_grad_()
+    with pytest.raises(stem_indexer.StemIndexerInputError, match="inference-only"):
+        stem_attention(q, k, v, **SMALL)
+    with torch.no_grad():
+        assert stem_attention(q, k, v, **SMALL).shape == q.shape
+
+
+@pytest.mark.parametrize("backend", [b for b in ("gather", "native", "flex")
+                                     if b != "native" or attention._native() is not None])
+def test_nan_and_inf_in_padding_never_reach_valid_outputs(backend):
+    """Padded positions of q, k and v (past the lengths, and the tail of the
+    last block) hold NaN and inf; valid outputs equal those of clean inputs."""
+    shape = SHAPES[2]  # padded batches, tails, GQA
+    batch, hq, hkv, sq, skv, dim, bs, q_lens, kv_lens = shape
+    q, k, v, idx, seq_len = _random_case(shape, 23)
+    dirty = [x.clone() for x in (q, k, v)]
+    for b in range(batch):
+        dirty[0][b, :, q_lens[b]:] = float("nan")
+        dirty[1][b, :, kv_lens[b]:] = float("inf")
+        dirty[2][b, :, kv_lens[b]:] = float("nan")
+    args = dict(block_size=bs, q_lens=q_lens, kv_lens=kv_lens, backend=backend)
+    clean = block_sparse_attention(q, k, v, idx, seq_len, **args)
+    out = block_sparse_attention(*dirty, idx, seq_len, **args)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, clean, rtol=1e-6, atol=1e-6)
+
+
+def test_block_mask_splits_full_and_partial_blocks():
+    """Hand-checked: 3 query blocks of 4 over 12 keys (kv_len 11: a tail),
+    causal. Row 2 lists 0, 1, 2: blocks 0 and 1 are whole for every query of
+    block 2; block 2 holds the diagonal and the tail, so it is partial."""
+    idx = torch.tensor([[[[0, -1, -1], [0, 1, -1], [0, 1, 2]]]], dtype=torch.int32)
+    seq_len = torch.tensor([[[1, 2, 3]]], dtype=torch.int32)
+    mask = stem_indexer.block_mask(idx, seq_len, block_size=4, q_len=11, kv_len=11)
+    assert mask.full_kv_num_blocks.tolist() == [[[0, 1, 2]]]
+    assert mask.kv_num_blocks.tolist() == [[[1, 1, 1]]]
+    assert mask.full_kv_indices[0, 0, 2, :2].tolist() == [0, 1]
+    assert [mask.kv_indices[0, 0, i, 0].item() for i in range(3)] == [0, 1, 2]
+    visible = [[bool(mask.mask_mod(torch.tensor(0), torch.tensor(0), torch.tensor(t),
+                                   torch.tensor(j))) for j in range(12)] for t in (8, 10)]
+    assert visible[0] == [j <= 8 for j in range(12)]
+    assert visible[1] == [j <= 10 for j in range(12)]  # key 11 is past kv_len
+
+
+def test_stem_attention_flex_backend_equals_gather():
+    """The one-call path through compiled FlexAttention on CPU (the CUDA
+    default) gives the gather backend's result on the same selection."""
+    q, k, v = _qkv(2, 4, 2, 1100, 1100, 8, 22)
+    lens = [1100, 900]
+    flex = stem_attention(q, k, v, q_lens=lens, kv_lens=lens, backend="flex", **SMALL)
+    gather = stem_attention(q, k, v, q_lens=lens, kv_lens=lens, backend="gather", **SMALL)
+    torch.testing.assert_close(flex, gather, rtol=1e-5, atol=1e-5)

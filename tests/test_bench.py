@@ -1,4 +1,4 @@
-"""bench.py: the plain baseline and the GEMM line are right, and one tiny
+"""benchmarks/indexer_bench.py: the plain baseline and the GEMM line are right, and one tiny
 shape runs end to end (timings are printed by the benchmark, never asserted)."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import stem_indexer  # noqa: F401  (registers the ops)
-from stem_indexer import bench
-from stem_indexer.cases import get_case
-from stem_indexer.runner import golden_outputs
+import indexer_bench as bench
+from stem_indexer.ops import native
+from stem_indexer.testing.cases import get_case
+from stem_indexer.testing.runner import golden_outputs
 
 TINY = bench.Shape("T", "tiny causal mixed batch", (300, 1, 640), (900, 700, 640), 4, 2,
                    dim=32, repeat=1)
@@ -31,40 +32,43 @@ def test_plain_baseline_equals_reference(case_id):
     assert torch.equal(got[1], expected[1]) and torch.equal(got[0], expected[0])
 
 
-def test_gemm_line_computes_every_visible_score():
-    """The line's matmuls cover every visible (query block, key block) pair."""
-    inputs = TINY.make_inputs()
-    params = TINY.params
+def test_gemm_line_is_the_op_without_its_selection(monkeypatch):
+    """The ``gemm`` line runs the op's own score matmuls, and no selection."""
+    ranking = bench.Shape("R", "budget binds (71 key blocks)", (300, 1, 640), (9000, 7300, 640),
+                          4, 2, dim=32, repeat=1)
+    inputs = ranking.make_inputs()
+    params = ranking.params
     metadata = bench._metadata(inputs, params)
     seen = []
     real = torch.bmm
 
     def spy(a, b, *args, **kwargs):
-        seen.append((a.shape[1], b.shape[2]))
+        seen.append((tuple(a.shape), tuple(b.shape)))
         return real(a, b, *args, **kwargs)
 
-    torch.bmm = spy
-    try:
-        bench.gemm_line(inputs, metadata, params)()
-    finally:
-        torch.bmm = real
-    group = TINY.q_heads // TINY.kv_heads
-    computed = sum(rows // group * keys for rows, keys in seen)
-    assert computed >= bench.visible_pairs(inputs, params) > 0
+    monkeypatch.setattr(torch, "bmm", spy)
+    bench.run_op(inputs, metadata, params)
+    by_op, seen[:] = list(seen), []
+    selected = []
+    monkeypatch.setattr(native, "select_rows", lambda *args: selected.append(1))
+    bench.scores_only(inputs, metadata, params)()
+    assert seen == by_op and len(seen) > 0
+    assert selected == []  # the closure stubs the selection out itself
 
 
 def test_measure_shape_runs_and_checks():
     row = bench.measure_shape(TINY)
     assert row["check_exact"] and row["shape"] == "T"
-    for key in ("op_ms", "gemm_ms", "sgemm_ms", "plain_ms"):
+    for key in ("op_ms", "gemm_ms", "plain_ms"):
         assert row[key] > 0
     table = bench.markdown_table([row])
     assert table.count("\n") == 2 and "| T |" in table
 
 
 def test_unknown_shape_is_refused(capsys):
-    with pytest.raises(SystemExit, match="unknown"):
+    with pytest.raises(SystemExit) as exc:
         bench.main(["--shapes", "S1,S9"])
+    assert exc.value.code == 2 and "unknown ['S9']" in capsys.readouterr().err
 
 
 def test_shapes_match_the_benchmark_brief():

@@ -18,8 +18,8 @@ from functools import lru_cache
 import pytest
 import torch
 
-from stem_indexer import cases
-from stem_indexer.cases import Case
+from stem_indexer.testing import cases
+from stem_indexer.testing.cases import Case
 from stem_indexer.contract import IndexerParams
 from stem_indexer.reference import reference_budget, stem_indexer_reference
 

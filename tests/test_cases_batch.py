@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from stem_indexer import cases, runner
+from stem_indexer.testing import cases, runner
 
 _SPEC = os.environ.get(runner.ENV_CASE_ID, "").strip()
 _MODE_GIVEN = bool(os.environ.get(runner.ENV_MODE, "").strip())

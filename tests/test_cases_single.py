@@ -22,7 +22,7 @@ import os
 import pytest
 import torch
 
-from stem_indexer import cases, runner
+from stem_indexer.testing import cases, runner
 
 pytestmark = pytest.mark.usefixtures("selection")  # CPU: native and torch
 

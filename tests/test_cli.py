@@ -6,7 +6,8 @@ import csv
 
 import pytest
 
-from stem_indexer import cases, cli, runner
+from stem_indexer import cli
+from stem_indexer.testing import cases, runner
 
 
 def test_demo_summarises_the_article_example(capsys):

@@ -1,4 +1,5 @@
-"""Quality evaluation (``stem-indexer eval``) and the block map (``stem-indexer plot``)."""
+"""Quality evaluation (``testing.quality``, ``benchmarks/quality.py``) and the block map
+(``stem-indexer plot``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from stem_indexer import cli, contract, evaluate, stem_indexer
+import quality as quality_bench
+from stem_indexer import cli, contract, stem_indexer
+from stem_indexer.testing import quality as evaluate
 from stem_indexer.plot import BlockKind, block_kind_counts, classify_blocks
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -158,7 +161,7 @@ def test_keeping_every_block_measures_as_dense(synthetic):
 def test_density_and_mass_recall_follow_the_selection(synthetic):
     config = evaluate.EvalConfig(alpha=0.5)
     indices, seq_len = evaluate.select_blocks(synthetic, config)
-    probs, dense_out = evaluate.dense_attention(synthetic.q, synthetic.k, synthetic.v,
+    probs, dense_out = evaluate.dense_probs(synthetic.q, synthetic.k, synthetic.v,
                                                 synthetic.scale)
     row = evaluate.measure(synthetic, config, indices, seq_len, probs, dense_out)
     # Density from the contract: every row keeps its forced blocks plus its budget.
@@ -189,7 +192,7 @@ def test_default_table_has_every_configuration(synthetic):
     seen = {(r.config.budget.name, r.config.oam, r.config.alpha) for r in rows}
     assert {("P/8", oam, a) for oam in (True, False) for a in (1.0, 0.7, 0.5)} <= seen
     assert ("default", True, 1.0) in seen
-    table = evaluate.markdown_table(rows)
+    table = quality_bench.markdown_table(rows)
     assert table.count("\n") == len(rows) + 1
     assert "| synthetic | P/8 | off | 0.7 |" in table
     # Fewer blocks at a lower alpha, for both OAM settings.
@@ -210,19 +213,21 @@ def test_llama_workload_captures_one_layer():
 
 def test_cli_eval_prints_and_records(tmp_path, capsys):
     record = tmp_path / "QUALITY.md"
-    argv = ["eval", "--seq-len", "1024", "--block-size", "16", "--stride", "4", "--no-llama",
+    argv = ["--seq-len", "1024", "--block-size", "16", "--stride", "4", "--no-llama",
             "--record", str(record)]
-    assert cli.main(argv) == 0
+    assert quality_bench.main(argv) == 0
     printed = capsys.readouterr().out
     assert "| synthetic | P/8 | on | 1 |" in printed
     text = record.read_text()
-    assert "`stem-indexer eval --seq-len 1024 --block-size 16 --stride 4 --no-llama" in text
+    assert "`python benchmarks/quality.py --seq-len 1024 --block-size 16 --stride 4 --no-llama" in text
     assert "torch " + torch.__version__ in text and "- git: " in text
     assert "| synthetic | default | on | 1 |" in text
 
 
 def test_cli_eval_reports_bad_arguments(capsys):
-    assert cli.main(["eval", "--seq-len", "1000", "--block-size", "16", "--no-llama"]) == 2
+    with pytest.raises(SystemExit) as exc:
+        quality_bench.main(["--seq-len", "1000", "--block-size", "16", "--no-llama"])
+    assert exc.value.code == 2
     assert "seq_len must be a multiple of block_size" in capsys.readouterr().err
 
 

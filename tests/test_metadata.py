@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import stem_indexer
 from stem_indexer import metadata as md
+from stem_indexer.ops import cpu
 
 from stem_indexer.reference import reference_budget
 
@@ -98,8 +99,8 @@ def _check_plan(q_lens, kv_lens, q_heads, kv_heads, causal, bs, df=8, budget_rul
     OPERAND_BYTES; a single-row tile is always allowed)."""
     meta = METADATA(i32(q_lens), i32(kv_lens), q_heads, kv_heads, causal=causal,
                     stem_block_size=bs, dim_qkflat=df, window_size=2)
-    chunk = md.key_chunk(kv_heads, df)
-    assert 1 <= chunk <= md.KEY_CHUNK_MAX
+    chunk = cpu.key_chunk(kv_heads, df)
+    assert 1 <= chunk <= cpu.KEY_CHUNK_MAX
     assert chunk == 1 or 4 * kv_heads * df * chunk <= md.OPERAND_BYTES
     seen = set()
     for b, i0, i1, kend in _tiles(meta, len(q_lens)):
@@ -262,7 +263,7 @@ def test_long_kv_scores_in_key_chunks_and_matches_reference(bmm_shapes):
     params = dict(stem_block_size=16, stem_stride=16)
     got = run_op(inp, **params)
     assert bmm_shapes, "torch.bmm was not used: update this instrumentation"
-    chunk = md.key_chunk(2, 1)
+    chunk = cpu.key_chunk(2, 1)
     assert chunk < 65536
     assert max(s[-1] for s in bmm_shapes) <= chunk
     assert max(math.prod(s) for s in bmm_shapes) <= max(md.TILE_ELEMENTS, 4 * chunk)
@@ -274,7 +275,7 @@ def test_long_kv_scores_in_key_chunks_and_matches_reference(bmm_shapes):
 @pytest.fixture
 def workspace_sizes(monkeypatch):
     """Record (name, elements) of every scratch buffer ops/cpu.py takes."""
-    from stem_indexer.ops import cpu
+
 
     sizes = []
     real = cpu._Workspace.take
@@ -297,7 +298,7 @@ def test_score_temporaries_bounded_by_tile_budget(bmm_shapes, workspace_sizes, m
     materialised: the score buffer holds at most TILE_ELEMENTS elements (all
     query heads), each matmul is at most GEMM_KEYS_MAX key blocks wide, and the
     float32 key copy is at most one key chunk (or the small per-batch cache)."""
-    from stem_indexer.ops import cpu
+
 
     slices = []
     real_picks = cpu._survivor_picks
@@ -335,13 +336,13 @@ def test_key_chunk_narrower_than_the_budget(bmm_shapes):
     """Df = 40000 makes the float32 key chunk 209 blocks (OPERAND_BYTES), fewer
     than the budget 256 (P = 3000 blocks): the top-k is merged over chunks
     each smaller than K. 600 key blocks, 2 query blocks, integer data."""
-    assert md.key_chunk(1, 40000) < 256
+    assert cpu.key_chunk(1, 40000) < 256
     gen = torch.Generator().manual_seed(5)
     inp = random_inputs(gen, batch=1, nq=2, nk=1, qmax=2, kmax=600, df=40000, q_lens=[2],
                         kv_lens=[600], prompt=[3000], integer=True)
     params = dict(stem_block_size=1, stem_stride=1)
     got = run_op(inp, **params)
-    assert max(s[-1] for s in bmm_shapes) <= md.key_chunk(1, 40000)
+    assert max(s[-1] for s in bmm_shapes) <= cpu.key_chunk(1, 40000)
     assert_out_equal(got, run_ref(inp, **params), "narrow key chunks vs reference")
     assert got[1].tolist() == [[[264, 264], [264, 264]]]  # 8 forced + K 256
 
@@ -418,7 +419,7 @@ def test_future_key_blocks_never_influence_earlier_causal_rows(tiling, monkeypat
 def test_kept_workspace_carries_nothing_between_calls():
     """The CPU path keeps its scratch buffers for the thread's next call:
     calls of other shapes in between (and NaN-poisoned buffers) change nothing."""
-    from stem_indexer.ops import cpu
+
 
     gen = torch.Generator().manual_seed(11)
     a = random_inputs(gen, batch=2, nq=4, nk=2, qmax=40, kmax=300, df=8, q_lens=[40 * 16, 7],

@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stem_indexer
-from stem_indexer import StemIndexerInputError, compare
+from stem_indexer import StemIndexerInputError
+from stem_indexer.testing import compare
 from stem_indexer.contract import IndexerParams
 
 from _helpers import (Inputs, assert_out_equal, metadata_for, on_cpu, random_inputs, run_api,

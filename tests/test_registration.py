@@ -9,7 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import stem_indexer
-from stem_indexer import compare
+from stem_indexer.testing import compare
 from stem_indexer.contract import IndexerParams
 
 from _helpers import random_inputs

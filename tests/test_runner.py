@@ -12,8 +12,8 @@ import dataclasses
 import pytest
 import torch
 
-from stem_indexer import cases, runner
-from stem_indexer.cases import Case
+from stem_indexer.testing import cases, runner
+from stem_indexer.testing.cases import Case
 from stem_indexer.contract import IndexerParams
 
 SMALL = cases.get_case("SI_WB_002")  # randn, tails

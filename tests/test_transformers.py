@@ -25,7 +25,7 @@ from transformers.masking_utils import (  # noqa: E402
 import stem_indexer.integrations.transformers as stem_hf  # noqa: E402
 from stem_indexer.attention import stem_attention  # noqa: E402
 
-BLOCKING = dict(block_size=16, stride=4)
+BLOCKING = dict(stem_block_size=16, stem_stride=4)
 TIGHT = dict(k_block_num_rate_medium=0.125, k_block_num_bias_medium=0,
              k_block_num_rate_large=0.125, k_block_num_bias_large=0)
 DENSE, SPARSE = "stem-test-dense", "stem-test-sparse"
@@ -278,7 +278,7 @@ def test_register_checks_its_arguments():
 
 
 def test_register_and_unregister_names():
-    fn = stem_hf.register("stem-test-tmp", block_size=32, stride=8)
+    fn = stem_hf.register("stem-test-tmp", stem_block_size=32, stem_stride=8)
     assert fn.min_prefill_tokens == 32
     assert transformers.AttentionInterface._global_mapping["stem-test-tmp"] is fn
     assert "stem-test-tmp" in transformers.masking_utils.AttentionMaskInterface._global_mapping

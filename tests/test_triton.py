@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from stem_indexer import cases, compare  # noqa: E402
+from stem_indexer.testing import cases, compare  # noqa: E402
 from stem_indexer.contract import IndexerParams, StemIndexerInputError  # noqa: E402
 from stem_indexer.ops.triton import launch  # noqa: E402
 

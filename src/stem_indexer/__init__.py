@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch as _torch
 
 from .api import stem_indexer, stem_indexer_metadata
-from .attention import block_sparse_attention, stem_attention
+from .attention import block_sparse_attention, dense_attention, stem_attention
 from .contract import IndexerParams, StemIndexerInputError
+from .ops.flex_attention import block_mask
 from .prepare import StemInputs, stem_inputs
 from .reference import stem_indexer_reference
 
@@ -25,6 +26,8 @@ __all__ = [
     "stem_inputs",
     "StemInputs",
     "block_sparse_attention",
+    "block_mask",
+    "dense_attention",
     "stem_attention",
     "IndexerParams",
     "StemIndexerInputError",

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .contract import IndexerParams, check_indexer_inputs
 from .ops import library as _library  # noqa: F401  (registers the ops)
 
-__all__ = ["stem_indexer", "stem_indexer_metadata"]
+__all__ = ["stem_indexer", "stem_indexer_metadata", "run_indexer"]
 
 
 def stem_indexer_metadata(
@@ -80,7 +82,7 @@ def stem_indexer(
         StemIndexerInputError (a ValueError) naming the argument and the rule
         for any input outside the contract.
     """
-    attrs = dict(
+    params = IndexerParams(
         causal=causal, stem_block_size=stem_block_size, stem_stride=stem_stride, alpha=alpha,
         initial_blocks=initial_blocks, window_size=window_size,
         k_block_num_rate_medium=k_block_num_rate_medium,
@@ -88,15 +90,23 @@ def stem_indexer(
         k_block_num_rate_large=k_block_num_rate_large,
         k_block_num_bias_large=k_block_num_bias_large,
         topk_score_precision=topk_score_precision)
+    params.check()
     if metadata is None:
         # Check the inputs first, so that errors name this call's arguments,
         # not the metadata op's parameters derived from them.
         check_indexer_inputs(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens,
-                             None, IndexerParams(**attrs), metadata_required=False)
+                             None, params, metadata_required=False)
         metadata = stem_indexer_metadata(
             q_seq_lens, kv_seq_lens, qflat.shape[1], kflat.shape[1], causal=causal,
             stem_block_size=stem_block_size, dim_qkflat=qflat.shape[-1],
             window_size=window_size)
+    return run_indexer(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens,
+                       metadata, params)
+
+
+def run_indexer(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens, metadata,
+                params: IndexerParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """``custom::npu_stem_indexer`` with its attributes from ``params``."""
     return torch.ops.custom.npu_stem_indexer(
         qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens=num_prompt_tokens,
-        metadata=metadata, **attrs)
+        metadata=metadata, **dataclasses.asdict(params))

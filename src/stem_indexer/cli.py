@@ -1,17 +1,17 @@
-"""``stem-indexer``: demo, verify, cases, bench, eval and plot.
+"""``stem-indexer``: demo, verify, cases and plot.
 
     stem-indexer demo      the article's example on CPU, summarised
     stem-indexer verify    the case table against the reference; writes result.csv
     stem-indexer cases     list the case table
-    stem-indexer bench     CPU speed: the op against its score GEMM and a plain baseline
-    stem-indexer eval      selection quality against dense attention (markdown table)
     stem-indexer plot      a PNG of one head's selected block map
+
+Benchmarks (speed, selection quality) are scripts in the repository's
+``benchmarks/`` folder, not part of the installed package.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -79,14 +79,14 @@ def _progress(done: int, total: int, failed: int, label: str) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from . import cases, runner
+    from .testing import cases, runner
 
-    selection = cases.select_cases(args.cases or os.environ.get("STEM_INDEXER_CASE_ID"),
-                                   include_large=args.large)
+    selection = (cases.select_cases(args.cases, include_large=args.large) if args.cases
+                 else runner.env_cases(include_large=args.large))
     results, failed = [], 0
     _progress(0, len(selection), 0, "")
     for n, case in enumerate(selection, 1):
-        result = runner.run_case(case, device=args.device, mode=args.mode)
+        result = runner.run_case(case, device=args.device, mode=args.mode or runner.env_mode())
         results.append(result)
         if not result.ok:
             failed += 1
@@ -98,31 +98,11 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _cases(args: argparse.Namespace) -> int:
-    from . import cases
+    from .testing import cases
 
     for case in cases.all_cases(include_large=True):
         flag = " [large]" if case.large else ""
         print(f"{case.label}{flag}\n    {case.covers}")
-    return 0
-
-
-def _eval(args: argparse.Namespace) -> int:
-    from . import evaluate
-
-    start = time.perf_counter()
-    try:
-        workloads, rows = evaluate.run(seq_len=args.seq_len, block_size=args.block_size,
-                                       stride=args.stride, seed=args.seed,
-                                       llama=not args.no_llama)
-    except (ImportError, ValueError) as exc:
-        print(f"stem-indexer eval: error: {exc}", file=sys.stderr)
-        return 2
-    seconds = time.perf_counter() - start
-    print(f"\n({seconds:.1f} s on {torch.get_num_threads()} CPU threads)")
-    if args.record:
-        command = "stem-indexer " + " ".join(args.argv)
-        evaluate.record_markdown(rows, workloads, args.record, command, seconds)
-        print(f"recorded in {args.record}")
     return 0
 
 
@@ -158,33 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     verify.add_argument("--cases", help="comma-separated ids (default: STEM_INDEXER_CASE_ID "
                                         "or the whole table)")
     verify.add_argument("--large", action="store_true", help="include the large cases")
-    verify.add_argument("--mode", choices=("eager", "graph"),
-                        default=os.environ.get("STEM_INDEXER_MODE", "eager"))
+    verify.add_argument("--mode", choices=("eager", "graph"), default=None,
+                        help="default: STEM_INDEXER_MODE, else eager")
     verify.add_argument("--device", default="cpu", help="cpu or cuda")
     verify.add_argument("--out", default="result.csv", help="where to write the results")
     verify.set_defaults(func=_verify)
 
     listing = sub.add_parser("cases", help="list the case table")
     listing.set_defaults(func=_cases)
-
-    speed = sub.add_parser("bench", help="CPU speed against the score GEMM and a plain "
-                                         "baseline (shapes S1..S5)")
-    from . import bench
-
-    bench.add_arguments(speed)
-    speed.set_defaults(func=bench.command)
-
-    quality = sub.add_parser("eval", help="selection quality against dense attention")
-    quality.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
-    quality.add_argument("--block-size", type=int, default=32,
-                         help="Stem block size (small, for small shapes)")
-    quality.add_argument("--stride", type=int, default=8, help="Stem stride")
-    quality.add_argument("--seed", type=int, default=0)
-    quality.add_argument("--no-llama", action="store_true",
-                         help="skip the tiny Llama workload (needs transformers)")
-    quality.add_argument("--record", metavar="PATH",
-                         help="also write the table, command, machine and git sha to PATH")
-    quality.set_defaults(func=_eval)
 
     picture = sub.add_parser("plot", help="draw one head's selected block map to a PNG")
     picture.add_argument("--source", choices=("random", "synthetic"), default="random",

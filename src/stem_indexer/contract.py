@@ -13,6 +13,7 @@ Section numbers refer to SPEC.md, the operator contract.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -50,8 +51,30 @@ class StemIndexerInputError(ValueError):
     """
 
 
+def fail(who: str, arg: str, rule: str, got: object) -> None:
+    """Raise the package's input error: ``"<who>: <arg> <rule>; got <got>"``.
+
+    ``who`` is the public function the user called, so that every message
+    names the call, the argument and the rule, whichever helper checks it.
+    """
+    raise StemIndexerInputError(f"{who}: {arg} {rule}; got {got}")
+
+
 def _fail(arg: str, rule: str, got: object) -> None:
-    raise StemIndexerInputError(f"stem_indexer: {arg} {rule}; got {got}")
+    fail("stem_indexer", arg, rule, got)
+
+
+def check_int(who: str, name: str, value, lo: int) -> None:
+    """``value`` is an int (not a bool) and at least ``lo``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        fail(who, name, "must be an int", type(value).__name__)
+    if value < lo:
+        fail(who, name, f"must be >= {lo}", value)
+
+
+def check_bool(who: str, name: str, value) -> None:
+    if not isinstance(value, bool):
+        fail(who, name, "must be True or False", repr(value))
 
 
 def ceil_div(a, b):
@@ -85,39 +108,41 @@ class IndexerParams:
         """R = Bs / Ts: tokens folded into each representative vector."""
         return self.stem_block_size // self.stem_stride
 
-    def check(self) -> None:
-        """Section 7 rules on the scalar attributes."""
-        _check_int("stem_block_size", self.stem_block_size, 1)
-        _check_int("stem_stride", self.stem_stride, 1)
+    def check(self, who: str = "stem_indexer") -> None:
+        """Section 7 rules on the scalar attributes; errors name ``who``."""
+        check_bool(who, "causal", self.causal)
+        check_int(who, "stem_block_size", self.stem_block_size, 1)
+        check_int(who, "stem_stride", self.stem_stride, 1)
         if self.stem_block_size % self.stem_stride:
-            _fail(
-                "stem_block_size",
-                f"must be a multiple of stem_stride ({self.stem_stride})",
-                self.stem_block_size,
-            )
-        if not (math.isfinite(self.alpha) and 0.0 < self.alpha <= 1.0):
-            _fail("alpha", "must be finite with 0 < alpha <= 1", self.alpha)
-        _check_int("initial_blocks", self.initial_blocks, 0)
-        _check_int("window_size", self.window_size, 0)
+            fail(who, "stem_block_size", f"must be a multiple of stem_stride "
+                 f"({self.stem_stride})", self.stem_block_size)
+        if (isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float))
+                or not (math.isfinite(self.alpha) and 0.0 < self.alpha <= 1.0)):
+            fail(who, "alpha", "must be a finite number with 0 < alpha <= 1", self.alpha)
+        check_int(who, "initial_blocks", self.initial_blocks, 0)
+        check_int(who, "window_size", self.window_size, 0)
         for name in ("k_block_num_rate_medium", "k_block_num_rate_large"):
             v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0.0):
-                _fail(name, "must be finite and >= 0", v)
+            if (isinstance(v, bool) or not isinstance(v, (int, float))
+                    or not (math.isfinite(v) and v >= 0.0)):
+                fail(who, name, "must be a finite number >= 0", v)
         for name in ("k_block_num_bias_medium", "k_block_num_bias_large"):
-            _check_int(name, getattr(self, name), 0)
-        if self.topk_score_precision not in (1, 2):
-            _fail(
-                "topk_score_precision",
-                "must be 1 (float32 ranking) or 2 (bfloat16 ranking)",
-                self.topk_score_precision,
-            )
+            check_int(who, name, getattr(self, name), 0)
+        if self.topk_score_precision not in (1, 2) or isinstance(self.topk_score_precision, bool):
+            fail(who, "topk_score_precision", "must be 1 (float32 ranking) or 2 (bfloat16 "
+                 "ranking)", self.topk_score_precision)
 
-
-def _check_int(name: str, value: int, lo: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        _fail(name, "must be an int", type(value).__name__)
-    if value < lo:
-        _fail(name, f"must be >= {lo}", value)
+    @classmethod
+    def from_kwargs(cls, who: str, **kwargs) -> "IndexerParams":
+        """Parameters from keyword arguments named as the op's attributes, checked."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            fail(who, unknown[0], f"is not an indexer parameter (those are {', '.join(names)})",
+                 repr(kwargs[unknown[0]]))
+        params = cls(**kwargs)
+        params.check(who)
+        return params
 
 
 def score_scale(params: IndexerParams) -> float:
@@ -309,6 +334,12 @@ def check_indexer_inputs(
         )
     if metadata is not None:
         _check_tensor("metadata", metadata, 1, torch.int32)
+        from .metadata import metadata_size  # metadata.py builds on this module
+
+        expected = metadata_size(qflat.shape[0], kflat.shape[1])
+        if metadata.numel() != expected:
+            _fail("metadata", f"must have {expected} elements for batch {qflat.shape[0]} and "
+                  f"{kflat.shape[1]} kv heads (the metadata op's size)", metadata.numel())
 
     b, nq, qmax, df = qflat.shape
     if any(d == 0 for d in qflat.shape):
@@ -346,12 +377,12 @@ def check_metadata_inputs(
     if kv_seq_lens.device != q_seq_lens.device:
         _fail("kv_seq_lens", "must be on the device of q_seq_lens", kv_seq_lens.device)
     _check_batch("q_seq_lens", q_seq_lens.shape[0])
-    _check_int("q_heads", q_heads, 1)
-    _check_int("kv_heads", kv_heads, 1)
+    check_int("stem_indexer", "q_heads", q_heads, 1)
+    check_int("stem_indexer", "kv_heads", kv_heads, 1)
     _check_heads(q_heads, kv_heads, "q_heads", "kv_heads")
-    _check_int("stem_block_size", stem_block_size, 1)
-    _check_int("dim_qkflat", dim_qkflat, 1)
-    _check_int("window_size", window_size, 0)
+    check_int("stem_indexer", "stem_block_size", stem_block_size, 1)
+    check_int("stem_indexer", "dim_qkflat", dim_qkflat, 1)
+    check_int("stem_indexer", "window_size", window_size, 0)
 
 
 def check_lengths(
@@ -362,11 +393,16 @@ def check_lengths(
     _check_range("q_seq_lens", q_lens, qmax * block_size, "Qmax*stem_block_size")
     _check_range("kv_seq_lens", kv_lens, kmax * block_size, "Kmax*stem_block_size")
     if prompt is not None:
-        bad = (prompt < kv_lens).nonzero()
-        if bad.numel():
-            b = int(bad[0, 0])
-            _fail(f"num_prompt_tokens[{b}]", f"must be >= kv_seq_lens[{b}] ({int(kv_lens[b])})",
-                  int(prompt[b]))
+        check_prompt(prompt, kv_lens, "stem_indexer", "kv_seq_lens")
+
+
+def check_prompt(prompt: torch.Tensor, kv_lens: torch.Tensor, who: str, kv_name: str) -> None:
+    """Every prompt length is at least its batch's KV length (host tensors)."""
+    bad = (prompt < kv_lens).nonzero()
+    if bad.numel():
+        b = int(bad[0, 0])
+        fail(who, f"num_prompt_tokens[{b}]", f"must be >= {kv_name}[{b}] ({int(kv_lens[b])})",
+             int(prompt[b]))
 
 
 def _check_range(name: str, lens: torch.Tensor, hi: int | None, hi_name: str) -> None:

@@ -18,9 +18,10 @@ head, against every key block its last row sees) and float32 query copy fit
 a fixed budget. Rows that see no key block at all get no tile.
 When the metadata's fixed size cannot hold that many tiles (extreme shapes:
 tens of thousands of query blocks), tiles grow to fit and the backend runs
-each in budget-sized steps; the tiles then still partition the rows. The main op
-checks that the metadata matches its inputs exactly (header, lengths and the
-plan itself) before using the plan.
+each in budget-sized steps; the tiles then still partition the rows. The
+plan follows from the header and the lengths (the plan policy below), so the
+main op recomputes it and compares (``read_plan``): the stored plan is what
+the backends run, and its agreement with the inputs is checked on every call.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ INT32_MAX = 2**31 - 1
 VERSION = 2
 TILE_FIELDS = 4
 
-# Work budget of one tile: score elements (query rows x the key blocks its
-# last row sees, all query heads). The CPU path keeps one float32 score
+# Plan policy. Work budget of one tile: score elements (query rows x the key
+# blocks its last row sees, all query heads). The CPU path keeps one float32 score
 # buffer of this size and temporaries that are fractions of it.
 TILE_ELEMENTS = 1 << 24
 # At most this many query blocks per tile, so that the causal triangle a tile
@@ -54,15 +55,6 @@ TILE_ROWS_MAX = 64
 # Bytes of the float32 operand copies of one tile (its query rows, one chunk
 # of key blocks): the tile's rows and the key chunk are sized to fit.
 OPERAND_BYTES = 32 << 20
-# At most this many key blocks are scored at once; wider rows go in chunks.
-KEY_CHUNK_MAX = 1 << 14
-
-
-def key_chunk(kv_heads: int, dim_qkflat: int) -> int:
-    """Key blocks scored at once: their float32 copy fits ``OPERAND_BYTES``."""
-    return max(1, min(KEY_CHUNK_MAX, OPERAND_BYTES // (4 * kv_heads * dim_qkflat)))
-
-
 def tile_rows(q_heads: int, dim_qkflat: int, width):
     """Query blocks per tile for rows ``width`` key blocks wide (int or tensor)."""
     by_scores = TILE_ELEMENTS // (q_heads * width)
@@ -170,16 +162,14 @@ def read_plan(metadata: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tenso
               dim_qkflat: int, window_size: int) -> torch.Tensor:
     """Check that ``metadata`` was built for these inputs; return its tiles.
 
-    All tensors are host (CPU) copies. Raises ``StemIndexerInputError`` naming
-    the first mismatch; a plan that differs from the one these inputs give is
-    rejected too, so a corrupted plan is never used.
+    All tensors are host (CPU) copies. The plan is a function of the header's
+    fields and the lengths alone, so it is recomputed here and the stored copy
+    serves as a checksum: a metadata tensor built for other inputs, or whose
+    header or plan was altered, is rejected (``StemIndexerInputError`` naming
+    the first mismatch), never used.
     """
     batch = q_lens.shape[0]
-    expected_size = metadata_size(batch, kv_heads)
-    if metadata.numel() != expected_size:
-        raise StemIndexerInputError(
-            f"stem_indexer: metadata must have {expected_size} elements for batch {batch} "
-            f"and {kv_heads} kv heads; got {metadata.numel()}")
+    expected_size = metadata.numel()  # checked by contract.check_indexer_inputs
     header = Header.from_tensor(metadata)
     wanted = Header.recording(batch, q_heads, kv_heads, causal, stem_block_size, dim_qkflat,
                               window_size, header.num_tiles)

@@ -188,7 +188,7 @@ def plot_example(
         The ``block_kind_counts`` of the drawn map.
     """
     from .api import stem_indexer
-    from .evaluate import DEFAULT_BUDGET, TIGHT_BUDGET
+    from .testing.quality import DEFAULT_BUDGET, TIGHT_BUDGET
 
     budgets = {"default": DEFAULT_BUDGET, "tight": TIGHT_BUDGET}
     if budget not in budgets:
@@ -211,7 +211,7 @@ def plot_example(
         kv_lens = torch.full((b,), kv_len, dtype=torch.int32)
         what = "random qflat/kflat/vbias"
     elif source == "synthetic":
-        from .evaluate import synthetic_workload
+        from .testing.quality import synthetic_workload
         from .prepare import stem_inputs
 
         work = synthetic_workload(seq_len=kv_len, block_size=block_size, stride=stride, seed=seed)

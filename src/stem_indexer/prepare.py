@@ -48,7 +48,7 @@ from typing import NamedTuple
 
 import torch
 
-from .contract import StemIndexerInputError, ceil_div
+from .contract import ceil_div, check_int, fail
 
 __all__ = [
     "StemInputs",
@@ -72,20 +72,16 @@ class StemInputs(NamedTuple):
     kv_seq_lens: torch.Tensor  #: (B,) int32 KV tokens per batch
 
 
-def _fail(arg: str, rule: str, got: object, who: str = "stem_indexer") -> None:
-    raise StemIndexerInputError(f"{who}: {arg} {rule}; got {got}")
-
-
-def _check_4d(name: str, x, who: str = "stem_indexer") -> None:
+def _check_4d(name: str, x, who: str) -> None:
     if not isinstance(x, torch.Tensor):
-        _fail(name, "must be a torch.Tensor", type(x).__name__, who)
+        fail(who, name, "must be a torch.Tensor", type(x).__name__)
     if x.dim() != 4:
-        _fail(name, "must be 4-D [B, H, S, D]", f"shape {tuple(x.shape)}", who)
+        fail(who, name, "must be 4-D [B, H, S, D]", f"shape {tuple(x.shape)}")
     if not x.is_floating_point():
-        _fail(name, "must be a floating-point tensor", x.dtype, who)
+        fail(who, name, "must be a floating-point tensor", x.dtype)
 
 
-def check_qkv(q, k, v, who: str = "stem_indexer", *, same_dtype: bool = False
+def check_qkv(q, k, v, who: str, *, same_dtype: bool = False
               ) -> tuple[int, int, int, int, int, int]:
     """q [B,Hq,Sq,D], k and v [B,Hkv,Skv,D] of one shape, one device, Hq % Hkv
     == 0, non-empty dims; returns (B, Hq, Hkv, Sq, Skv, D). Errors name
@@ -93,39 +89,43 @@ def check_qkv(q, k, v, who: str = "stem_indexer", *, same_dtype: bool = False
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_4d(name, x, who)
     if k.shape != v.shape:
-        _fail("v", f"must have the shape of k {tuple(k.shape)}", tuple(v.shape), who)
-    if same_dtype and not (q.dtype == k.dtype == v.dtype):
-        _fail("k", f"and v must have q's dtype ({q.dtype})", (k.dtype, v.dtype), who)
+        fail(who, "v", f"must have the shape of k {tuple(k.shape)}", tuple(v.shape))
+    for name, x in (("k", k), ("v", v)):
+        if same_dtype and x.dtype != q.dtype:
+            fail(who, name, f"must have q's dtype ({q.dtype})", x.dtype)
     if len({q.device, k.device, v.device}) > 1:
-        _fail("k", "and v must be on q's device", (str(k.device), str(v.device)), who)
+        fail(who, "k", "and v must be on q's device", (str(k.device), str(v.device)))
     batch, hq, sq, dim = q.shape
     kb, hkv, skv, kdim = k.shape
     if kb != batch:
-        _fail("k", f"batch dim must equal q's ({batch})", kb, who)
+        fail(who, "k", f"batch dim must equal q's ({batch})", kb)
     if kdim != dim:
-        _fail("k", f"head dim must equal q's ({dim})", kdim, who)
+        fail(who, "k", f"head dim must equal q's ({dim})", kdim)
     if hkv < 1 or hq % hkv:
-        _fail("q", f"heads (dim 1) must be a multiple of k's heads ({hkv})", hq, who)
+        fail(who, "q", f"heads (dim 1) must be a multiple of k's heads ({hkv})", hq)
     if batch == 0 or sq == 0 or dim == 0:
-        _fail("q", "must have non-empty batch, sequence and head dims", tuple(q.shape), who)
+        fail(who, "q", "must have non-empty batch, sequence and head dims", tuple(q.shape))
     if skv == 0:
-        _fail("k", "must have a non-empty sequence dim", tuple(k.shape), who)
+        fail(who, "k", "must have a non-empty sequence dim", tuple(k.shape))
     return batch, hq, hkv, sq, skv, dim
 
 
-def check_blocking(block_size: int, stride: int) -> None:
+def check_oam_lambda(oam_lambda, who: str) -> None:
+    if (isinstance(oam_lambda, bool) or not isinstance(oam_lambda, (int, float))
+            or not math.isfinite(oam_lambda)):
+        fail(who, "oam_lambda", "must be a finite number", oam_lambda)
+
+
+def check_blocking(block_size: int, stride: int, who: str) -> None:
     """``block_size`` and ``stride`` are positive ints with Bs % Ts == 0."""
-    for name, value in (("block_size", block_size), ("stride", stride)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            _fail(name, "must be an int", type(value).__name__)
-        if value < 1:
-            _fail(name, "must be >= 1", value)
+    check_int(who, "block_size", block_size, 1)
+    check_int(who, "stride", stride, 1)
     if block_size % stride:
-        _fail("block_size", f"must be a multiple of stride ({stride})", block_size)
+        fail(who, "block_size", f"must be a multiple of stride ({stride})", block_size)
 
 
-def seq_lens_tensor(lens, batch: int, max_len: int, name: str,
-                    device: torch.device) -> torch.Tensor:
+def seq_lens_tensor(lens, batch: int, max_len: int, name: str, device: torch.device,
+                    who: str) -> torch.Tensor:
     """Per-batch lengths as an int64 tensor on ``device``, checked.
 
     ``lens`` is None (every sequence is ``max_len`` long), a 1-D integer
@@ -135,24 +135,24 @@ def seq_lens_tensor(lens, batch: int, max_len: int, name: str,
         return torch.full((batch,), max_len, dtype=torch.int64, device=device)
     if isinstance(lens, torch.Tensor):
         if lens.dim() != 1:
-            _fail(name, "must be 1-D (one length per batch)", f"shape {tuple(lens.shape)}")
+            fail(who, name, "must be 1-D (one length per batch)", f"shape {tuple(lens.shape)}")
         if lens.is_floating_point() or lens.is_complex() or lens.dtype == torch.bool:
-            _fail(name, "must have an integer dtype", lens.dtype)
+            fail(who, name, "must have an integer dtype", lens.dtype)
         t = lens
     else:
         try:
             values = [int(x) for x in lens]
         except (TypeError, ValueError):
-            _fail(name, "must be a 1-D integer tensor or a sequence of ints",
+            fail(who, name, "must be a 1-D integer tensor or a sequence of ints",
                   type(lens).__name__)
         t = torch.tensor(values, dtype=torch.int64)
     if t.shape[0] != batch:
-        _fail(name, f"must have one entry per batch ({batch})", f"{t.shape[0]} entries")
+        fail(who, name, f"must have one entry per batch ({batch})", f"{t.shape[0]} entries")
     host = t.detach().to("cpu", torch.int64)
     bad = ((host < 0) | (host > max_len)).nonzero()
     if bad.numel():
         b = int(bad[0, 0])
-        _fail(f"{name}[{b}]", f"must be in [0, {max_len}] (the sequence dim)", int(host[b]))
+        fail(who, f"{name}[{b}]", f"must be in [0, {max_len}] (the sequence dim)", int(host[b]))
     return host.to(device)
 
 
@@ -169,13 +169,14 @@ def block_representation(
     padding of a tail block contribute zero. ``scale``, when given, multiplies
     the float32 sums before the single rounding to ``dtype``.
     """
-    _check_4d("x", x)
-    check_blocking(block_size, stride)
+    who = "block_representation"
+    _check_4d("x", x, who)
+    check_blocking(block_size, stride, who)
     batch, heads, seq, dim = x.shape
     nblocks = ceil_div(seq, block_size)
     ratio = block_size // stride
     if lens is not None:
-        lens = seq_lens_tensor(lens, batch, seq, "lens", x.device)
+        lens = seq_lens_tensor(lens, batch, seq, "lens", x.device, who)
         valid = torch.arange(seq, device=x.device) < lens[:, None]
         if not bool(valid.all()):
             x = x.masked_fill(~valid[:, None, :, None], 0)
@@ -200,15 +201,15 @@ def output_aware_bias(
     tokens, log of the largest value norm, standardised over the valid runs,
     relu, mean over each block's runs, times ``oam_lambda``).
     """
-    _check_4d("v", v)
-    check_blocking(block_size, stride)
-    if not (isinstance(oam_lambda, (int, float)) and math.isfinite(oam_lambda)):
-        _fail("oam_lambda", "must be a finite number", oam_lambda)
+    who = "output_aware_bias"
+    _check_4d("v", v, who)
+    check_blocking(block_size, stride, who)
+    check_oam_lambda(oam_lambda, who)
     batch, heads, seq, _ = v.shape
     nblocks = ceil_div(seq, block_size)
     ratio = block_size // stride
     nruns = nblocks * ratio
-    lens = seq_lens_tensor(lens, batch, seq, "lens", v.device)
+    lens = seq_lens_tensor(lens, batch, seq, "lens", v.device, who)
 
     # float32 norms whatever v's dtype (vector_norm's dtype= refuses narrowing)
     norms = torch.linalg.vector_norm(v.float(), dim=-1)  # (B, H, S)
@@ -255,10 +256,11 @@ def stem_inputs(
         ``StemInputs(qflat, kflat, vbias, q_seq_lens, kv_seq_lens)`` with the
         lengths as int32 tensors on the inputs' device.
     """
-    batch, hq, hkv, sq, skv, dim = check_qkv(q, k, v)
-    check_blocking(block_size, stride)
-    q_len = seq_lens_tensor(q_lens, batch, sq, "q_lens", q.device)
-    kv_len = seq_lens_tensor(kv_lens, batch, skv, "kv_lens", q.device)
+    who = "stem_inputs"
+    batch, hq, hkv, sq, skv, dim = check_qkv(q, k, v, who)
+    check_blocking(block_size, stride, who)
+    q_len = seq_lens_tensor(q_lens, batch, sq, "q_lens", q.device, who)
+    kv_len = seq_lens_tensor(kv_lens, batch, skv, "kv_lens", q.device, who)
     qflat = block_representation(q, block_size, stride, lens=q_len, scale=scale)
     kflat = block_representation(k, block_size, stride, reverse=True, lens=kv_len)
     if oam:

@@ -23,7 +23,8 @@ What runs where
   the mask is not "causal over each sequence's valid tokens": sliding-window
   or chunked layers, packed sequences, custom ``or``/``and`` mask functions,
   4-D masks passed by the caller, padding with holes, position biases, and
-  dropout during training (Stem has no dropout).
+  dropout during training (Stem has no dropout), and calls that record
+  autograd (Stem attention is inference-only).
 
 Masks
 -----
@@ -57,6 +58,7 @@ with the device once per layer and is meant for eager prefill, not for
 from __future__ import annotations
 
 import collections
+import dataclasses
 import inspect
 from typing import Any, Callable
 
@@ -78,6 +80,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
     ) from exc
 
 from ..attention import stem_attention
+from ..contract import IndexerParams
 
 __all__ = ["register", "unregister", "StemAttention", "stem_mask"]
 
@@ -242,6 +245,8 @@ class StemAttention:
             reason = "decode"
         elif dropout:
             reason = "dropout"
+        elif torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
+            reason = "autograd"  # Stem attention is inference-only
         elif any(kwargs.get(k) is not None for k in _DENSE_KWARGS):
             reason = next(k for k in _DENSE_KWARGS if kwargs.get(k) is not None)
         if compact:
@@ -295,8 +300,11 @@ class StemAttention:
 # --------------------------------------------------------------------------- #
 
 
-def _stem_parameters() -> dict[str, inspect.Parameter]:
-    return dict(inspect.signature(stem_attention).parameters)
+def _stem_arguments() -> list[str]:
+    """What ``register`` may fix: stem_attention's keywords and the indexer's parameters."""
+    named = [name for name, p in inspect.signature(stem_attention).parameters.items()
+             if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in _RESERVED]
+    return named + [f.name for f in dataclasses.fields(IndexerParams) if f.name not in _RESERVED]
 
 
 def register(name: str = "stem", *, min_prefill_tokens: int | None = None,
@@ -311,9 +319,9 @@ def register(name: str = "stem", *, min_prefill_tokens: int | None = None,
     Args:
         name: the ``attn_implementation`` name.
         min_prefill_tokens: calls with fewer query tokens (decode) use dense
-            SDPA; default one Stem block (``block_size``).
+            SDPA; default one Stem block (``stem_block_size``).
         **stem_kwargs: keyword arguments for every ``stem_attention`` call
-            (``block_size``, ``stride``, ``alpha``, ``initial_blocks``,
+            (``stem_block_size``, ``stem_stride``, ``alpha``, ``initial_blocks``,
             ``window_size``, ``oam``, ``oam_lambda``, budget rates, ...). The
             model supplies q/k/v, ``causal``, ``scale`` and the lengths.
 
@@ -327,19 +335,16 @@ def register(name: str = "stem", *, min_prefill_tokens: int | None = None,
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"register: name must be a non-empty str; got {name!r}")
-    params = _stem_parameters()
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    allowed = _stem_arguments()
     for key in stem_kwargs:
         if key in _RESERVED:
             raise TypeError(f"register: {key!r} is supplied by the model for every call; "
                             "it cannot be fixed at registration")
-        if key not in params and not takes_any:
+        if key not in allowed:
             raise TypeError(f"register: stem_attention has no argument {key!r}; "
-                            f"it takes {', '.join(k for k in params if k not in _RESERVED)}")
+                            f"it takes {', '.join(allowed)}")
     if min_prefill_tokens is None:
-        block = stem_kwargs.get("block_size", params["block_size"].default
-                                if "block_size" in params else 128)
-        min_prefill_tokens = int(block)
+        min_prefill_tokens = stem_kwargs.get("stem_block_size", IndexerParams.stem_block_size)
     if isinstance(min_prefill_tokens, bool) or not isinstance(min_prefill_tokens, int) \
             or min_prefill_tokens < 1:
         raise ValueError(f"register: min_prefill_tokens must be an int >= 1; "

@@ -18,7 +18,7 @@ How the rows of a tile of the metadata's work plan (one batch, query blocks
    form a suffix and a causal tile computes little more than its triangle
    (``gemm_blocks``). bf16 operands are upcast into float32 buffers: keys
    once per batch when small (``KEY_CACHE_BYTES``), else one
-   ``metadata.key_chunk`` at a time.
+   ``key_chunk`` at a time.
 3. Exact top-k and the output rows, by the native kernel where it is built
    (``native.py``; the default wherever a C compiler exists): per row, a
    radix select over order-preserving integer keys finds the K-th best, and
@@ -53,7 +53,7 @@ import torch
 
 from .. import contract
 from ..contract import IndexerParams, ceil_div
-from ..metadata import OPERAND_BYTES, key_chunk, tile_rows
+from ..metadata import OPERAND_BYTES, tile_rows
 from . import native
 
 # Key blocks per matmul: up to GEMM_KEYS_MAX where every row of the matmul
@@ -62,6 +62,8 @@ from . import native
 # matmuls run markedly below the SGEMM peak.
 GEMM_KEYS_MAX = 512
 GEMM_KEYS_MIN = 64
+# At most this many key blocks are scored at once; wider rows go in chunks.
+KEY_CHUNK_MAX = 1 << 14
 # A batch's keys are upcast to float32 once (and reused by all its tiles)
 # when the copy is at most this large; otherwise one key chunk at a time.
 KEY_CACHE_BYTES = 2 * OPERAND_BYTES
@@ -72,6 +74,11 @@ GROUPS_PER_PICK = 2
 GROUPING_MIN_WIDTH = 8
 # Score elements per slice of the survivor stage (bounds its temporaries).
 SURVIVOR_ELEMENTS = 1 << 22
+
+
+def key_chunk(kv_heads: int, dim_qkflat: int) -> int:
+    """Key blocks scored at once: their float32 copy fits ``OPERAND_BYTES``."""
+    return max(1, min(KEY_CHUNK_MAX, OPERAND_BYTES // (4 * kv_heads * dim_qkflat)))
 
 
 def stem_indexer_forward(

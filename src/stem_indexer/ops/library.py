@@ -46,18 +46,20 @@ _lib.define(METADATA_SCHEMA)
 
 def _checked(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens, metadata,
              attrs) -> IndexerParams:
+    """SPEC section 7 checks on shapes, dtypes and attributes (static: fakes too)."""
     params = IndexerParams(**attrs)
     contract.check_indexer_inputs(qflat, kflat, vbias, q_seq_lens, kv_seq_lens,
                                   num_prompt_tokens, metadata, params)
     return params
 
 
-# The scalar attributes arrive as keyword arguments named as in the schema,
-# which are exactly the fields of ``IndexerParams``.
-def _indexer_kernel(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, *, num_prompt_tokens=None,
-                    metadata=None, **attrs):
-    params = _checked(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens,
-                      metadata, attrs)
+def _host_values(qflat, kflat, q_seq_lens, kv_seq_lens, num_prompt_tokens, metadata,
+                 params: IndexerParams):
+    """SPEC section 7 checks on the values (lengths in range, prompt >= kv,
+    metadata built for these inputs), on host copies of the lengths.
+
+    Returns ``(q_lens, kv_lens, prompt_lens, tiles)`` on the host.
+    """
     q_lens, kv_lens = q_seq_lens.cpu(), kv_seq_lens.cpu()
     prompt = None if num_prompt_tokens is None else num_prompt_tokens.cpu()
     _, nq, qmax, df = qflat.shape
@@ -65,8 +67,18 @@ def _indexer_kernel(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, *, num_prompt_
     contract.check_lengths(q_lens, kv_lens, prompt, qmax, kmax, params.stem_block_size)
     tiles = md.read_plan(metadata.cpu(), q_lens, kv_lens, nq, nk, params.causal,
                          params.stem_block_size, df, params.window_size)
-    return cpu.stem_indexer_forward(qflat, kflat, vbias, q_lens, kv_lens,
-                                    kv_lens if prompt is None else prompt, tiles, params)
+    return q_lens, kv_lens, kv_lens if prompt is None else prompt, tiles
+
+
+# The scalar attributes arrive as keyword arguments named as in the schema,
+# which are exactly the fields of ``IndexerParams``.
+def _indexer_kernel(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, *, num_prompt_tokens=None,
+                    metadata=None, **attrs):
+    """CPU tensors, and CUDA tensors where Triton is missing: ``ops/cpu.py``."""
+    inputs = (qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens, metadata)
+    params = _checked(*inputs, attrs)
+    q_lens, kv_lens, prompt, tiles = _host_values(qflat, kflat, *inputs[3:], params)
+    return cpu.stem_indexer_forward(qflat, kflat, vbias, q_lens, kv_lens, prompt, tiles, params)
 
 
 def _triton_available() -> bool:
@@ -79,15 +91,22 @@ def _triton_available() -> bool:
 
 def _indexer_cuda_kernel(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, *,
                          num_prompt_tokens=None, metadata=None, **attrs):
+    """CUDA tensors: the Triton kernels, which read no tensor data on the host.
+
+    The value checks need the lengths on the host, so they are skipped while
+    a CUDA graph is being captured: a captured call trusts its inputs (and
+    its kernels stay in bounds whatever they hold).
+    """
     if not _triton_available():
         return _indexer_kernel(qflat, kflat, vbias, q_seq_lens, kv_seq_lens,
                                num_prompt_tokens=num_prompt_tokens, metadata=metadata, **attrs)
-    params = _checked(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens,
-                      metadata, attrs)
+    inputs = (qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens, metadata)
+    params = _checked(*inputs, attrs)
+    if not torch.cuda.is_current_stream_capturing():
+        _host_values(qflat, kflat, *inputs[3:], params)
     from .triton.launch import stem_indexer_triton
 
-    return stem_indexer_triton(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens,
-                               metadata, params)
+    return stem_indexer_triton(*inputs, params)
 
 
 def _indexer_fake(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, *, num_prompt_tokens=None,

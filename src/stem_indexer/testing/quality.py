@@ -31,17 +31,13 @@ sets ``Ks = P/8``, about the default budget's share at 128K tokens
 from __future__ import annotations
 
 import math
-import os
-import platform
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
 
-from . import contract
-from .api import stem_indexer
+from .. import contract
+from ..api import stem_indexer
 
 __all__ = [
     "Budget",
@@ -54,12 +50,10 @@ __all__ = [
     "default_configs",
     "synthetic_workload",
     "llama_workload",
-    "dense_attention",
+    "dense_probs",
     "select_blocks",
     "measure",
     "evaluate",
-    "markdown_table",
-    "record_markdown",
 ]
 
 
@@ -282,7 +276,7 @@ def llama_workload(
 # --------------------------------------------------------------------------- #
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def dense_probs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal softmax attention in float32: ``(probs [B,Hq,S,S], out [B,Hq,S,D])``.
 
@@ -300,7 +294,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def select_blocks(work: Workload, config: EvalConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Stem's selection for ``work`` under ``config``: ``(sparse_indices, sparse_seq_len)``."""
-    from .prepare import stem_inputs
+    from ..prepare import stem_inputs
 
     # The scale stem_attention folds into qflat by default: a block pair's
     # score is then the mean attention logit of the token pairs it samples.
@@ -341,7 +335,7 @@ class EvalRow:
 def measure(work: Workload, config: EvalConfig, indices: torch.Tensor, seq_len: torch.Tensor,
             probs: torch.Tensor, dense_out: torch.Tensor) -> EvalRow:
     """Density, mass recall, output error and needle recall of one selection."""
-    from .attention import block_sparse_attention
+    from ..attention import block_sparse_attention
 
     bs = work.block_size
     s = work.q.shape[2]
@@ -380,113 +374,8 @@ def evaluate(workloads: Iterable[Workload],
     configs = list(default_configs() if configs is None else configs)
     rows = []
     for work in workloads:
-        probs, dense_out = dense_attention(work.q, work.k, work.v, work.scale)
+        probs, dense_out = dense_probs(work.q, work.k, work.v, work.scale)
         for config in configs:
             indices, seq_len = select_blocks(work, config)
             rows.append(measure(work, config, indices, seq_len, probs, dense_out))
     return rows
-
-
-# --------------------------------------------------------------------------- #
-# Reporting
-# --------------------------------------------------------------------------- #
-
-
-def markdown_table(rows: Sequence[EvalRow]) -> str:
-    """The rows as a markdown table, one line per (workload, configuration)."""
-
-    def pct(x: float | None) -> str:
-        return "-" if x is None else f"{x:.1%}"
-
-    lines = ["| input | budget | OAM | alpha | density | mass recall | rel. L2 error "
-             "| max abs error | attention-needle recall | value-needle recall |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        c = r.config
-        lines.append(
-            f"| {r.workload} | {c.budget.name} | {'on' if c.oam else 'off'} | {c.alpha:g} "
-            f"| {pct(r.density)} | {pct(r.mass_recall)} | {r.rel_l2:.4f} | {r.max_abs:.4f} "
-            f"| {pct(r.attention_needle_recall)} | {pct(r.value_needle_recall)} |")
-    return "\n".join(lines)
-
-
-def _git_sha() -> str:
-    root = os.path.dirname(os.path.abspath(__file__))
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root,
-                             capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=root, capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (sha + (" (with uncommitted changes)" if dirty.strip() else "")) if sha else "unknown"
-
-
-def environment() -> dict[str, str]:
-    """Machine and versions, for the record."""
-    versions = [f"torch {torch.__version__}"]
-    try:
-        import transformers
-        versions.append(f"transformers {transformers.__version__}")
-    except ImportError:
-        pass
-    return {
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip()
-                   + f", {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads",
-        "python": platform.python_version(),
-        "versions": ", ".join(versions),
-        "git": _git_sha(),
-    }
-
-
-def record_markdown(rows: Sequence[EvalRow], workloads: Sequence[Workload], path: str,
-                    command: str, seconds: float) -> None:
-    """Write the table with the command, the inputs, machine, versions and git sha."""
-    env = environment()
-    shapes = "\n".join(f"- {w.description}; block {w.block_size}, stride {w.stride}"
-                       for w in workloads)
-    text = f"""# Stem selection quality
-
-Produced by `{command}` in {seconds:.0f} s.
-
-- machine: {env['machine']}; Python {env['python']}; {env['versions']}
-- git: {env['git']}
-
-Inputs:
-
-{shapes}
-
-Budgets: `P/8` is rates 0.125 and biases 0 (Ks = P/8, about the default
-budget's share at 128K tokens, 132 of 1024 blocks); `default` is the operator's
-default (rates 0.2/0.1, biases 30), which at these small sizes keeps almost
-every block. All rows: 4 sink and 4 window blocks, OAM lambda 0.3.
-
-{markdown_table(rows)}
-
-Columns: density = kept block pairs / causally visible block pairs; mass
-recall = the share of each query's dense softmax mass inside its kept blocks
-(mean over queries and heads); rel. L2 / max abs error = block-sparse output
-against dense attention; needle recall = planted (query block, key block)
-pairs kept.
-"""
-    with open(path, "w") as f:
-        f.write(text)
-
-
-def run(*, seq_len: int = 2048, block_size: int = 32, stride: int = 8, seed: int = 0,
-        llama: bool = True, configs: Sequence[EvalConfig] | None = None,
-        out=None) -> tuple[list[Workload], list[EvalRow]]:
-    """Build the workloads, evaluate them and print the table to ``out``
-    (default ``sys.stdout``); the CLI's body."""
-    out = sys.stdout if out is None else out
-    workloads = [synthetic_workload(seq_len=seq_len, block_size=block_size, stride=stride,
-                                    seed=seed)]
-    if llama:
-        workloads.append(llama_workload(seq_len=seq_len, block_size=block_size, stride=stride,
-                                        seed=seed))
-    rows = evaluate(workloads, configs)
-    for w in workloads:
-        print(f"- {w.description}; block {w.block_size}, stride {w.stride}", file=out)
-    print(file=out)
-    print(markdown_table(rows), file=out)
-    return workloads, rows

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import contract
-from .contract import IndexerParams, ceil_div
+from .. import contract
+from ..contract import IndexerParams, ceil_div
 
 RTOL = 1e-3
 ATOL = 2.5e-5

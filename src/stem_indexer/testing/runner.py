@@ -42,9 +42,9 @@ import torch
 
 from . import compare as _compare
 from .cases import Case, select_cases
-from .contract import IndexerParams
-from .ops import library as _library  # noqa: F401  (registers the ops)
-from .reference import stem_indexer_reference
+from ..contract import IndexerParams
+from ..ops import library as _library  # noqa: F401  (registers the ops)
+from ..reference import stem_indexer_reference
 
 __all__ = [
     "MODES",

@@ -1,0 +1,108 @@
+"""What every benchmark script records and how it times (imported by the scripts
+beside it; run them from the repository root, e.g. ``python benchmarks/x.py``).
+
+* ``machine()``: CPU model (or GPU name), core count, torch version and its
+  CPU capability; ``git_sha()``: the commit measured, ``+dirty`` when the
+  tracked files differ from it;
+* ``median_ms(fn, ...)``: the median of repeated calls after warm-up, with
+  CUDA events on a GPU and ``time.perf_counter`` on CPU;
+* ``interleaved_ms({...})``: several functions timed in turns, so that
+  machine noise hits all of them alike (ratios from one run);
+* ``write_atomic(path, text)``: results files appear whole or not at all.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine(device: str = "cpu") -> str:
+    """One line naming the hardware and torch build the figures come from."""
+    if device == "cuda":
+        return (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+                f"CUDA {torch.version.cuda}")
+    return (f"{cpu_model()}, {os.cpu_count()} cpus, {torch.get_num_threads()} torch threads, "
+            f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})")
+
+
+def git_sha() -> str:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT,
+                              check=True, timeout=10).stdout.strip()
+    try:
+        sha = git("rev-parse", "--short=12", "HEAD")
+        return sha + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _once_ms(fn: Callable[[], object], device: str) -> float:
+    if device == "cuda":
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def median_ms(fn: Callable[[], object], *, reps: int = 5, warmup: int = 1,
+              device: str = "cpu") -> float:
+    for _ in range(warmup):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return statistics.median(_once_ms(fn, device) for _ in range(reps))
+
+
+def interleaved_ms(fns: dict[str, Callable[[], object]], *, reps: int = 5, warmup: int = 1,
+                   device: str = "cpu") -> dict[str, float]:
+    """Median ms of each function, the functions called in turns."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            times[name].append(_once_ms(fn, device))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def write_atomic(path: str | os.PathLike, text: str, *, append: bool = False) -> None:
+    """Write (or append to) ``path`` so that readers never see half a file."""
+    path = Path(path)
+    if append and path.exists():
+        text = path.read_text() + text
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
