@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-import stem_indexer
+import stem_indexer  # noqa: F401  (registers the ops)
 from stem_indexer import cases, compare
 from stem_indexer.contract import IndexerParams
 from stem_indexer.ops import library
@@ -231,7 +231,7 @@ def run_benches(device: str, benches, lines: list[str], reps: int) -> bool:
                      f"{eager:.3f} | {composite:.3f} | {speedup:.1f}x | {roof:.3f} | "
                      f"{ratio:.2f}x | {'yes' if equal.ok else 'NO: ' + equal.summary()[:80]} |")
         print(lines[-1], flush=True)
-        del inputs, out
+        del out
         if device == "cuda":
             torch.cuda.empty_cache()
     return ok_all

@@ -2,15 +2,15 @@
 
 * ``--run-large``: tests marked ``large`` (the 1M-token prefill and the like)
   are skipped without it.
-* ``device`` fixture: every test that takes it runs on "cpu" and "cuda"; the
-  cuda variant is skipped when no GPU is usable. ``STEM_INDEXER_DEVICE=cpu``
-  (or ``cuda``) restricts it to one device.
-* ``selection`` fixture: how the CPU path selects, "native" (the C kernel of
-  ``ops/native.py``) or "torch" (its fallback, plain torch operations);
-  modules that use it run each CPU test both ways.
+* ``device`` fixture: "cpu", plus "cuda" where a GPU is usable (so nothing is
+  generated that cannot run here). ``STEM_INDEXER_DEVICE=cpu`` (or ``cuda``)
+  restricts it to one device. Tests marked ``selections`` run their CPU
+  variant twice: with the native selection kernel (``ops/native.py``) and
+  with its torch fallback (device id ``cpu-torch``).
+* ``selection`` fixture (CPU-only tests): "native" or "torch", the same two.
 
-Nothing here touches CUDA at import or collection time, so the suite always
-collects on a CPU-only machine.
+Nothing here initialises CUDA: ``torch.cuda.is_available()`` only counts
+devices, so the suite collects on any machine.
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ _DEVICES = ("cpu", "cuda")
 
 def _devices() -> list[str]:
     wanted = os.environ.get("STEM_INDEXER_DEVICE", "").strip().lower()
-    if not wanted:
-        return list(_DEVICES)
-    if wanted not in _DEVICES:
+    if wanted and wanted not in _DEVICES:
         raise pytest.UsageError(f"STEM_INDEXER_DEVICE must be cpu or cuda; got {wanted!r}")
-    return [wanted]
+    usable = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    if wanted == "cuda" and "cuda" not in usable:
+        raise pytest.UsageError("STEM_INDEXER_DEVICE=cuda, but no CUDA device is usable")
+    return [wanted] if wanted else usable
 
 
 def pytest_addoption(parser):
@@ -38,6 +39,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "selections: run the CPU variant with both selections")
     # Emitted by torch's own compile stack (not by this package) on first compile.
     config.addinivalue_line(
         "filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
@@ -52,11 +54,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(params=_devices())
-def device(request) -> str:
-    """"cpu" or "cuda"; the cuda variant skips cleanly without a usable GPU."""
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("CUDA is not available")
+def pytest_generate_tests(metafunc):
+    if "device" not in metafunc.fixturenames:
+        return
+    both = metafunc.definition.get_closest_marker("selections") is not None
+    variants = []
+    for device in _devices():
+        variants += ["cpu", "cpu-torch"] if device == "cpu" and both else [device]
+    metafunc.parametrize("device", variants, indirect=True)
+
+
+def _torch_selection(monkeypatch) -> None:
+    from stem_indexer.ops import native
+    monkeypatch.setattr(native, "kernel", lambda: None)
+
+
+@pytest.fixture
+def device(request, monkeypatch) -> str:
+    """"cpu" or "cuda" (``cpu-torch``: the CPU path with its torch selection)."""
+    if request.param == "cpu-torch":
+        _torch_selection(monkeypatch)
+        return "cpu"
     return request.param
 
 
@@ -64,12 +82,8 @@ def device(request) -> str:
 def selection(request, monkeypatch) -> str:
     """"native" or "torch": the CPU path's selection for this test."""
     from stem_indexer.ops import native
-    callspec = getattr(request.node, "callspec", None)
-    on_cuda = callspec is not None and callspec.params.get("device") == "cuda"
     if request.param == "torch":
-        if on_cuda:
-            pytest.skip("the torch selection is a variant of the CPU path")
-        monkeypatch.setattr(native, "kernel", lambda: None)
-    elif not on_cuda and native.kernel() is None:
+        _torch_selection(monkeypatch)
+    elif native.kernel() is None:
         pytest.skip(native.status())  # tests/test_native.py fails where a compiler exists
     return request.param

@@ -24,7 +24,7 @@ import torch
 
 from stem_indexer.testing import cases, runner
 
-pytestmark = pytest.mark.usefixtures("selection")  # CPU: native and torch
+pytestmark = pytest.mark.selections  # CPU: native and torch selection
 
 _SPEC = os.environ.get(runner.ENV_CASE_ID, "").strip()
 _MODE_GIVEN = bool(os.environ.get(runner.ENV_MODE, "").strip())

@@ -23,7 +23,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 def test_classify_blocks_by_hand():
     # 3 query blocks, 5 key blocks, causal: s2 = 3, 4, 5. One sink, one window.
-    I, S, W, T, V = (int(BlockKind.INVISIBLE), int(BlockKind.SKIPPED), int(BlockKind.SINK),
+    N, S, K, W, T = (int(BlockKind.INVISIBLE), int(BlockKind.SKIPPED), int(BlockKind.SINK),
                      int(BlockKind.WINDOW), int(BlockKind.TOPK))
     indices = torch.full((1, 1, 3, 5), -1, dtype=torch.int32)
     indices[0, 0, 0, :3] = torch.tensor([0, 1, 2])      # sink, top-k, window
@@ -32,9 +32,9 @@ def test_classify_blocks_by_hand():
     seq_len = torch.tensor([[[3, 3, 2]]], dtype=torch.int32)
     kinds = classify_blocks(indices, seq_len, q_len=12, kv_len=20, block_size=4,
                             initial_blocks=1, window_size=1)
-    assert kinds.tolist() == [[W, V, T, I, I],
-                              [W, S, V, T, I],
-                              [W, S, S, S, T]]
+    assert kinds.tolist() == [[K, T, W, N, N],
+                              [K, S, T, W, N],
+                              [K, S, S, S, W]]
     assert block_kind_counts(kinds) == {"invisible": 3, "skipped": 4, "sink": 3, "window": 3,
                                         "topk": 2}
 
@@ -219,7 +219,8 @@ def test_cli_eval_prints_and_records(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| synthetic | P/8 | on | 1 |" in printed
     text = record.read_text()
-    assert "`python benchmarks/quality.py --seq-len 1024 --block-size 16 --stride 4 --no-llama" in text
+    assert ("`python benchmarks/quality.py --seq-len 1024 --block-size 16 --stride 4 "
+            "--no-llama") in text
     assert "torch " + torch.__version__ in text and "- git: " in text
     assert "| synthetic | default | on | 1 |" in text
 

@@ -194,9 +194,9 @@ def test_plan_beyond_metadata_capacity_still_partitions_the_rows(q_lens, kv_lens
 
 def test_coarsened_tiles_run_in_budget_sized_steps(bmm_shapes, monkeypatch):
     """With one query block per budgeted tile, 1100 visible rows (causal,
-    q = kv = 1100 blocks) need 1100 tiles but B=1, Nk=1 metadata holds 1019: the plan doubles its tiles to 2
-    rows, and the backend must still score one row at a time. Output must
-    equal the reference."""
+    q = kv = 1100 blocks) need 1100 tiles but B=1, Nk=1 metadata holds 1019:
+    the plan doubles its tiles to 2 rows, and the backend must still score
+    one row at a time. Output must equal the reference."""
     monkeypatch.setattr(md, "TILE_ROWS_MAX", 1)
     inp = _integer_case(2, 1, 1100, 1100, 1, seed=3, prompt=[1200])
     params = dict(stem_block_size=1, stem_stride=1, initial_blocks=1, window_size=1)

@@ -32,7 +32,7 @@ from stem_indexer.reference import reference_row_selection
 
 from _helpers import check_all_paths, expected_tensors, make_inputs
 
-pytestmark = pytest.mark.usefixtures("selection")  # CPU: native and torch
+pytestmark = pytest.mark.selections  # CPU: native and torch selection
 
 NAN, INF = math.nan, math.inf
 UNIT = dict(stem_block_size=1, stem_stride=1)

@@ -147,13 +147,22 @@ def test_generate_matches_sdpa_greedy(model, registered):
     assert after["dense:decode"] - before["dense:decode"] == 2 * 5  # 5 decode steps x 2 layers
 
 
-def test_generate_runs_with_sparse_config(model):
+def test_generate_decodes_from_the_sparse_prefill(model, registered):
+    """generate() runs the prompt through Stem (sparse: its logits differ
+    from SDPA's) and then decodes densely; its first token is the argmax of
+    the sparse prefill's last logits."""
     ids = _ids(1, 1024, seed=6)
+    before = registered[SPARSE].stats.copy()
     with torch.no_grad():
         model.set_attn_implementation(SPARSE)
         out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
-    assert out.shape == (1, 1027)
-    assert torch.equal(out[:, :1024], ids)
+    sparse, dense = _logits(model, SPARSE, ids), _logits(model, "sdpa", ids)
+    assert (sparse - dense).abs().max() > 1e-3  # the prefill really was sparse
+    assert torch.equal(out[:, :1024], ids) and out.shape == (1, 1027)
+    assert int(out[0, 1024]) == int(sparse[0, -1].argmax())
+    after = registered[SPARSE].stats
+    assert after["stem"] - before["stem"] >= 2                       # the prompt, 2 layers
+    assert after["dense:decode"] - before["dense:decode"] == 2 * 2   # 2 decode steps
 
 
 # --------------------------------------------------------------------------- #

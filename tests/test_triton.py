@@ -47,7 +47,8 @@ def run_triton(inp, config=None, **params):
 
 def run_cpu_op(inp, **params):
     md = metadata_for(inp, **params)
-    return torch.ops.custom.npu_stem_indexer(*inp.tensors(), num_prompt_tokens=inp.num_prompt_tokens,
+    return torch.ops.custom.npu_stem_indexer(*inp.tensors(),
+                                             num_prompt_tokens=inp.num_prompt_tokens,
                                              metadata=md, **params)
 
 

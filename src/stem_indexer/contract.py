@@ -334,12 +334,6 @@ def check_indexer_inputs(
         )
     if metadata is not None:
         _check_tensor("metadata", metadata, 1, torch.int32)
-        from .metadata import metadata_size  # metadata.py builds on this module
-
-        expected = metadata_size(qflat.shape[0], kflat.shape[1])
-        if metadata.numel() != expected:
-            _fail("metadata", f"must have {expected} elements for batch {qflat.shape[0]} and "
-                  f"{kflat.shape[1]} kv heads (the metadata op's size)", metadata.numel())
 
     b, nq, qmax, df = qflat.shape
     if any(d == 0 for d in qflat.shape):
@@ -362,6 +356,13 @@ def check_indexer_inputs(
     if len(devices) > 1:
         _fail("qflat", "and all other tensors must be on one device",
               sorted(str(d) for d in devices))
+    if metadata is not None:
+        from .metadata import metadata_size  # metadata.py builds on this module
+
+        expected = metadata_size(b, nk)
+        if metadata.numel() != expected:
+            _fail("metadata", f"must have {expected} elements for batch {b} and {nk} kv heads "
+                  "(the metadata op's size)", metadata.numel())
 
 
 def check_metadata_inputs(
