@@ -17,12 +17,13 @@ import os
 import platform
 import statistics
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from stem_indexer import _files
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,11 +99,4 @@ def write_atomic(path: str | os.PathLike, text: str, *, append: bool = False) ->
     if append and path.exists():
         text = path.read_text() + text
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    _files.write_atomic(path, text)

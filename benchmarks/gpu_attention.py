@@ -23,50 +23,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 import stem_indexer
+from common import git_sha, machine, median_ms, write_atomic
 from stem_indexer import contract
 from stem_indexer.attention import block_sparse_attention
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_ms(fn, device: str, reps: int) -> float:
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
-
-
-def _git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _masked_reference(q, k, v, idx, lens, rows, bs, scale):
@@ -117,7 +82,8 @@ def run(seq: int, device: str, reps: int, lines: list[str]) -> bool:
                                                                 scale=scale, enable_gqa=True)
 
     def one_call():
-        return stem_indexer.stem_attention(q, k, v, block_size=bs, stride=stride, scale=scale)
+        return stem_indexer.stem_attention(q, k, v, stem_block_size=bs, stem_stride=stride,
+                                           scale=scale)
 
     got = sparse()
     gen = torch.Generator().manual_seed(1)
@@ -127,15 +93,16 @@ def run(seq: int, device: str, reps: int, lines: list[str]) -> bool:
     err = max(float((got[0, h, i * bs:(i + 1) * bs].float() - r).abs().max())
               for (h, i), r in ref.items())
     ok_check = err < 2e-2
-    t_dense = time_ms(dense, device, reps)
-    t_sparse = time_ms(sparse, device, reps)
-    t_index = time_ms(indexer, device, reps)
-    t_call = time_ms(one_call, device, reps)
+    t_dense = median_ms(dense, device=device, reps=reps)
+    t_sparse = median_ms(sparse, device=device, reps=reps)
+    t_index = median_ms(indexer, device=device, reps=reps)
+    t_call = median_ms(one_call, device=device, reps=reps)
     speedup = t_dense / t_sparse
+    efficiency = t_dense * density / t_sparse
     target = seq < 131072 or device != "cuda" or speedup >= 3.0
     lines.append(f"| {seq} | {density:.1%} | {t_index:.2f} | {t_sparse:.2f} | {t_dense:.2f} "
-                 f"| {speedup:.2f}x | {t_call:.2f} | {err:.1e} "
-                 f"| {'ok' if ok_check else 'FAIL'} |")
+                 f"| {speedup:.2f}x | {efficiency:.2f} | {t_call:.2f} | {t_dense / t_call:.2f}x "
+                 f"| {err:.1e} | {'ok' if ok_check else 'FAIL'} |")
     print(lines[-1], flush=True)
     return ok_check and target
 
@@ -150,19 +117,17 @@ def main(argv=None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device; use --dry-run", file=sys.stderr)
         return 2
-    name = torch.cuda.get_device_name() if device == "cuda" else platform.processor()
-    lines = [f"# Stem sparse prefill vs dense attention ({name})", "",
-             f"torch {torch.__version__}, git {_git_sha()}, bf16, B=1, causal; "
-             "times in ms (medians)", "",
-             "| tokens | density | indexer | sparse attn | dense SDPA | dense/sparse "
-             "| stem_attention | max err | check |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"# Stem sparse prefill vs dense attention ({machine(device)})", "",
+             f"git {git_sha()}, bf16, B=1, causal; times in ms (medians); E = dense x "
+             "density / sparse", "",
+             "| tokens | density | indexer | sparse attn | dense SDPA | dense/sparse | E "
+             "| stem_attention | dense/stem_attention | max err | check |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     seqs = (65536, 131072) if device == "cuda" else (1024, 2048)
     ok = all([run(seq, device, args.reps if device == "cuda" else 1, lines) for seq in seqs])
-    out = Path(os.environ.get("OUT", "./out"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_attention.md").write_text("\n".join(lines) + "\n")
+    write_atomic(Path(os.environ.get("OUT", "./out")) / "gpu_attention.md",
+                 "\n".join(lines) + "\n")
     print("targets met" if ok else "TARGET MISSED or check failed")
     return 0 if ok else 1
 

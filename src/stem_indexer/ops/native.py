@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from .. import _env
+from .._files import write_atomic
 
 CSRC = Path(__file__).parent / "csrc"
 CFLAGS = ("-O3", "-std=c11", "-shared", "-fPIC")
@@ -208,7 +209,7 @@ def _build(lib: Library, compiler: list[str], target: Path,
             return None, err
         os.replace(tmp, target)
         # A reader between the two replaces sees a mismatch and builds again.
-        _write_atomic(digest, built + "\n")
+        write_atomic(digest, built + "\n")
         return cdll, f"{lib.path.name} built into {target}"
     except OSError as err:
         return None, f"installing {target} failed ({err})"
@@ -228,17 +229,6 @@ def _compile(lib: Library, compiler: list[str], out: str) -> str | None:
         if proc.returncode == 0:
             return None
     return f"compiling {lib.path.name} failed: {proc.stderr.strip()[-500:]}"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 # --------------------------------------------------------------------------- #
