@@ -100,6 +100,10 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
           (65536, 1, 16384, 1, 40000, 128, 1, 30000),
           (65536, 65536, 50000, 12345, 40000, 64000, 777, 61000), 64, 8,
           check="plain", repeat=5),
+    Shape("S6", "many short sequences: B1024 Nq32 Nk8, one 128-token block each",
+          (128,) * 1024, (128,) * 1024, 32, 8, check="plain", repeat=5),
+    Shape("S7", "many short sequences: B65536 Nq4 Nk1 Df128, one 128-token block each",
+          (128,) * 65536, (128,) * 65536, 4, 1, dim=128, check="plain", repeat=3),
 )}
 
 
@@ -273,17 +277,18 @@ def measure_shape(shape: Shape) -> dict:
 # --------------------------------------------------------------------------- #
 
 
-COLUMNS = ("shape", "op ms", "gemm ms", "op/gemm", "plain ms", "plain/op", "gemm GFLOP/s",
-           "peak extra MiB", "in+out MiB", "mem ratio", "selection", "check")
+COLUMNS = ("shape", "threads", "op ms", "gemm ms", "op/gemm", "plain ms", "plain/op",
+           "gemm GFLOP/s", "peak extra MiB", "in+out MiB", "mem ratio", "selection", "check")
 
 
 def format_row(r: dict) -> list[str]:
     check = f"{r['check']} {'identical' if r['check_exact'] else 'equal within SPEC 5'}"
     peak = "n/a" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.0f}"
     ratio = "n/a" if r["mem_ratio"] is None else f"{r['mem_ratio']:.2f}"
-    return [r["shape"], f"{r['op_ms']:.1f}", f"{r['gemm_ms']:.1f}", f"{r['op_over_gemm']:.2f}",
-            f"{r['plain_ms']:.0f}", f"{r['plain_over_op']:.1f}", f"{r['gemm_gflops']:.0f}",
-            peak, f"{r['in_mib'] + r['out_mib']:.0f}", ratio, r["selection"], check]
+    return [r["shape"], str(r["threads"]), f"{r['op_ms']:.1f}", f"{r['gemm_ms']:.1f}",
+            f"{r['op_over_gemm']:.2f}", f"{r['plain_ms']:.0f}", f"{r['plain_over_op']:.1f}",
+            f"{r['gemm_gflops']:.0f}", peak, f"{r['in_mib'] + r['out_mib']:.0f}", ratio,
+            r["selection"], check]
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -292,14 +297,15 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run(names: list[str], *, threads: int | None = None, out: Path | None = None,
+def run(names: list[str], *, threads: list[int | None] = (None,), out: Path | None = None,
         command_line: str = "", echo=print) -> list[dict]:
-    """Measure ``names`` (each in a subprocess); optionally append to ``out``."""
+    """Measure ``names`` with each thread count (each in a subprocess);
+    optionally append the table to ``out``."""
     rows = []
-    for name in names:
+    for name, count in ((n, t) for n in names for t in threads):
         cmd = [sys.executable, __file__, "--child", name]
-        if threads:
-            cmd += ["--threads", str(threads)]
+        if count:
+            cmd += ["--threads", str(count)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"benchmark {name} failed:\n{proc.stdout}\n{proc.stderr}")
@@ -309,7 +315,6 @@ def run(names: list[str], *, threads: int | None = None, out: Path | None = None
     if out is not None:
         stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         text = [f"## {stamp} - git {git_sha()}", "", f"- machine: {machine()}",
-                f"- threads: {rows[0]['threads'] if rows else '?'}",
                 f"- command: `{command_line}`", "", markdown_table(rows), ""]
         write_atomic(out, "\n".join(text) + "\n", append=True)
     return rows
@@ -320,17 +325,22 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="S1",
                         help=f"comma-separated shape names ({', '.join(SHAPES)}; default S1)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="intra-op threads (default: torch's, all cores)")
+    parser.add_argument("--threads", default=None,
+                        help="intra-op threads, or a comma-separated list of counts to run "
+                             "every shape with each (default: torch's, all cores)")
     parser.add_argument("--out", default=None, type=Path,
                         help=f"append the table to this markdown file (e.g. {DEFAULT_RESULTS})")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.threads is not None and args.threads < 1:
+    try:
+        threads = [int(t) for t in args.threads.split(",")] if args.threads else [None]
+    except ValueError:
+        parser.error(f"--threads must be a count or a comma-separated list; got {args.threads}")
+    if any(t is not None and t < 1 for t in threads):
         parser.error(f"--threads must be >= 1; got {args.threads}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.child:
+        if threads[0]:
+            torch.set_num_threads(threads[0])
         print(json.dumps(measure_shape(SHAPES[args.child])))
         return 0
     names = [s.strip() for s in args.shapes.split(",") if s.strip()]
@@ -343,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                             + ([f"--threads {args.threads}"] if args.threads else []))
     print(f"machine: {machine()}; git {git_sha()}")
     print(" | ".join(COLUMNS), flush=True)
-    run(names, threads=args.threads, out=args.out, command_line=command_line)
+    run(names, threads=threads, out=args.out, command_line=command_line)
     return 0
 
 

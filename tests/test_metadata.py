@@ -417,24 +417,23 @@ def test_future_key_blocks_never_influence_earlier_causal_rows(tiling, monkeypat
 
 @pytest.mark.usefixtures("selection")
 def test_kept_workspace_carries_nothing_between_calls():
-    """The CPU path keeps its scratch buffers for the thread's next call:
-    calls of other shapes in between (and NaN-poisoned buffers) change nothing."""
-
-
+    """The CPU path keeps its scratch buffers for the next call: calls of
+    other shapes in between (and NaN-poisoned buffers) change nothing."""
     gen = torch.Generator().manual_seed(11)
     a = random_inputs(gen, batch=2, nq=4, nk=2, qmax=40, kmax=300, df=8, q_lens=[40 * 16, 7],
                       kv_lens=[300 * 16, 290 * 16], integer=True)
     b = random_inputs(gen, batch=1, nq=8, nk=1, qmax=90, kmax=90, df=16, q_lens=[90 * 16],
                       kv_lens=[90 * 16], integer=True)
     params = dict(stem_block_size=16, stem_stride=16)
+    cpu.release_workspace()
     first = run_op(a, **params)
-    assert cpu._kept.workspace is not None
-    assert cpu._kept.workspace.nbytes() <= cpu.WORKSPACE_KEEP_BYTES
-    for buf in cpu._kept.workspace._buffers.values():  # poison what the next call reuses
-        buf.fill_(float("nan") if buf.is_floating_point() else True if buf.dtype == torch.bool
-                  else -7)
+    assert 0 < cpu.kept_bytes() <= cpu.WORKSPACE_KEEP_BYTES
+    for ws in cpu._pool:  # poison what the next call reuses
+        for buf in ws._buffers.values():
+            buf.fill_(float("nan") if buf.is_floating_point()
+                      else True if buf.dtype == torch.bool else -7)
     assert_out_equal(run_op(b, **params), run_ref(b, **params), "after another shape")
     assert_out_equal(run_op(a, **params), first, "again")
     assert_out_equal(first, run_ref(a, **params), "reference")
     cpu.release_workspace()
-    assert cpu._kept.workspace is None
+    assert cpu.kept_bytes() == 0

@@ -78,8 +78,9 @@ def check_bool(who: str, name: str, value) -> None:
 
 
 def ceil_div(a, b):
-    """ceil(a / b) for non-negative ints or integer tensors."""
-    return (a + b - 1) // b
+    """ceil(a / b) for non-negative ints or integer tensors (no intermediate
+    overflow, even for int64 tensors and a divisor near 2**63)."""
+    return -(-a // b)
 
 
 # --------------------------------------------------------------------------- #
@@ -406,8 +407,13 @@ def check_prompt(prompt: torch.Tensor, kv_lens: torch.Tensor, who: str, kv_name:
              int(prompt[b]))
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def _check_range(name: str, lens: torch.Tensor, hi: int | None, hi_name: str) -> None:
-    bad = (lens < 0) if hi is None else ((lens < 0) | (lens > hi))
+    # Lengths are int32: a bound past int32 limits nothing (and a Python int
+    # that large would wrap if compared with an int32 tensor).
+    bad = (lens < 0) if hi is None or hi > _INT32_MAX else ((lens < 0) | (lens > hi))
     idx = bad.nonzero()
     if idx.numel():
         b = int(idx[0, 0])

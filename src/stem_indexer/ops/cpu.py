@@ -38,8 +38,8 @@ tile's rows x the key blocks its last row sees, all query heads; plans
 squeezed into the fixed metadata size run in steps of that size); the other
 temporaries are fractions of it or bounded by ``metadata.OPERAND_BYTES``.
 The large buffers live in a ``_Workspace`` reused by every tile, and kept
-for the thread's next call (up to ``WORKSPACE_KEEP_BYTES``; see
-``release_workspace``): first touches of fresh memory (page faults) would
+for the next call (``WORKSPACE_KEEP_BYTES`` in all, whatever the number of
+calling threads; see ``release_workspace``): first touches of fresh memory (page faults) would
 otherwise cost as much as the arithmetic done in them.
 """
 
@@ -86,23 +86,36 @@ def stem_indexer_forward(
     q_lens: torch.Tensor, kv_lens: torch.Tensor, prompt_lens: torch.Tensor,
     tiles: torch.Tensor, params: IndexerParams,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the indexer over the plan's ``tiles`` (host tensors for lengths/plan)."""
+    """Run the indexer over the plan's ``tiles`` (host tensors for lengths/plan).
+
+    Tiles whose rows all keep every candidate or none need no score: their
+    rows are written at once (``_write_unranked``), so a batch of many short
+    sequences costs a few tensor operations, not a loop over its tiles. The
+    other tiles run one at a time (``_select_rows``).
+    """
     device = qflat.device
     batch, nq, qmax, df = qflat.shape
     kmax = kflat.shape[2]
     bs = params.stem_block_size
-    indices = torch.full((batch, nq, qmax, kmax), -1, dtype=torch.int32, device=device)
-    seq_len = torch.zeros((batch, nq, qmax), dtype=torch.int32, device=device)
+    small = batch * nq * qmax * kmax <= SMALL_OUTPUT  # filled faster than a team wakes
+    with native.omp_threads(1 if small else torch.get_num_threads()):
+        indices = torch.full((batch, nq, qmax, kmax), -1, dtype=torch.int32, device=device)
+        seq_len = torch.zeros((batch, nq, qmax), dtype=torch.int32, device=device)
 
-    qb_all = ceil_div(q_lens.to(torch.int64), bs).tolist()
-    kb_all = ceil_div(kv_lens.to(torch.int64), bs).tolist()
-    p_all = ceil_div(prompt_lens.to(torch.int64), bs)
-    ks_all = contract.prompt_budget(p_all, params)
+    with native.omp_threads(1):  # bookkeeping: one value per row at most
+        qb_all = ceil_div(q_lens.to(torch.int64), bs)
+        kb_all = ceil_div(kv_lens.to(torch.int64), bs)
+        p_all = ceil_div(prompt_lens.to(torch.int64), bs)
+        ks_all = contract.prompt_budget(p_all, params)
+        ranking_tiles = _write_unranked(tiles, qb_all, kb_all, p_all, ks_all, params, indices,
+                                        seq_len)
+    if not ranking_tiles:
+        return indices, seq_len
+    qb_all, kb_all = qb_all.tolist(), kb_all.tolist()
     scale = contract.score_scale(params)
     ws = _workspace(device)
-
     keys_b, cached_for = None, None
-    for b, i0, i1, _ in tiles.tolist():
+    for b, i0, i1 in ranking_tiles:
         qb, kb = qb_all[b], kb_all[b]
         if cached_for != b:
             keys_b, cached_for = _batch_keys(kflat[b], kb, ws), b
@@ -119,6 +132,47 @@ def stem_indexer_forward(
             seq_len[b, :, r0:r1] = length.to(device)
     _keep(ws)
     return indices, seq_len
+
+
+# Outputs of at most this many elements are allocated and filled by one thread.
+SMALL_OUTPUT = 1 << 20
+# Rows written at once by ``_write_unranked``, at most.
+UNRANKED_ROWS_AT_ONCE = 4096
+
+
+def _write_unranked(tiles, qb_all, kb_all, p_all, ks_all, params: IndexerParams, indices,
+                    seq_len) -> list[tuple[int, int, int]]:
+    """Write the rows of every tile in which no row ranks (each keeps all its
+    candidates or none: sink ++ [candidates] ++ window); return the other
+    tiles as ``(b, i0, i1)``."""
+    tiles = tiles.to(torch.int64)
+    count = tiles[:, 2] - tiles[:, 1]
+    tile_of = torch.repeat_interleave(torch.arange(tiles.shape[0]), count)
+    b = tiles[tile_of, 0]
+    i = tiles[tile_of, 1] + torch.arange(int(count.sum())) - (count.cumsum(0) - count)[tile_of]
+    qb, kb = qb_all[b], kb_all[b]
+    s2 = contract.visible_blocks(i, qb, kb, params.causal)
+    sink_end, cand_end = contract.candidate_range(s2, params.initial_blocks, params.window_size)
+    n_cand = cand_end - sink_end
+    take = torch.minimum(contract.row_budget(i + kb - qb, p_all[b], ks_all[b], params.alpha),
+                         n_cand)
+    ranks = (take > 0) & (take < n_cand)
+    tile_ranks = torch.zeros(tiles.shape[0], dtype=torch.bool).index_put_(
+        (tile_of,), ranks, accumulate=True)
+    keep = ~tile_ranks[tile_of]
+    head = sink_end + take  # positions [0, head) hold blocks 0.., the rest cand_end..
+    length = s2 - n_cand + take
+    kept = keep.nonzero().flatten()
+    for lo in range(0, kept.numel(), UNRANKED_ROWS_AT_ONCE):
+        sel = kept[lo:lo + UNRANKED_ROWS_AT_ONCE]
+        width = int(length[sel].max()) if sel.numel() else 0
+        pos = torch.arange(width)
+        row = torch.where(pos < head[sel, None], pos, pos - head[sel, None] + cand_end[sel, None])
+        row = torch.where(pos < length[sel, None], row, -1).to(torch.int32)
+        bd, idd = b[sel].to(indices.device), i[sel].to(indices.device)
+        indices[bd, :, idd, :width] = row[:, None, :].to(indices.device)
+        seq_len[bd, :, idd] = length[sel, None].to(device=indices.device, dtype=torch.int32)
+    return [tuple(t[:3]) for t in tiles[tile_ranks].tolist()]
 
 
 class _Workspace:
@@ -140,29 +194,41 @@ class _Workspace:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
-# CPU calls keep their scratch buffers for the next call of the same thread
-# (a model calls the op once per layer), when they total at most this much;
-# ``release_workspace()`` frees them.
+# CPU calls keep their scratch buffers for the next call (a model calls the
+# op once per layer): at most WORKSPACE_KEEP_BYTES in all, however many Python
+# threads call the op. A call takes a kept workspace (its own while it runs)
+# and returns it when done if the total stays within the bound.
 WORKSPACE_KEEP_BYTES = 256 << 20
-_kept = threading.local()
+_pool: list[_Workspace] = []
+_pool_lock = threading.Lock()
 
 
 def _workspace(device: torch.device) -> _Workspace:
-    if device.type != "cpu":
-        return _Workspace(device)
-    ws = getattr(_kept, "workspace", None)
-    _kept.workspace = None  # a call that raises leaves nothing behind
-    return ws if ws is not None else _Workspace(device)
+    if device.type == "cpu":
+        with _pool_lock:
+            if _pool:
+                return _pool.pop()  # a call that raises leaves nothing behind
+    return _Workspace(device)
 
 
 def _keep(ws: _Workspace) -> None:
-    if ws.device.type == "cpu" and ws.nbytes() <= WORKSPACE_KEEP_BYTES:
-        _kept.workspace = ws
+    if ws.device.type != "cpu":
+        return
+    with _pool_lock:
+        if ws.nbytes() + sum(w.nbytes() for w in _pool) <= WORKSPACE_KEEP_BYTES:
+            _pool.append(ws)
+
+
+def kept_bytes() -> int:
+    """Scratch memory kept for the next calls (all threads together)."""
+    with _pool_lock:
+        return sum(w.nbytes() for w in _pool)
 
 
 def release_workspace() -> None:
-    """Free the scratch buffers the CPU path keeps for this thread's next call."""
-    _kept.workspace = None
+    """Free the scratch buffers the CPU path keeps for the next calls."""
+    with _pool_lock:
+        _pool.clear()
 
 
 def _batch_keys(kflat_b: torch.Tensor, kb: int, ws: _Workspace) -> torch.Tensor:

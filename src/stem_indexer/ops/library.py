@@ -21,7 +21,7 @@ import torch
 
 from .. import contract, metadata as md
 from ..contract import IndexerParams
-from . import cpu
+from . import cpu, native
 
 NAMESPACE = "custom"
 
@@ -64,9 +64,10 @@ def _host_values(qflat, kflat, q_seq_lens, kv_seq_lens, num_prompt_tokens, metad
     prompt = None if num_prompt_tokens is None else num_prompt_tokens.cpu()
     _, nq, qmax, df = qflat.shape
     nk, kmax = kflat.shape[1], kflat.shape[2]
-    contract.check_lengths(q_lens, kv_lens, prompt, qmax, kmax, params.stem_block_size)
-    tiles = md.read_plan(metadata.cpu(), q_lens, kv_lens, nq, nk, params.causal,
-                         params.stem_block_size, df, params.window_size)
+    with native.omp_threads(1):  # a few values per batch: not worth a thread team
+        contract.check_lengths(q_lens, kv_lens, prompt, qmax, kmax, params.stem_block_size)
+        tiles = md.read_plan(metadata.cpu(), q_lens, kv_lens, nq, nk, params.causal,
+                             params.stem_block_size, df, params.window_size)
     return q_lens, kv_lens, kv_lens if prompt is None else prompt, tiles
 
 
@@ -124,10 +125,11 @@ def _metadata_kernel(q_seq_lens, kv_seq_lens, q_heads, kv_heads, *, causal=True,
     contract.check_metadata_inputs(q_seq_lens, kv_seq_lens, q_heads, kv_heads,
                                    stem_block_size, dim_qkflat, window_size)
     q_lens, kv_lens = q_seq_lens.cpu(), kv_seq_lens.cpu()
-    contract.check_nonnegative("q_seq_lens", q_lens)
-    contract.check_nonnegative("kv_seq_lens", kv_lens)
-    out = md.build_metadata(q_lens, kv_lens, q_heads, kv_heads, causal, stem_block_size,
-                            dim_qkflat, window_size)
+    with native.omp_threads(1):  # a few values per batch: not worth a thread team
+        contract.check_nonnegative("q_seq_lens", q_lens)
+        contract.check_nonnegative("kv_seq_lens", kv_lens)
+        out = md.build_metadata(q_lens, kv_lens, q_heads, kv_heads, causal, stem_block_size,
+                                dim_qkflat, window_size)
     return out.to(q_seq_lens.device)
 
 

@@ -28,7 +28,9 @@ slower). ``status()`` says which and why. Environment: see ``_env.py``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -49,6 +51,9 @@ CSRC = Path(__file__).parent / "csrc"
 CFLAGS = ("-O3", "-std=c11", "-shared", "-fPIC")
 OPENMP = ("-fopenmp",)
 COMPILE_SECONDS = 120
+# A selection of fewer keys and output entries than this runs on one thread:
+# waking a thread team would cost more than it saves.
+PARALLEL_MIN_WORK = 1 << 16
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -232,6 +237,45 @@ def _compile(lib: Library, compiler: list[str], out: str) -> str | None:
 
 
 # --------------------------------------------------------------------------- #
+# Threads of small work
+# --------------------------------------------------------------------------- #
+
+
+@functools.lru_cache(maxsize=None)
+def _libgomp() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL("libgomp.so.1")  # torch's, already loaded: the same handle
+        lib.omp_get_max_threads.restype = ctypes.c_int
+        lib.omp_set_num_threads.argtypes = [ctypes.c_int]
+    except (OSError, AttributeError):
+        return None
+    return lib
+
+
+@contextlib.contextmanager
+def omp_threads(n: int):
+    """torch's CPU operations run by this thread use at most ``n`` OpenMP
+    threads inside the block (other threads are not affected).
+
+    For host bookkeeping on tensors of a few thousand elements: split across
+    threads, each such operation waits for a worker to be scheduled, which
+    on a busy machine costs milliseconds instead of microseconds. OpenMP's
+    thread count is a per-thread setting, so this is safe with concurrent
+    callers; without libgomp (another OpenMP runtime) it changes nothing.
+    """
+    lib = _libgomp()
+    if lib is None:
+        yield
+        return
+    before = lib.omp_get_max_threads()
+    lib.omp_set_num_threads(n)
+    try:
+        yield
+    finally:
+        lib.omp_set_num_threads(before)
+
+
+# --------------------------------------------------------------------------- #
 # The selection kernel's face
 # --------------------------------------------------------------------------- #
 
@@ -255,8 +299,10 @@ def select_rows(nk: int, c: int, group: int, s2: torch.Tensor, sink_end: torch.T
         assert scores.dtype == torch.float32 and scores.is_contiguous()
         assert scores.shape[:3] == (nk, c - ranked, group)
         width, scores_ptr = scores.shape[3], scores.data_ptr()
+    work = nk * c * group * max(width, out.shape[-1])  # keys read + entries written
+    threads = torch.get_num_threads() if work >= PARALLEL_MIN_WORK else 1
     code = lib.stem_select_rows(nk, c, group, *(t.data_ptr() for t in per_block), scores_ptr,
                                 ranked, lo, width, precision, out.data_ptr(), out.stride(0),
-                                out.stride(1), torch.get_num_threads())
+                                out.stride(1), threads)
     if code != 0:
         raise MemoryError("stem_select_rows: no memory for its scratch keys")
