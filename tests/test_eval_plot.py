@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -118,7 +119,8 @@ def test_cli_plot(tmp_path, capsys, source):
     pytest.importorskip("matplotlib")
     out = tmp_path / "map.png"
     argv = ["plot", "--source", source, "--q-blocks", "24", "--kv-blocks", "24",
-            "--block-size", "16", "--stride", "4", "--head", "1", "--out", str(out)]
+            "--block-size", "16", "--stride", "4", "--head", "1", "--budget", "default",
+            "--out", str(out)]
     assert cli.main(argv) == 0
     assert out.read_bytes()[:8] == PNG_SIGNATURE
     printed = capsys.readouterr().out
@@ -129,11 +131,24 @@ def test_cli_plot(tmp_path, capsys, source):
 
 def test_cli_plot_reports_bad_arguments(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    argv = ["plot", "--q-blocks", "2", "--kv-blocks", "4", "--block-size", "8", "--stride", "4",
-            "--head", "64", "--out", str(tmp_path / "x.png")]
-    assert cli.main(argv) == 2
-    assert "head must be in [0, 64)" in capsys.readouterr().err
+    argv = ["plot", "--source", "random", "--q-blocks", "2", "--kv-blocks", "4",
+            "--block-size", "8", "--stride", "4", "--head", "64", "--out", str(tmp_path / "x.png")]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert "head must be in [0, 64) for the random source" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_plot_default_shows_a_sparse_selection(tmp_path, capsys):
+    """The default picture is a real selection: well under half of the pairs kept."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "map.png"
+    assert cli.main(["plot", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    kept, visible = (int(x) for x in re.search(r"kept (\d+) block pairs .* of (\d+) visible",
+                                               printed).groups())
+    assert visible == 64 * 65 // 2 and kept < 0.5 * visible
 
 
 # --------------------------------------------------------------------------- #

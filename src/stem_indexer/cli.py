@@ -12,6 +12,8 @@ Benchmarks (speed, selection quality) are scripts in the repository's
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import time
 
@@ -67,8 +69,12 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _progress(done: int, total: int, failed: int, label: str) -> None:
+    """A bar redrawn in place on a terminal; a line per case in logs."""
     if not sys.stderr.isatty():
-        return  # a bar redrawn with carriage returns only clutters logs
+        if done:
+            sys.stderr.write(f"[{done}/{total}] failed {failed}  {label}\n")
+            sys.stderr.flush()
+        return
     width = 30
     filled = width * done // max(total, 1)
     bar = "#" * filled + "." * (width - filled)
@@ -79,22 +85,74 @@ def _progress(done: int, total: int, failed: int, label: str) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .testing import cases, runner
+    from .testing import runner
 
-    selection = (cases.select_cases(args.cases, include_large=args.large) if args.cases
-                 else runner.env_cases(include_large=args.large))
     results, failed = [], 0
-    _progress(0, len(selection), 0, "")
-    for n, case in enumerate(selection, 1):
-        result = runner.run_case(case, device=args.device, mode=args.mode or runner.env_mode())
+    _progress(0, len(args.selection), 0, "")
+    for n, case in enumerate(args.selection, 1):
+        result = runner.run_case(case, device=args.device, mode=args.mode)
         results.append(result)
         if not result.ok:
             failed += 1
             sys.stderr.write(f"\nFAIL {result.label}: {result.summary}\n")
-        _progress(n, len(selection), failed, case.label)
+        _progress(n, len(args.selection), failed, case.label)
     runner.write_results_csv(results, args.out)
     print(f"{len(results) - failed} passed, {failed} failed  (results in {args.out})")
     return 1 if failed else 0
+
+
+def _check_verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Everything ``verify`` needs, checked before any case runs."""
+    from .testing import cases, runner
+
+    try:
+        args.mode = args.mode or runner.env_mode()
+        args.selection = (cases.select_cases(args.cases, include_large=args.large)
+                          if args.cases else runner.env_cases(include_large=args.large))
+    except (KeyError, ValueError) as exc:
+        parser.error(str(exc.args[0]))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is usable here")
+    _check_writable(parser, "--out", args.out)
+
+
+def _check_writable(parser: argparse.ArgumentParser, option: str, path: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        parser.error(f"{option} {path}: directory {directory} does not exist")
+    if not os.access(directory, os.W_OK) or (os.path.exists(path)
+                                             and not os.access(path, os.W_OK)):
+        parser.error(f"{option} {path}: not writable")
+
+
+def _alpha(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number; got {text!r}") from None
+    if not (math.isfinite(value) and 0.0 < value <= 1.0):
+        raise argparse.ArgumentTypeError(f"must be finite with 0 < alpha <= 1; got {text}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
+    return value
+
+
+def _nonnegative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer; got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0; got {value}")
+    return value
 
 
 def _cases(args: argparse.Namespace) -> int:
@@ -109,15 +167,10 @@ def _cases(args: argparse.Namespace) -> int:
 def _plot(args: argparse.Namespace) -> int:
     from . import plot
 
-    try:
-        counts = plot.plot_example(source=args.source, q_blocks=args.q_blocks,
-                                   kv_blocks=args.kv_blocks, block_size=args.block_size,
-                                   stride=args.stride, alpha=args.alpha, budget=args.budget,
-                                   batch=args.batch, head=args.head, seed=args.seed,
-                                   path=args.out)
-    except (ImportError, ValueError) as exc:
-        print(f"stem-indexer plot: error: {exc}", file=sys.stderr)
-        return 2
+    counts = plot.plot_example(source=args.source, q_blocks=args.q_blocks,
+                               kv_blocks=args.kv_blocks, block_size=args.block_size,
+                               stride=args.stride, alpha=args.alpha, budget=args.budget,
+                               batch=args.batch, head=args.head, seed=args.seed, path=args.out)
     kept = counts["sink"] + counts["window"] + counts["topk"]
     print(f"wrote {args.out}: batch {args.batch}, head {args.head}, kept {kept} block pairs "
           f"(sink {counts['sink']}, window {counts['window']}, top-k {counts['topk']}) "
@@ -125,14 +178,30 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _check_plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from . import plot
+
+    try:
+        plot.check_example(source=args.source, q_blocks=args.q_blocks,
+                           kv_blocks=args.kv_blocks, block_size=args.block_size,
+                           stride=args.stride, batch=args.batch, head=args.head)
+    except (ImportError, ValueError) as exc:
+        parser.error(str(exc))
+    _check_writable(parser, "--out", args.out)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="stem-indexer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version",
+                        version=f"stem-indexer {__version__} (torch {torch.__version__})")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run the article's example on CPU")
-    demo.add_argument("--alpha", type=float, default=1.0, help="TPD decay end (0, 1]")
-    demo.set_defaults(func=_demo)
+    demo.add_argument("--alpha", type=_alpha, default=1.0, help="TPD decay end, in (0, 1]")
+    demo.set_defaults(func=_demo, check=None, parser=demo)
 
     verify = sub.add_parser("verify", help="check the case table against the reference")
     verify.add_argument("--cases", help="comma-separated ids (default: STEM_INDEXER_CASE_ID "
@@ -140,32 +209,38 @@ def main(argv: list[str] | None = None) -> int:
     verify.add_argument("--large", action="store_true", help="include the large cases")
     verify.add_argument("--mode", choices=("eager", "graph"), default=None,
                         help="default: STEM_INDEXER_MODE, else eager")
-    verify.add_argument("--device", default="cpu", help="cpu or cuda")
+    verify.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     verify.add_argument("--out", default="result.csv", help="where to write the results")
-    verify.set_defaults(func=_verify)
+    verify.set_defaults(func=_verify, check=_check_verify, parser=verify)
 
     listing = sub.add_parser("cases", help="list the case table")
-    listing.set_defaults(func=_cases)
+    listing.set_defaults(func=_cases, check=None, parser=listing)
 
     picture = sub.add_parser("plot", help="draw one head's selected block map to a PNG")
-    picture.add_argument("--source", choices=("random", "synthetic"), default="random",
-                         help="random block representations (the article's example) or "
-                              "Q/K/V with planted needles (the eval's synthetic workload)")
-    picture.add_argument("--q-blocks", type=int, default=16, help="query blocks")
-    picture.add_argument("--kv-blocks", type=int, default=64, help="key blocks")
-    picture.add_argument("--block-size", type=int, default=128)
-    picture.add_argument("--stride", type=int, default=16)
-    picture.add_argument("--alpha", type=float, default=1.0, help="TPD decay end (0, 1]")
-    picture.add_argument("--budget", choices=("default", "tight"), default="default",
-                         help="the operator's budget, or Ks = P/8 for small shapes")
-    picture.add_argument("--batch", type=int, default=0, help="batch to draw")
-    picture.add_argument("--head", type=int, default=0, help="query head to draw")
+    picture.add_argument("--source", choices=("random", "synthetic"), default="synthetic",
+                         help="Q/K/V with planted needles (default) or random block "
+                              "representations in the article's example shape")
+    picture.add_argument("--q-blocks", type=_positive, default=64, help="query blocks")
+    picture.add_argument("--kv-blocks", type=_positive, default=64, help="key blocks")
+    picture.add_argument("--block-size", type=_positive, default=128)
+    picture.add_argument("--stride", type=_positive, default=16)
+    picture.add_argument("--alpha", type=_alpha, default=1.0, help="TPD decay end, in (0, 1]")
+    picture.add_argument("--budget", choices=("default", "tight"), default="tight",
+                         help="Ks = P/8 (default), or the operator's default budget (which "
+                              "keeps every block below 56 prompt blocks)")
+    picture.add_argument("--batch", type=_nonnegative, default=0, help="batch to draw")
+    picture.add_argument("--head", type=_nonnegative, default=0, help="query head to draw")
     picture.add_argument("--seed", type=int, default=0)
     picture.add_argument("--out", default="stem_block_map.png", help="PNG path")
-    picture.set_defaults(func=_plot)
+    picture.set_defaults(func=_plot, check=_check_plot, parser=picture)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.check is not None:
+        args.check(args.parser, args)  # usage errors exit 2 before any work
     try:
         return args.func(args)
     except BrokenPipeError:  # e.g. `stem-indexer cases | head`

@@ -17,7 +17,8 @@ import torch
 
 from . import contract
 
-__all__ = ["BlockKind", "classify_blocks", "block_kind_counts", "plot_block_map", "plot_example"]
+__all__ = ["BlockKind", "classify_blocks", "block_kind_counts", "plot_block_map", "plot_example",
+           "check_example"]
 
 
 class BlockKind(enum.IntEnum):
@@ -30,8 +31,9 @@ class BlockKind(enum.IntEnum):
     TOPK = 4       # kept: a top-k pick among the candidates
 
 
-# Colours per kind, in BlockKind order.
-_COLOURS = ("#d9d9d9", "#ffffff", "#1f77b4", "#2ca02c", "#d62728")
+# Colours per kind, in BlockKind order: greys for what is not kept, then the
+# Okabe-Ito blue and orange and black, told apart with any colour vision.
+_COLOURS = ("#d9d9d9", "#ffffff", "#0072b2", "#e69f00", "#000000")
 _LABELS = ("invisible", "visible, skipped", "sink", "window", "top-k")
 
 
@@ -158,9 +160,14 @@ def plot_block_map(
     ax.set_xlabel(f"key block ({block_size} tokens each)")
     ax.set_ylabel("query block")
     density = kept / visible if visible else 0.0
-    ax.set_title(title or f"Stem selection, batch {batch}, head {head}: kept {kept} of {visible} "
-                          f"visible block pairs ({density:.1%})")
-    handles = [Patch(facecolor=c, edgecolor="#777777", label=f"{label} ({counts[k.name.lower()]})")
+    heading = title or f"Stem selection, batch {batch}, head {head}"
+    lines = [heading, f"kept {kept} of {visible} visible block pairs: density {density:.1%}"]
+    if causal and kb > qb:
+        lines.append(f"the {qb} query blocks are the last of {kb} key blocks "
+                     "(causal, aligned at the end)")
+    ax.set_title("\n".join(lines), fontsize="medium")
+    handles = [Patch(facecolor=c, edgecolor="#777777",
+                     label=f"{label} ({counts[k.name.lower()]} block pairs)")
                for c, label, k in zip(_COLOURS, _LABELS, BlockKind)]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small",
               frameon=False)
@@ -168,21 +175,58 @@ def plot_block_map(
     return counts
 
 
+_SOURCES = {"random": (4, 64), "synthetic": (1, 4)}  # source -> (batches, query heads)
+
+
+def check_example(*, source: str, q_blocks: int, kv_blocks: int, block_size: int, stride: int,
+                  batch: int, head: int) -> None:
+    """The checks of ``plot_example``'s arguments, before any work.
+
+    Raises:
+        ValueError naming the argument; ImportError without matplotlib.
+    """
+    if source not in _SOURCES:
+        raise ValueError(f"plot_example: source must be one of {sorted(_SOURCES)}; "
+                         f"got {source!r}")
+    for name, value in (("q_blocks", q_blocks), ("kv_blocks", kv_blocks),
+                        ("block_size", block_size), ("stride", stride)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"plot_example: {name} must be an int >= 1; got {value!r}")
+    if q_blocks > kv_blocks:
+        raise ValueError(f"plot_example: q_blocks must be <= kv_blocks ({kv_blocks}); "
+                         f"got {q_blocks}")
+    if block_size % stride:
+        raise ValueError(f"plot_example: block_size must be a multiple of stride ({stride}); "
+                         f"got {block_size}")
+    batches, heads = _SOURCES[source]
+    if source == "synthetic" and kv_blocks < 24:
+        raise ValueError(f"plot_example: the synthetic source needs kv_blocks >= 24; "
+                         f"got {kv_blocks}")
+    if not 0 <= batch < batches:
+        raise ValueError(f"plot_example: batch must be in [0, {batches}) for the {source} "
+                         f"source; got {batch}")
+    if not 0 <= head < heads:
+        raise ValueError(f"plot_example: head must be in [0, {heads}) for the {source} "
+                         f"source; got {head}")
+    _require_matplotlib()
+
+
 def plot_example(
-    *, source: str = "random", q_blocks: int = 16, kv_blocks: int = 64, block_size: int = 128,
-    stride: int = 16, alpha: float = 1.0, budget: str = "default", batch: int = 0,
-    head: int = 0, seed: int = 0, path: str | Path = "stem_block_map.png",
+    *, source: str = "synthetic", q_blocks: int = 64, kv_blocks: int = 64,
+    block_size: int = 128, stride: int = 16, alpha: float = 1.0, budget: str = "tight",
+    batch: int = 0, head: int = 0, seed: int = 0, path: str | Path = "stem_block_map.png",
 ) -> dict[str, int]:
     """Run the indexer on an example and draw one head's map (``stem-indexer plot``).
 
-    ``source="random"`` uses random block representations in the article's
-    example shape (4 batches, 64 query heads, 8 KV heads, Df = stride * 128);
-    ``"synthetic"`` runs ``stem_inputs`` on the quality evaluation's synthetic
-    Q/K/V (planted needles show up as isolated top-k picks far from the
-    diagonal), keeping the last ``q_blocks`` query blocks. Both use 4 sink
-    and 4 window blocks; ``budget`` is ``"default"`` (the operator's) or
-    ``"tight"`` (``Ks = P/8``, the quality evaluation's budget for small
-    shapes, where the default keeps almost every block).
+    ``source="synthetic"`` runs ``stem_inputs`` on the quality evaluation's
+    synthetic Q/K/V (1 batch, 4 query heads; planted needles show up as
+    isolated top-k picks far from the diagonal), keeping the last
+    ``q_blocks`` query blocks; ``"random"`` uses random block representations
+    in the article's example shape (4 batches, 64 query heads, 8 KV heads,
+    Df = stride * 128). Both use 4 sink and 4 window blocks; ``budget`` is
+    ``"tight"`` (``Ks = P/8``, about the default budget's share at 128K
+    tokens) or ``"default"`` (the operator's, which keeps every block below
+    56 prompt blocks).
 
     Returns:
         The ``block_kind_counts`` of the drawn map.
@@ -193,13 +237,8 @@ def plot_example(
     budgets = {"default": DEFAULT_BUDGET, "tight": TIGHT_BUDGET}
     if budget not in budgets:
         raise ValueError(f"plot_example: budget must be 'default' or 'tight'; got {budget!r}")
-    _require_matplotlib()  # fail before the work, not after it
-    for name, value in (("q_blocks", q_blocks), ("kv_blocks", kv_blocks)):
-        if value < 1:
-            raise ValueError(f"plot_example: {name} must be >= 1; got {value}")
-    if q_blocks > kv_blocks:
-        raise ValueError(f"plot_example: q_blocks must be <= kv_blocks ({kv_blocks}); "
-                         f"got {q_blocks}")
+    check_example(source=source, q_blocks=q_blocks, kv_blocks=kv_blocks, block_size=block_size,
+                  stride=stride, batch=batch, head=head)
     q_len, kv_len = q_blocks * block_size, kv_blocks * block_size
     if source == "random":
         gen = torch.Generator().manual_seed(seed)
@@ -210,9 +249,9 @@ def plot_example(
         q_lens = torch.full((b,), q_len, dtype=torch.int32)
         kv_lens = torch.full((b,), kv_len, dtype=torch.int32)
         what = "random qflat/kflat/vbias"
-    elif source == "synthetic":
-        from .testing.quality import synthetic_workload
+    else:
         from .prepare import stem_inputs
+        from .testing.quality import synthetic_workload
 
         work = synthetic_workload(seq_len=kv_len, block_size=block_size, stride=stride, seed=seed)
         inputs = stem_inputs(work.q[:, :, kv_len - q_len:], work.k, work.v,
@@ -221,13 +260,10 @@ def plot_example(
         qflat, kflat, vbias = inputs.qflat, inputs.kflat, inputs.vbias
         q_lens, kv_lens = inputs.q_seq_lens, inputs.kv_seq_lens
         what = "synthetic Q/K/V with needles"
-    else:
-        raise ValueError(f"plot_example: source must be 'random' or 'synthetic'; got {source!r}")
     indices, seq_len = stem_indexer(qflat, kflat, vbias, q_lens, kv_lens, causal=True,
                                     stem_block_size=block_size, stem_stride=stride, alpha=alpha,
                                     **budgets[budget].kwargs())
-    title = (f"Stem selection ({what}), batch {batch}, head {head}: "
-             f"{q_blocks} x {kv_blocks} blocks of {block_size}, alpha {alpha:g}, "
-             f"{budget} budget")
+    title = (f"Stem selection ({what}), batch {batch}, head {head}, {budget} budget, "
+             f"alpha {alpha:g}, blocks of {block_size} tokens")
     return plot_block_map(indices, seq_len, batch=batch, head=head, q_len=q_len, kv_len=kv_len,
                           block_size=block_size, path=path, title=title)

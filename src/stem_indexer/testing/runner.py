@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
+import io
 import json
 import os
 import time
@@ -42,6 +43,7 @@ import torch
 
 from . import compare as _compare
 from .cases import Case, select_cases
+from .._files import write_atomic
 from ..contract import IndexerParams
 from ..ops import library as _library  # noqa: F401  (registers the ops)
 from ..reference import stem_indexer_reference
@@ -288,12 +290,13 @@ def run_case(case: Case, *, device: str = "cpu", mode: str = "eager",
 
 def write_results_csv(results: Iterable[CaseResult], path: str | os.PathLike) -> None:
     """One row per result: case_id,label,mode,device,ok,op_seconds,golden_seconds,summary,covers."""
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(RESULT_COLUMNS)
-        for r in results:
-            writer.writerow([r.case_id, r.label, r.mode, r.device, r.ok, f"{r.op_seconds:.6f}",
-                             f"{r.golden_seconds:.6f}", r.summary, r.covers])
+    buf = io.StringIO(newline="")
+    writer = csv.writer(buf)
+    writer.writerow(RESULT_COLUMNS)
+    for r in results:
+        writer.writerow([r.case_id, r.label, r.mode, r.device, r.ok, f"{r.op_seconds:.6f}",
+                         f"{r.golden_seconds:.6f}", r.summary, r.covers])
+    write_atomic(path, buf.getvalue())
 
 
 # --------------------------------------------------------------------------- #
