@@ -1,9 +1,30 @@
-"""Stem block-sparse attention indexing for PyTorch.
+"""Stem block-sparse attention for PyTorch: faster long-context prefill.
 
-Importing this package registers ``torch.ops.custom.npu_stem_indexer`` and
-``torch.ops.custom.npu_stem_indexer_metadata`` (CPU, CUDA and fake kernels)
-and sets every op of the ``custom`` namespace as an attribute of the package,
-as the Ascend extension does on ``torch_npu``.
+For every query block, Stem keeps the key blocks that matter (block scores
+from compressed Q/K plus a value-magnitude bias, a top-k budget that decays
+with position, sink and window blocks always kept) and attends to those
+only. Start here:
+
+* ``stem_attention(q, k, v)``: the whole method on ``[B, H, S, D]`` tensors
+  (dense where sparsity cannot help); ``preset="default" | "balanced" |
+  "tight"`` picks the budget (``PRESETS``);
+* ``stem_attn_func`` / ``stem_attn_varlen_func``: the same in FlashAttention's
+  calling conventions (``[B, S, H, D]``; packed sequences);
+* ``stem_indexer.integrations.transformers.register()``: ``attn_implementation="stem"``
+  for Hugging Face models.
+
+The pieces, for those who build their own pipeline: ``stem_inputs`` (Q/K/V ->
+block representations and value bias), ``stem_indexer`` and
+``stem_indexer_metadata`` (the selection), ``block_sparse_attention`` and
+``block_mask`` (attention on a selection, FlexAttention's ``BlockMask``),
+``dense_attention`` (the same conventions, dense), ``stem_indexer_reference``
+(the scalar golden).
+
+Importing the package registers ``torch.ops.custom.npu_stem_indexer`` and
+``torch.ops.custom.npu_stem_indexer_metadata`` (CPU, CUDA and fake kernels),
+the Ascend extension's ops with the same schemas and results, and sets every
+op of the ``custom`` namespace as an attribute of the package, as the Ascend
+extension does on ``torch_npu``.
 """
 
 from __future__ import annotations
@@ -11,8 +32,9 @@ from __future__ import annotations
 import torch as _torch
 
 from .api import stem_indexer, stem_indexer_metadata
-from .attention import block_sparse_attention, dense_attention, stem_attention
-from .contract import IndexerParams, StemIndexerInputError
+from .attention import StemInfo, block_sparse_attention, dense_attention, stem_attention
+from .contract import PRESETS, IndexerParams, StemIndexerInputError
+from .flash import stem_attn_func, stem_attn_varlen_func
 from .ops.flex_attention import block_mask
 from .prepare import StemInputs, stem_inputs
 from .reference import stem_indexer_reference
@@ -20,15 +42,19 @@ from .reference import stem_indexer_reference
 __version__ = "0.1.0"
 
 __all__ = [
-    "stem_indexer",
-    "stem_indexer_metadata",
-    "stem_indexer_reference",
+    "stem_attention",
+    "stem_attn_func",
+    "stem_attn_varlen_func",
+    "StemInfo",
+    "PRESETS",
     "stem_inputs",
     "StemInputs",
+    "stem_indexer",
+    "stem_indexer_metadata",
     "block_sparse_attention",
     "block_mask",
     "dense_attention",
-    "stem_attention",
+    "stem_indexer_reference",
     "IndexerParams",
     "StemIndexerInputError",
     "npu_stem_indexer",

@@ -38,6 +38,8 @@ attention where sparsity cannot help (see its docstring).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,9 +52,12 @@ from .ops.gather_attention import gather_attention
 from .prepare import (DEFAULT_OAM_LAMBDA, check_oam_lambda, check_qkv, seq_lens_tensor,
                       stem_inputs)
 
-__all__ = ["block_sparse_attention", "dense_attention", "stem_attention"]
+__all__ = ["block_sparse_attention", "dense_attention", "stem_attention", "StemInfo"]
 
 BACKENDS = ("auto", "native", "flex", "gather")
+# No model has this many attention heads; more, and more than tokens, is a
+# tensor in another layout.
+MAX_HEADS = 1024
 _CPU = torch.device("cpu")
 
 
@@ -216,24 +221,81 @@ def _padding_zeroed(x: torch.Tensor, lens: torch.Tensor, blocks: int, bs: int) -
     return out
 
 
-def _flex(q, k, v, idx, lengths, qlen, kvlen, bs, causal, scale):
-    qmax, kmax = ceil_div(q.shape[2], bs), ceil_div(k.shape[2], bs)
-    device = q.device
-    mask = flex.block_mask(idx, lengths, block_size=bs, causal=causal,
-                           q_len=qmax * bs, kv_len=kmax * bs, q_lens=qlen.to(device),
-                           kv_lens=kvlen.to(device))
-    out = flex.flex_attention_forward(_padding_zeroed(q, qlen, qmax, bs),
-                                      _padding_zeroed(k, kvlen, kmax, bs),
-                                      _padding_zeroed(v, kvlen, kmax, bs), mask, scale)
-    return out[:, :, :q.shape[2]]
+@dataclass(frozen=True)
+class _Call:
+    """A checked block-sparse attention problem: q/k/v and the lists on one
+    device, the per-batch lengths on the host."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    idx: torch.Tensor
+    lengths: torch.Tensor
+    qlen: torch.Tensor
+    kvlen: torch.Tensor
+    bs: int
+    causal: bool
+    scale: float
+    softcap: float | None
+
+
+def _flex(c: _Call, want_lse: bool):
+    qmax, kmax = ceil_div(c.q.shape[2], c.bs), ceil_div(c.k.shape[2], c.bs)
+    device = c.q.device
+    if want_lse and device.type == "cpu":
+        fail("block_sparse_attention", "backend", "'flex' cannot return the log-sum-exp on CPU "
+             "(inductor's CPU FlexAttention lacks it); use 'native' or 'gather'", "'flex'")
+    mask = flex.block_mask(c.idx, c.lengths, block_size=c.bs, causal=c.causal,
+                           q_len=qmax * c.bs, kv_len=kmax * c.bs, q_lens=c.qlen.to(device),
+                           kv_lens=c.kvlen.to(device))
+    out, lse = flex.flex_attention_forward(_padding_zeroed(c.q, c.qlen, qmax, c.bs),
+                                           _padding_zeroed(c.k, c.kvlen, kmax, c.bs),
+                                           _padding_zeroed(c.v, c.kvlen, kmax, c.bs), mask,
+                                           c.scale, c.softcap, want_lse)
+    sq = c.q.shape[2]
+    return out[:, :, :sq], None if lse is None else lse[:, :, :sq]
+
+
+def _run(c: _Call, backend: str, want_lse: bool = False):
+    """``(out, lse)`` of a checked call (lse None unless ``want_lse``); padded
+    query positions zero (and -inf)."""
+    if backend == "native":
+        native = _native()
+        if native is None:
+            fail("block_sparse_attention", "backend", "'native' is not available here "
+                 f"({_native_status()})", "'native'")
+        out, lse = native.sparse_attention(c.q, c.k, c.v, c.idx, c.lengths, c.qlen, c.kvlen,
+                                           c.bs, c.causal, c.scale, c.softcap)
+    elif backend == "flex":
+        out, lse = _flex(c, want_lse)
+    else:
+        out, lse = gather_attention(c.q, c.k, c.v, c.idx, c.lengths, c.qlen, c.kvlen, c.bs,
+                                    c.causal, c.scale, c.softcap)
+    lse = lse.float() if want_lse else None
+    pad_q = torch.arange(c.q.shape[2])[None, :] >= c.qlen[:, None]
+    if bool(pad_q.any()):
+        pad_q = pad_q.to(c.q.device)[:, None, :]
+        out = out.masked_fill(pad_q[..., None], 0)
+        lse = None if lse is None else lse.masked_fill(pad_q, -math.inf)
+    return out.to(c.q.dtype), lse
+
+
+def _check_softcap(who: str, softcap) -> float | None:
+    if softcap is None:
+        return None
+    if (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+            or not (math.isfinite(softcap) and softcap > 0)):
+        fail(who, "softcap", "must be None or a finite number > 0", softcap)
+    return float(softcap)
 
 
 def block_sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sparse_indices: torch.Tensor, sparse_seq_len: torch.Tensor, *,
     block_size: int, causal: bool = True, scale: float | None = None,
-    q_lens=None, kv_lens=None, backend: str = "auto",
-) -> torch.Tensor:
+    softcap: float | None = None, q_lens=None, kv_lens=None, backend: str = "auto",
+    return_lse: bool = False,
+):
     """Softmax attention restricted to the listed key blocks of each query block.
 
     Args:
@@ -248,21 +310,29 @@ def block_sparse_attention(
         causal: token-level causal mask, right-down aligned: query t sees key
             j iff ``j <= t + kv_len - q_len``.
         scale: softmax scale, default ``1/sqrt(D)``.
+        softcap: logit soft-capping (Gemma 2): scaled scores become
+            ``softcap * tanh(score / softcap)`` before the softmax.
         q_lens, kv_lens: valid tokens per batch (positions ``[0, len)``).
         backend: ``"auto"``, ``"native"``, ``"flex"`` or ``"gather"`` (see the
             module docstring).
+        return_lse: also return the log-sum-exp of the attended scores.
 
     Returns:
-        [B, Hq, Sq, D] in q's dtype. Query tokens with no visible key among
-        their listed blocks, and padded query positions, are zero.
+        [B, Hq, Sq, D] in q's dtype; with ``return_lse`` also the float32
+        log-sum-exp [B, Hq, Sq] (natural log) of the scores each query
+        attended, for merging partial results. Query tokens with no visible
+        key among their listed blocks, and padded query positions, are zero
+        (log-sum-exp -inf).
 
-    The selection is checked on the host (this synchronises on CUDA).
+    The selection is checked on its device (a few host syncs on CUDA).
     """
     who = "block_sparse_attention"
     batch, hq, hkv, sq, skv, dim = check_qkv(q, k, v, who, same_dtype=True)
     check_int(who, "block_size", block_size, 1)
     check_bool(who, "causal", causal)
+    check_bool(who, "return_lse", return_lse)
     scale = _check_scale(who, "scale", scale, dim)
+    softcap = _check_softcap(who, softcap)
     _check_backend(who, backend)
     _check_inference(who, q, k, v)
     qmax, kmax = ceil_div(sq, block_size), ceil_div(skv, block_size)
@@ -270,27 +340,9 @@ def block_sparse_attention(
                                     q.device)
     qlen = seq_lens_tensor(q_lens, batch, sq, "q_lens", _CPU, who)
     kvlen = seq_lens_tensor(kv_lens, batch, skv, "kv_lens", _CPU, who)
-    return _block_sparse(q, k, v, idx, lengths, qlen, kvlen, block_size, causal, scale,
-                         _backend(backend, q))
-
-
-def _block_sparse(q, k, v, idx, lengths, qlen, kvlen, bs, causal, scale, backend):
-    """``block_sparse_attention`` on checked inputs (host lists and lengths)."""
-    args = (q, k, v, idx, lengths, qlen, kvlen, bs, causal, scale)
-    if backend == "native":
-        native = _native()
-        if native is None:
-            fail("block_sparse_attention", "backend", "'native' is not available here "
-                 f"({_native_status()})", "'native'")
-        out = native.sparse_attention(*args)
-    elif backend == "flex":
-        out = _flex(*args)
-    else:
-        out = gather_attention(*args)
-    pad_q = torch.arange(q.shape[2])[None, :] >= qlen[:, None]
-    if bool(pad_q.any()):
-        out = out.masked_fill(pad_q.to(q.device)[:, None, :, None], 0)
-    return out.to(q.dtype)
+    call = _Call(q, k, v, idx, lengths, qlen, kvlen, block_size, causal, scale, softcap)
+    out, lse = _run(call, _backend(backend, q), return_lse)
+    return (out, lse) if return_lse else out
 
 
 def _native_status() -> str:
@@ -301,6 +353,39 @@ def _native_status() -> str:
 # --------------------------------------------------------------------------- #
 # Stem attention
 # --------------------------------------------------------------------------- #
+
+
+class StemInfo(NamedTuple):
+    """What one ``stem_attention`` call did (``return_info=True``).
+
+    ``path`` is ``"sparse"`` (the indexer chose the blocks) or ``"dense"``,
+    with ``reason``: ``"decode"`` (fewer than ``min_q_blocks`` query blocks)
+    or ``"budget keeps every block"`` (short sequences). ``backend`` is the
+    kernel that ran (``"native"``, ``"flex"``, ``"gather"`` or ``"sdpa"``).
+    ``density`` = ``kept_pairs / visible_pairs``: attended (query block, key
+    block) pairs over the causally visible ones, all batches and heads.
+    """
+
+    path: str
+    reason: str
+    backend: str
+    kept_pairs: int
+    visible_pairs: int
+
+    @property
+    def density(self) -> float:
+        return self.kept_pairs / self.visible_pairs if self.visible_pairs else 1.0
+
+
+def _visible_pairs(qlen, kvlen, params: IndexerParams) -> int:
+    """Visible (query block, key block) pairs per query head, over the batch."""
+    bs = params.stem_block_size
+    total = 0
+    for q_len, kv_len in zip(qlen.tolist(), kvlen.tolist()):
+        qb, kb = ceil_div(q_len, bs), ceil_div(kv_len, bs)
+        if qb and kb:
+            total += int(contract.visible_blocks(torch.arange(qb), qb, kb, params.causal).sum())
+    return total
 
 
 def _dense_is_exact(qlen, kvlen, prompt, params: IndexerParams) -> bool:
@@ -321,29 +406,49 @@ def _dense_is_exact(qlen, kvlen, prompt, params: IndexerParams) -> bool:
         budget = contract.row_budget(i + int(kb[b]) - n, p[b], ks[b], params.alpha)
         if bool((budget < cand_end - sink_end).any()):
             return False
-        last_q = torch.minimum((i + 1) * bs, qlen[b]) - 1
-        reach = kvlen[b] if not params.causal else torch.minimum(
-            kvlen[b], last_q + kvlen[b] - qlen[b] + 1).clamp(min=0)
-        if bool((s2 * bs < reach).any()):
+        if bool((s2 < _reach(i, qlen[b], kvlen[b], bs, params.causal)).any()):
             return False
     return True
 
 
+def _reach(i, q_len, kv_len, bs: int, causal: bool) -> torch.Tensor:
+    """Key blocks holding a key visible to some token of query blocks ``i``."""
+    if not causal:
+        return torch.full_like(i, int(ceil_div(kv_len, bs)))
+    last_q = torch.minimum((i + 1) * bs, q_len) - 1
+    return ceil_div(torch.minimum(kv_len, last_q + kv_len - q_len + 1).clamp(min=0), bs)
+
+
+def _dense_lists(qlen, kvlen, bs: int, causal: bool, hq: int, qmax: int, kmax: int, device):
+    """Lists of every key block each row's tokens can see: block-sparse
+    attention on them is dense attention (with its log-sum-exp)."""
+    i = torch.arange(qmax)
+    lengths = torch.stack([torch.where(i < ceil_div(q_len, bs),
+                                       _reach(i, q_len, kv_len, bs, causal), 0)
+                           for q_len, kv_len in zip(qlen, kvlen)])
+    lengths = lengths[:, None].expand(-1, hq, -1).to(device)
+    idx = torch.arange(kmax, device=device).expand(*lengths.shape, kmax)
+    return torch.where(idx < lengths[..., None], idx, -1), lengths
+
+
 def stem_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-    causal: bool = True, scale: float | None = None, q_lens=None, kv_lens=None,
-    num_prompt_tokens=None, oam: bool = True, oam_lambda: float = DEFAULT_OAM_LAMBDA,
-    indexer_scale: float | None = None, min_q_blocks: int = 2, backend: str = "auto",
-    **indexer_params,
-) -> torch.Tensor:
+    causal: bool = True, scale: float | None = None, softcap: float | None = None,
+    q_lens=None, kv_lens=None, num_prompt_tokens=None, preset: str = "default",
+    oam: bool = True, oam_lambda: float = DEFAULT_OAM_LAMBDA, indexer_scale: float | None = None,
+    min_q_blocks: int = 2, backend: str = "auto", return_lse: bool = False,
+    return_info: bool = False, **indexer_params,
+):
     """Stem attention in one call: Q/K/V -> indexer -> block-sparse attention.
 
     Args:
         q: [B, Hq, Sq, D]; k, v: [B, Hkv, Skv, D]; ``Hq % Hkv == 0``.
-        causal, scale, q_lens, kv_lens: as in ``block_sparse_attention``
+        causal, scale, softcap, q_lens, kv_lens: as in ``block_sparse_attention``
             (scale defaults to ``1/sqrt(D)``).
         num_prompt_tokens: per-batch prompt length for the budget (>= kv_lens),
             default the KV lengths (chunked prefill passes the full prompt).
+        preset: a named budget of ``PRESETS`` (``"default"``, ``"balanced"``,
+            ``"tight"``); ``indexer_params`` override its fields.
         oam, oam_lambda: the Output-Aware Metric (``False`` = no value bias).
         indexer_scale: factor folded into ``qflat``. Default ``scale /
             stem_stride``: the indexer's score of a block pair is then the mean
@@ -355,20 +460,25 @@ def stem_attention(
             e.g. single-token decode, dense attention is used: the indexer
             reads every key to score it, so it cannot save work there.
         backend: ``block_sparse_attention``'s backend.
+        return_lse: also return the float32 log-sum-exp [B, Hq, Sq] of the
+            scores attended (for merging partial results).
+        return_info: also return a ``StemInfo`` (path taken, density).
         **indexer_params: the indexer's parameters by their op names
             (``stem_block_size=128``, ``stem_stride=16``, ``alpha``,
             ``initial_blocks``, ``window_size``, ``k_block_num_rate_medium``,
             ``k_block_num_bias_medium``, ``k_block_num_rate_large``,
-            ``k_block_num_bias_large``, ``topk_score_precision``), schema
-            defaults otherwise.
+            ``k_block_num_bias_large``, ``topk_score_precision``).
 
     Returns:
-        [B, Hq, Sq, D] in q's dtype.
+        [B, Hq, Sq, D] in q's dtype; with ``return_lse`` and/or
+        ``return_info`` a tuple ``(out, lse)``, ``(out, info)`` or
+        ``(out, lse, info)``.
 
     Dense attention (the same masks and zero-output conventions as
-    ``dense_attention``) is also used when the indexer would keep, in every
-    row, every key block the row can see (short sequences: budgets below 56
-    prompt blocks keep all); the result is then identical to the sparse path's.
+    ``dense_attention``) is used when the indexer would keep, in every row,
+    every key block the row can see (short sequences: budgets below 56 prompt
+    blocks keep all): the result is then the sparse path's, and ``info``
+    says ``"dense"``.
 
     The indexer aligns causality on blocks (its last query block sees its
     last key block). When ``kv_len - q_len`` is not a multiple of the block
@@ -379,9 +489,12 @@ def stem_attention(
     """
     who = "stem_attention"
     batch, hq, hkv, sq, skv, dim = check_qkv(q, k, v, who, same_dtype=True)
-    params = IndexerParams.from_kwargs(who, causal=causal, **indexer_params)
+    _check_layout(who, q, k, "[B, H, S, D]")
+    params = IndexerParams.from_kwargs(who, preset=preset, causal=causal, **indexer_params)
     scale = _check_scale(who, "scale", scale, dim)
-    check_bool(who, "oam", oam)
+    softcap = _check_softcap(who, softcap)
+    for name, flag in (("oam", oam), ("return_lse", return_lse), ("return_info", return_info)):
+        check_bool(who, name, flag)
     check_oam_lambda(oam_lambda, who)
     check_int(who, "min_q_blocks", min_q_blocks, 0)
     _check_backend(who, backend)
@@ -393,22 +506,60 @@ def stem_attention(
         prompt = seq_lens_tensor(num_prompt_tokens, batch, 2**31 - 1, "num_prompt_tokens",
                                  _CPU, who)
         contract.check_prompt(prompt, kvlen, who, "kv_lens")
-    bs, stride = params.stem_block_size, params.stem_stride
-    indexer_scale = (scale / stride if indexer_scale is None
-                     else _check_scale(who, "indexer_scale", indexer_scale, dim))
+    if indexer_scale is not None:
+        indexer_scale = _check_scale(who, "indexer_scale", indexer_scale, dim)
 
-    if (int(ceil_div(qlen, bs).max()) < min_q_blocks
-            or _dense_is_exact(qlen, kvlen, prompt, params)):
-        return _dense(q, k, v, causal, scale, qlen, kvlen)
+    out, lse, info = _stem(q, k, v, qlen, kvlen, prompt, params, scale, softcap, oam,
+                           oam_lambda, indexer_scale, min_q_blocks, backend, return_lse)
+    extra = ((lse,) if return_lse else ()) + ((info,) if return_info else ())
+    return (out, *extra) if extra else out
+
+
+def _check_layout(who: str, q, k, layout: str) -> None:
+    """Refuse shapes that can only be another layout's (more heads than any
+    model has, and more than tokens)."""
+    heads, tokens = (q.shape[1], q.shape[2]) if layout == "[B, H, S, D]" else (q.shape[2],
+                                                                               q.shape[1])
+    if heads > MAX_HEADS and heads > tokens:
+        other = "[B, S, H, D]" if layout == "[B, H, S, D]" else "[B, H, S, D]"
+        fail(who, "q", f"is read as {layout}, which gives {heads} heads of {tokens} tokens: is "
+             f"it {other}? (stem_attention takes [B, H, S, D], stem_attn_func [B, S, H, D])",
+             f"shape {tuple(q.shape)}")
+
+
+def _stem(q, k, v, qlen, kvlen, prompt, params: IndexerParams, scale, softcap, oam, oam_lambda,
+          indexer_scale, min_q_blocks, backend, want_lse):
+    """The body of ``stem_attention`` on checked arguments: (out, lse, info)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    bs, stride = params.stem_block_size, params.stem_stride
+    qmax, kmax = ceil_div(q.shape[2], bs), ceil_div(k.shape[2], bs)
+    visible = _visible_pairs(qlen, kvlen, params) * hq
+    backend = _backend(backend, q)
+    reason = ""
+    if int(ceil_div(qlen, bs).max()) < min_q_blocks:
+        reason = "decode"
+    elif _dense_is_exact(qlen, kvlen, prompt, params):
+        reason = "budget keeps every block"
+    if reason and not (want_lse or softcap):
+        out = _dense(q, k, v, params.causal, scale, qlen, kvlen)
+        return out, None, StemInfo("dense", reason, "sdpa", visible, visible)
+    if reason:  # dense through the block kernels, which give the lse and the softcap
+        idx, lengths = _dense_lists(qlen, kvlen, bs, params.causal, hq, qmax, kmax, q.device)
+        out, lse = _run(_Call(q, k, v, idx, lengths, qlen, kvlen, bs, params.causal, scale,
+                              softcap), backend, want_lse)
+        return out, lse, StemInfo("dense", reason, backend, visible, visible)
+
     inputs = stem_inputs(q, k, v, block_size=bs, stride=stride, q_lens=qlen.to(q.device),
-                         kv_lens=kvlen.to(q.device), scale=indexer_scale, oam=oam,
-                         oam_lambda=oam_lambda)
+                         kv_lens=kvlen.to(q.device),
+                         scale=scale / stride if indexer_scale is None else indexer_scale,
+                         oam=oam, oam_lambda=oam_lambda)
     metadata = stem_indexer_metadata(
-        inputs.q_seq_lens, inputs.kv_seq_lens, hq, hkv, causal=causal, stem_block_size=bs,
-        dim_qkflat=inputs.qflat.shape[-1], window_size=params.window_size)
-    sparse_indices, sparse_seq_len = run_indexer(
+        inputs.q_seq_lens, inputs.kv_seq_lens, hq, hkv, causal=params.causal,
+        stem_block_size=bs, dim_qkflat=inputs.qflat.shape[-1], window_size=params.window_size)
+    idx, lengths = run_indexer(
         inputs.qflat, inputs.kflat, inputs.vbias, inputs.q_seq_lens, inputs.kv_seq_lens,
         prompt.to(device=q.device, dtype=torch.int32), metadata, params)
     # The indexer's lists are valid and ascending by contract: no check needed.
-    return _block_sparse(q, k, v, sparse_indices, sparse_seq_len, qlen, kvlen, bs, causal,
-                         scale, _backend(backend, q))
+    out, lse = _run(_Call(q, k, v, idx, lengths, qlen, kvlen, bs, params.causal, scale,
+                          softcap), backend, want_lse)
+    return out, lse, StemInfo("sparse", "", backend, int(lengths.sum()), visible)

@@ -25,6 +25,7 @@ __all__ = [
     "BRANCH_LARGE",
     "TOPK_CAP",
     "IndexerParams",
+    "PRESETS",
     "ceil_div",
     "score_scale",
     "visible_blocks",
@@ -134,16 +135,34 @@ class IndexerParams:
                  "ranking)", self.topk_score_precision)
 
     @classmethod
-    def from_kwargs(cls, who: str, **kwargs) -> "IndexerParams":
-        """Parameters from keyword arguments named as the op's attributes, checked."""
+    def from_kwargs(cls, who: str, preset: str = "default", **kwargs) -> "IndexerParams":
+        """A preset's parameters (``PRESETS``) with keyword arguments named as
+        the op's attributes taking precedence, checked."""
+        if not isinstance(preset, str) or preset not in PRESETS:
+            fail(who, "preset", f"must be one of {', '.join(map(repr, PRESETS))}", repr(preset))
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(kwargs) - set(names))
         if unknown:
             fail(who, unknown[0], f"is not an indexer parameter (those are {', '.join(names)})",
                  repr(kwargs[unknown[0]]))
-        params = cls(**kwargs)
+        params = cls(**{**PRESETS[preset], **kwargs})
         params.check(who)
         return params
+
+
+# Named budgets, as overrides of the schema defaults. ``default`` is the
+# operator's (the paper's and the NPU's): Ks = P below 56 prompt blocks,
+# 0.2 P + 30 below 160, 0.1 P + 30 beyond. The others keep fewer blocks:
+# ``balanced`` Ks = P/10 + 16 from 56 blocks on, ``tight`` Ks = P/8 (about the
+# default's share at 128K tokens, reached already at 7K). Their measured
+# density, speed and accuracy are in benchmarks/QUALITY.md.
+PRESETS: dict[str, dict] = {
+    "default": {},
+    "balanced": dict(k_block_num_rate_medium=0.1, k_block_num_bias_medium=16,
+                     k_block_num_rate_large=0.1, k_block_num_bias_large=16),
+    "tight": dict(k_block_num_rate_medium=0.125, k_block_num_bias_medium=0,
+                  k_block_num_rate_large=0.125, k_block_num_bias_large=0),
+}
 
 
 def score_scale(params: IndexerParams) -> float:

@@ -89,8 +89,9 @@ _RESERVED = ("q", "k", "v", "causal", "scale", "q_lens", "kv_lens")
 
 # Attention-function keyword arguments this integration cannot honour with
 # Stem. Each one, when set, sends the call to dense SDPA (which either honours
-# it or raises its own clear error, e.g. for softcap).
-_DENSE_KWARGS = ("position_bias", "softcap")
+# it or raises its own clear error). Logit soft-capping (``softcap``, Gemma 2)
+# is honoured: stem_attention applies it before the softmax.
+_DENSE_KWARGS = ("position_bias",)
 
 
 # --------------------------------------------------------------------------- #
@@ -198,9 +199,15 @@ class StemAttention:
     ``[B, Hq, Sq, D]`` and key/value ``[B, Hkv, Skv, D]``; returns
     ``(output [B, Sq, Hq, D], None)`` like ``sdpa_attention_forward``.
 
-    ``stats`` counts which path each call took: ``"stem"`` (valid tokens at
-    the start of each sequence), ``"stem-rotated"`` (padding before the valid
-    tokens, rotated away) or ``"dense:<reason>"``.
+    ``stats`` counts which path each call took: ``"stem"`` (sparse attention
+    ran on valid tokens at the start of each sequence), ``"stem-rotated"``
+    (the same, padding before the valid tokens rotated away) or
+    ``"dense:<reason>"``: ``decode``, ``dropout``, ``autograd``, ``mask``,
+    ``mask-holes``, ``position_bias``, or, from ``stem_attention`` itself,
+    ``budget keeps every block`` (prompts the budget keeps whole, below about
+    56 blocks with the default preset). ``kept_pairs`` and ``visible_pairs``
+    add up the (query block, key block) pairs of the calls that ran Stem, so
+    ``kept_pairs / visible_pairs`` is their density.
     """
 
     def __init__(self, name: str, min_prefill_tokens: int, stem_kwargs: dict[str, Any]):
@@ -208,6 +215,20 @@ class StemAttention:
         self.min_prefill_tokens = min_prefill_tokens
         self.stem_kwargs = dict(stem_kwargs)
         self.stats: collections.Counter[str] = collections.Counter()
+        self.kept_pairs = 0
+        self.visible_pairs = 0
+
+    def _stem(self, query, key, value, *, rotated: bool, **kwargs) -> torch.Tensor:
+        """stem_attention, with what it did counted in ``stats``."""
+        out, info = stem_attention(query, key, value, return_info=True, **kwargs,
+                                   **self.stem_kwargs)
+        if info.path == "sparse":
+            self.stats["stem-rotated" if rotated else "stem"] += 1
+            self.kept_pairs += info.kept_pairs
+            self.visible_pairs += info.visible_pairs
+        else:
+            self.stats[f"dense:{info.reason}"] += 1
+        return out
 
     def __repr__(self) -> str:
         kw = ", ".join(f"{k}={v!r}" for k, v in self.stem_kwargs.items())
@@ -258,7 +279,8 @@ class StemAttention:
                 if q_len == 1 and bool(valid.all()):
                     return dense(reason, None)
                 return dense(reason, _dense_mask_from_valid(valid, q_len))
-            return self._stem_padded(query, key, value, runs, scaling), None
+            return self._stem_padded(query, key, value, runs, scaling,
+                                     kwargs.get("softcap")), None
 
         # No mask: every token is valid.
         if reason:
@@ -268,25 +290,21 @@ class StemAttention:
             # queries (a static cache's first prefill): upper-left alignment,
             # so only the first q_len keys are seen.
             key, value = key[:, :, :q_len], value[:, :, :q_len]
-        self.stats["stem"] += 1
-        out = stem_attention(query, key, value, causal=bool(causal), scale=scaling,
-                             **self.stem_kwargs)
+        out = self._stem(query, key, value, rotated=False, causal=bool(causal), scale=scaling,
+                         softcap=kwargs.get("softcap"))
         return out.transpose(1, 2).contiguous(), None
 
-    def _stem_padded(self, query, key, value, runs: _Runs, scaling) -> torch.Tensor:
+    def _stem_padded(self, query, key, value, runs: _Runs, scaling, softcap) -> torch.Tensor:
         """Stem on each sequence's valid run; zeros at padding positions."""
         q_len = query.shape[2]
         int32 = dict(dtype=torch.int32, device=query.device)
         q_lens, kv_lens = runs.q_lens.to(**int32), runs.kv_lens.to(**int32)
         if runs.shifted:
-            self.stats["stem-rotated"] += 1
             query = _rotate(query, runs.q0)
             key = _rotate(key, runs.start)
             value = _rotate(value, runs.start)
-        else:
-            self.stats["stem"] += 1
-        out = stem_attention(query, key, value, causal=True, scale=scaling,
-                             q_lens=q_lens, kv_lens=kv_lens, **self.stem_kwargs)
+        out = self._stem(query, key, value, rotated=runs.shifted, causal=True, scale=scaling,
+                         softcap=softcap, q_lens=q_lens, kv_lens=kv_lens)
         if runs.shifted:
             out = _rotate(out, -runs.q0)
         pos = torch.arange(q_len, device=query.device)[None, :]

@@ -101,11 +101,21 @@ def _compact(idx: torch.Tensor, keep: torch.Tensor, kb: int):
     return out, count
 
 
-def flex_attention_forward(q, k, v, mask, scale: float) -> torch.Tensor:
-    """Compiled FlexAttention of q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D] under ``mask``."""
+def flex_attention_forward(q, k, v, mask, scale: float, softcap: float | None = None,
+                           return_lse: bool = False):
+    """Compiled FlexAttention of q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D] under ``mask``:
+    ``(out, lse)``, lse float32 [B, Hq, Sq] (natural log) or None when not
+    asked for (inductor's CPU template cannot give it). ``softcap`` caps the
+    scaled scores as ``softcap * tanh(score / softcap)`` (a score_mod)."""
     global _compiled
     from torch.nn.attention.flex_attention import flex_attention
 
     if _compiled is None:
         _compiled = torch.compile(flex_attention, dynamic=False)
-    return _compiled(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    score_mod = None
+    if softcap is not None:
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return softcap * torch.tanh(score / softcap)
+    out = _compiled(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale,
+                    enable_gqa=q.shape[1] != k.shape[1], return_lse=return_lse)
+    return out if return_lse else (out, None)

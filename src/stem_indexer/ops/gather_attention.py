@@ -12,10 +12,11 @@ KV head) at a time:
    sorted by list length and cut into chunks whose score matrices fit
    ``SCORE_BYTES`` (a list too long for it alone is cut into segments);
 3. ``_attend``: per chunk, gather the listed K/V blocks, scores by one
-   batched matmul, the token mask (valid keys, right-down causal), softmax
-   merged exactly across segments by running max and sum, then the values.
+   batched matmul (soft-capped when asked), the token mask (valid keys,
+   right-down causal), softmax merged exactly across segments by running
+   max and sum, then the values; the log-sum-exp comes with them.
 
-Query tokens that see no key get 0.
+Query tokens that see no key get 0 (and a log-sum-exp of -inf).
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ _CPU = torch.device("cpu")
 
 
 def gather_attention(q, k, v, idx, lengths, qlen, kvlen, bs: int, causal: bool,
-                     scale: float) -> torch.Tensor:
-    """[B, Hq, Sq, D] in the compute dtype.
+                     scale: float, softcap: float | None = None):
+    """``(out [B, Hq, Sq, D], lse [B, Hq, Sq])``: out in the compute dtype, lse
+    float32 (natural log; -inf where a query sees no key).
 
     ``idx`` [B, Hq, Qmax, W] and ``lengths`` [B, Hq, Qmax]: integer lists
     (valid, no duplicates, -1 past each length); ``qlen``, ``kvlen``: host
-    int64 [B].
+    int64 [B]. ``softcap``: scores become ``softcap * tanh(score / softcap)``
+    before the softmax.
     """
     idx, lengths = idx.to(_CPU, torch.int64), lengths.to(_CPU, torch.int64)
     batch, hq, sq, dim = q.shape
@@ -45,6 +48,7 @@ def gather_attention(q, k, v, idx, lengths, qlen, kvlen, bs: int, causal: bool,
     qmax, kmax = ceil_div(sq, bs), ceil_div(skv, bs)
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(batch, hq, qmax, bs, dim, dtype=cdt, device=q.device)
+    lse = torch.full((batch, hq, qmax, bs), -math.inf, dtype=torch.float32, device=q.device)
     for b in range(batch):
         for n in range(hkv):
             heads = slice(n * group, (n + 1) * group)
@@ -57,10 +61,12 @@ def gather_attention(q, k, v, idx, lengths, qlen, kvlen, bs: int, causal: bool,
             offset = int(kvlen[b]) - int(qlen[b])
             for chunk, width, seg in _chunks(rows, lengths[b, heads], bs, cdt):
                 g, i = chunk.unbind(1)
-                out[b, n * group + g, i] = _attend(
+                h = n * group + g
+                out[b, h, i], lse[b, h, i] = _attend(
                     qs[g, i], ks, vs, idx[b, heads][g, i, :width], lengths[b, heads][g, i],
-                    i, seg, bs, int(kvlen[b]), offset if causal else None, scale)
-    return out.view(batch, hq, qmax * bs, dim)[:, :, :sq]
+                    i, seg, bs, int(kvlen[b]), offset if causal else None, scale, softcap)
+    return (out.view(batch, hq, qmax * bs, dim)[:, :, :sq],
+            lse.view(batch, hq, qmax * bs)[:, :, :sq])
 
 
 def _blocks(x: torch.Tensor, nblocks: int, bs: int, valid: int, cdt) -> torch.Tensor:
@@ -89,10 +95,10 @@ def _chunks(rows: torch.Tensor, lengths: torch.Tensor, bs: int, cdt):
         a += c
 
 
-def _attend(qb, ks, vs, blocks, lens, i, seg, bs, kvlen, offset, scale):
+def _attend(qb, ks, vs, blocks, lens, i, seg, bs, kvlen, offset, scale, softcap):
     """Attention of ``c`` query blocks ``qb`` [c, bs, D] over their listed
     key blocks ``blocks`` [c, width] (entries past ``lens`` ignored), the
-    key blocks ``seg`` at a time, merged exactly."""
+    key blocks ``seg`` at a time, merged exactly; returns (out, lse)."""
     c, width = blocks.shape
     device = qb.device
     t = torch.arange(bs)
@@ -109,6 +115,8 @@ def _attend(qb, ks, vs, blocks, lens, i, seg, bs, kvlen, offset, scale):
         kg = ks[blk.to(device)].flatten(1, 2)  # [c, n*bs, D]
         vg = vs[blk.to(device)].flatten(1, 2)
         s = torch.bmm(qb, kg.transpose(1, 2)).mul_(scale)
+        if softcap is not None:
+            s = s.div_(softcap).tanh_().mul_(softcap)
         s.masked_fill_(~vis.to(device), -math.inf)
         m = s.amax(dim=-1, keepdim=True)
         if m_run is not None:
@@ -123,4 +131,5 @@ def _attend(qb, ks, vs, blocks, lens, i, seg, bs, kvlen, offset, scale):
             out = out.mul_(alpha).baddbmm_(p, vg)
             l_run = l_run.mul_(alpha).add_(part)
         m_run = m
-    return out.div_(torch.where(l_run > 0, l_run, 1.0))
+    lse = torch.where(l_run > 0, m_run + torch.log(l_run), -math.inf).squeeze(-1)
+    return out.div_(torch.where(l_run > 0, l_run, 1.0)), lse.float()

@@ -1,0 +1,201 @@
+"""The FlashAttention-style entry points, the log-sum-exp, soft-capping, presets
+and what ``stem_attention`` reports (``flash.py``, ``attention.py``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import stem_indexer
+from stem_indexer import (PRESETS, StemIndexerInputError, stem_attention, stem_attn_func,
+                          stem_attn_varlen_func)
+
+SMALL = dict(stem_block_size=16, stem_stride=4)
+
+
+def _qkv(batch, hq, hkv, sq, skv, dim, seed, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, hq, sq, dim, generator=gen).to(dtype),
+            torch.randn(batch, hkv, skv, dim, generator=gen).to(dtype),
+            torch.randn(batch, hkv, skv, dim, generator=gen).to(dtype))
+
+
+def _reference(q, k, v, scale, causal=True, softcap=None, allowed=None):
+    """float64 dense attention (right-down causal) and its log-sum-exp."""
+    group = q.shape[1] // k.shape[1]
+    kr = k.double().repeat_interleave(group, 1)
+    vr = v.double().repeat_interleave(group, 1)
+    s = q.double() @ kr.transpose(-1, -2) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    sq, skv = q.shape[2], k.shape[2]
+    mask = torch.ones(sq, skv, dtype=torch.bool)
+    if causal:
+        mask = torch.arange(skv)[None, :] <= torch.arange(sq)[:, None] + skv - sq
+    if allowed is not None:
+        mask = mask & allowed
+    s = s.masked_fill(~mask, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    return torch.softmax(s, -1).nan_to_num(0.0) @ vr, lse
+
+
+# --------------------------------------------------------------------------- #
+# Flash layout
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("seq", [64, 1100], ids=["dense-path", "sparse-path"])
+def test_flash_layout_equals_stem_attention(seq):
+    q, k, v = _qkv(2, 4, 2, seq, seq, 8, 1)
+    want, want_lse = stem_attention(q, k, v, return_lse=True, **SMALL)
+    out, lse = stem_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                              return_lse=True, **SMALL)
+    assert out.shape == (2, seq, 4, 8) and out.is_contiguous()
+    torch.testing.assert_close(out, want.transpose(1, 2))
+    torch.testing.assert_close(lse, want_lse)
+
+
+def test_lse_is_the_log_sum_exp_of_the_attended_scores():
+    q, k, v = _qkv(1, 2, 1, 64, 96, 8, 2)  # dense: 6 blocks of 16 for 4 query blocks
+    scale = 8 ** -0.5
+    out, lse = stem_attention(q, k, v, return_lse=True, **SMALL)
+    ref, ref_lse = _reference(q, k, v, scale)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_partial_results_merge_exactly_by_lse():
+    """Attention over all keys = the lse-weighted merge of attention over a
+    prefix (non-causal, chunked prefill) and over the rest (causal)."""
+    q, k, v = _qkv(1, 2, 2, 64, 160, 8, 3)
+    full, lse = stem_attention(q, k, v, return_lse=True, **SMALL)
+    a, lse_a = stem_attention(q, k[:, :, :96], v[:, :, :96], causal=False, return_lse=True,
+                              **SMALL)
+    b, lse_b = stem_attention(q, k[:, :, 96:], v[:, :, 96:], return_lse=True, **SMALL)
+    merged_lse = torch.logaddexp(lse_a, lse_b)
+    merged = (a * (lse_a - merged_lse).exp()[..., None]
+              + b * (lse_b - merged_lse).exp()[..., None])
+    torch.testing.assert_close(merged, full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(merged_lse, lse, rtol=1e-5, atol=1e-5)
+
+
+def test_sparse_path_lse_matches_its_selection():
+    """On the sparse path the lse is over the listed blocks only."""
+    q, k, v = _qkv(1, 2, 1, 1100, 1100, 8, 4)
+    scale = 8 ** -0.5
+    out, lse, info = stem_attention(q, k, v, return_lse=True, return_info=True, preset="tight",
+                                    **SMALL)
+    assert info.path == "sparse" and info.density < 0.5
+    inputs = stem_indexer.stem_inputs(q, k, v, block_size=16, stride=4, scale=scale / 4)
+    idx, seq_len = stem_indexer.stem_indexer(*inputs, **PRESETS["tight"], **SMALL)
+    for h, i in [(0, 40), (1, 60)]:
+        allowed = torch.zeros(1100, dtype=torch.bool)
+        for j in idx[0, h, i, :int(seq_len[0, h, i])].tolist():
+            allowed[j * 16:(j + 1) * 16] = True
+        rows = slice(i * 16, (i + 1) * 16)
+        ref, ref_lse = _reference(q[:, h:h + 1, rows], k, v, scale, causal=False,
+                                  allowed=allowed[None, :] & (torch.arange(1100)[None, :]
+                                                              <= torch.arange(rows.start,
+                                                                              rows.stop)[:, None]))
+        torch.testing.assert_close(lse[0, h, rows].double(), ref_lse[0, 0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[0, h, rows].double(), ref[0, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_varlen_equals_each_sequence_alone():
+    lens_q, lens_k = [40, 1100, 7, 300], [40, 1100, 90, 300]
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(sum(lens_q), 4, 8, generator=gen)
+    k = torch.randn(sum(lens_k), 2, 8, generator=gen)
+    v = torch.randn(sum(lens_k), 2, 8, generator=gen)
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+    out, lse = stem_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                     return_lse=True, **SMALL)
+    assert out.shape == q.shape and lse.shape == (4, sum(lens_q))
+    for b in range(4):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        alone, alone_lse = stem_attn_func(q[None, qs], k[None, ks], v[None, ks],
+                                          return_lse=True, **SMALL)
+        torch.testing.assert_close(out[qs], alone[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[:, qs], alone_lse[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda q, k, v, cu: stem_attn_varlen_func(q, k, v, cu.long(), cu, 8, 8), "cu_seqlens_q"),
+    (lambda q, k, v, cu: stem_attn_varlen_func(q, k, v, cu.flip(0), cu, 8, 8), "cu_seqlens_q"),
+    (lambda q, k, v, cu: stem_attn_varlen_func(q, k, v, cu, cu[:2], 8, 8), "cu_seqlens_k"),
+    (lambda q, k, v, cu: stem_attn_varlen_func(q, k, v, cu, cu, 4, 8), "max_seqlen_q"),
+    (lambda q, k, v, cu: stem_attn_varlen_func(q[None], k, v, cu, cu, 8, 8), "q must be a 3-D"),
+])
+def test_varlen_bad_arguments(call, match):
+    q, k, v = (torch.randn(12, 2, 4) for _ in range(3))
+    cu = torch.tensor([0, 8, 12], dtype=torch.int32)
+    with pytest.raises(StemIndexerInputError, match=match):
+        call(q, k, v, cu)
+
+
+def test_a_tensor_in_the_other_layout_is_refused():
+    q, k, v = _qkv(1, 8, 2, 2048, 2048, 8, 6)
+    with pytest.raises(StemIndexerInputError, match=r"is it \[B, S, H, D\]"):
+        stem_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    with pytest.raises(StemIndexerInputError, match=r"is it \[B, H, S, D\]"):
+        stem_attn_func(q, k, v)
+    with pytest.raises(StemIndexerInputError, match="multiple of k's heads"):
+        stem_attn_func(q.transpose(1, 2)[:, :, :3], k.transpose(1, 2), v.transpose(1, 2))
+
+
+# --------------------------------------------------------------------------- #
+# Soft-capping, presets, info
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("backend", ["gather", "flex"])
+def test_softcap_on_the_dense_and_sparse_paths(backend):
+    q, k, v = _qkv(1, 2, 1, 64, 64, 8, 7)
+    q = q * 4  # large logits, where capping matters
+    scale = 8 ** -0.5
+    out = stem_attention(q, k, v, softcap=5.0, backend=backend, **SMALL)
+    ref, _ = _reference(q, k, v, scale, softcap=5.0)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    uncapped, _ = _reference(q, k, v, scale)
+    assert (ref - uncapped).abs().max() > 1e-2  # the cap changed the result
+    q, k, v = _qkv(1, 2, 1, 1100, 1100, 8, 8)
+    capped = stem_attention(q * 4, k, v, softcap=5.0, backend=backend, **SMALL)
+    plain = stem_attention(q * 4, k, v, backend=backend, **SMALL)
+    assert (capped - plain).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, math.inf, True, "5"])
+def test_softcap_must_be_positive(value):
+    q, k, v = _qkv(1, 2, 1, 64, 64, 8, 9)
+    with pytest.raises(StemIndexerInputError, match="stem_attention: softcap"):
+        stem_attention(q, k, v, softcap=value)
+
+
+def test_presets_keep_fewer_blocks_in_order():
+    q, k, v = _qkv(1, 2, 1, 2048, 2048, 8, 10)  # 128 blocks of 16
+    density = {name: stem_attention(q, k, v, preset=name, return_info=True, **SMALL)[1].density
+               for name in PRESETS}
+    assert density["default"] > density["balanced"] > density["tight"]
+    # a preset's field can still be set by hand, and equals the explicit call
+    a = stem_attention(q, k, v, preset="tight", alpha=0.5, **SMALL)
+    b = stem_attention(q, k, v, alpha=0.5, **PRESETS["tight"], **SMALL)
+    assert torch.equal(a, b)
+    with pytest.raises(StemIndexerInputError, match="preset must be one of"):
+        stem_attention(q, k, v, preset="fastest")
+
+
+def test_info_tells_which_path_ran():
+    q, k, v = _qkv(1, 2, 1, 300, 300, 8, 11)
+    _, info = stem_attention(q, k, v, return_info=True, **SMALL)  # 19 blocks: keeps all
+    assert (info.path, info.reason, info.backend) == ("dense", "budget keeps every block",
+                                                      "sdpa")
+    assert info.density == 1.0 and info.kept_pairs == info.visible_pairs == 2 * 19 * 20 // 2
+    _, info = stem_attention(q[:, :, :1], k, v, return_info=True, **SMALL)
+    assert (info.path, info.reason) == ("dense", "decode")
+    q, k, v = _qkv(1, 2, 1, 1100, 1100, 8, 12)
+    _, info = stem_attention(q, k, v, return_info=True, preset="tight", **SMALL)
+    assert info.path == "sparse" and info.reason == "" and 0 < info.density < 0.5
+    assert info.visible_pairs == 2 * 69 * 70 // 2
