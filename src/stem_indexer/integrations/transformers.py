@@ -191,6 +191,26 @@ def _dense_mask_from_valid(valid: torch.Tensor, q_len: int) -> torch.Tensor:
     return (valid[:, None, None, :] & causal[None, None]).contiguous()
 
 
+def _eager_softcap(module, query, key, value, mask, dropout: float, scaling, softcap: float):
+    """Dense attention with logit soft-capping (SDPA has none): the model's
+    own eager formula, for calls Stem leaves dense. ``mask`` is None or a
+    boolean/additive 4-D mask; returns ``(out [B, Sq, Hq, D], None)``."""
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is None and query.shape[2] > 1:
+        mask = _dense_mask_from_valid(torch.ones(query.shape[0], key.shape[2], dtype=torch.bool,
+                                                 device=query.device), query.shape[2])
+    if mask is not None:
+        scores = (scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
+                  else scores + mask)
+    probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    probs = torch.nn.functional.dropout(probs, p=dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+
+
 class StemAttention:
     """The attention function registered by ``register`` (one per name).
 
@@ -255,6 +275,9 @@ class StemAttention:
 
         def dense(reason: str, mask: torch.Tensor | None = attention_mask):
             self.stats[f"dense:{reason}"] += 1
+            if kwargs.get("softcap") is not None:  # SDPA cannot cap logits
+                return _eager_softcap(module, query, key, value, mask, dropout, scaling,
+                                      kwargs["softcap"])
             return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout,
                                           scaling=scaling, is_causal=is_causal, **kwargs)
 

@@ -1,0 +1,112 @@
+"""``attn_implementation="stem"`` across Hugging Face model families (tiny random models).
+
+For each family, at 1024 tokens in 16-token blocks (64 blocks: past the 56
+at which the budget starts to drop blocks):
+
+* a keep-all budget must reproduce the model's eager attention (every
+  attention layer runs through the integration, soft-capping and sliding
+  windows included);
+* the ``tight`` preset runs Stem (sparse) on every full-attention layer and
+  leaves sliding-window layers dense, with finite logits that really differ.
+
+Gemma 2 caps its attention logits (``attn_logit_softcapping``): the cap is
+applied on the Stem path and on the dense fallback alike (checked on large
+logits, where it matters, by calling the attention function directly).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import stem_indexer.integrations.transformers as stem_hf  # noqa: E402
+
+BLOCKING = dict(stem_block_size=16, stem_stride=4)
+KEEP_ALL = dict(k_block_num_bias_medium=10**6, k_block_num_bias_large=10**6)
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=4096, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+MIXED = dict(sliding_window=64, layer_types=["sliding_attention", "full_attention"])
+FAMILIES = {  # name: (config class, model class, extra config)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", MIXED),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", MIXED),
+}
+
+
+@pytest.fixture(scope="module")
+def registered():
+    fns = {"all": stem_hf.register("stem-hf-all", **BLOCKING, **KEEP_ALL),
+           "tight": stem_hf.register("stem-hf-tight", **BLOCKING, preset="tight")}
+    yield fns
+    for fn in fns.values():
+        stem_hf.unregister(fn.name)
+
+
+def _model(family: str):
+    config_name, model_name, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(**COMMON, **extra)
+    return getattr(transformers, model_name)(config).eval(), config
+
+
+def _logits(model, impl, ids):
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_runs_stem_on_full_attention_layers(family, registered):
+    model, config = _model(family)
+    ids = torch.randint(3, 128, (1, 1024), generator=torch.Generator().manual_seed(1))
+    eager = _logits(model, "eager", ids)
+    torch.testing.assert_close(_logits(model, registered["all"].name, ids), eager,
+                               atol=1e-4, rtol=1e-4)
+
+    fn = registered["tight"]
+    before = dict(fn.stats)
+    sparse = _logits(model, fn.name, ids)
+    counts = {k: v - before.get(k, 0) for k, v in fn.stats.items() if v != before.get(k, 0)}
+    types = getattr(config, "layer_types", None) or ["full_attention"] * 2
+    full = types.count("full_attention")
+    assert counts.get("stem", 0) == full
+    assert counts.get("dense:mask", 0) == len(types) - full  # sliding windows stay dense
+    assert torch.isfinite(sparse).all()
+    assert (sparse - eager).abs().max() > 1e-3  # the full layers really were sparse
+
+
+class _Module(torch.nn.Module):
+    is_causal = True
+
+
+def _capped_reference(q, k, v, scaling, softcap, mask):
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1).double(), v.repeat_interleave(group, 1).double()
+    s = softcap * torch.tanh(q.double() @ k.transpose(2, 3) * scaling / softcap)
+    return torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize("path", ["stem", "dense-mask"])
+def test_softcap_is_applied_on_every_path(registered, path):
+    """Large logits and a cap of 2: the capped result differs from the
+    uncapped one, and the integration's output is the capped one, whether
+    Stem runs (no mask) or a 4-D mask sends the call to dense attention."""
+    gen = torch.Generator().manual_seed(3)
+    q = 3 * torch.randn(1, 4, 256, 16, generator=gen)
+    k, v = torch.randn(2, 1, 2, 256, 16, generator=gen)
+    causal = torch.ones(256, 256, dtype=torch.bool).tril()[None, None]
+    mask = causal if path == "dense-mask" else None
+    fn = registered["all"]
+    out, _ = fn(_Module(), q, k, v, mask, scaling=0.25, softcap=2.0)
+    want = _capped_reference(q, k, v, 0.25, 2.0, causal)
+    torch.testing.assert_close(out.transpose(1, 2).double(), want, atol=1e-5, rtol=1e-5)
+    uncapped = _capped_reference(q, k, v, 0.25, 1e9, causal)
+    assert (want - uncapped).abs().max() > 1e-2
