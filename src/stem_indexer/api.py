@@ -104,7 +104,9 @@ def stem_indexer(
                        metadata, params)
 
 
-def run_indexer(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens, metadata,
+def run_indexer(qflat: torch.Tensor, kflat: torch.Tensor, vbias: torch.Tensor,
+                q_seq_lens: torch.Tensor, kv_seq_lens: torch.Tensor,
+                num_prompt_tokens: torch.Tensor | None, metadata: torch.Tensor,
                 params: IndexerParams) -> tuple[torch.Tensor, torch.Tensor]:
     """``custom::npu_stem_indexer`` with its attributes from ``params``."""
     return torch.ops.custom.npu_stem_indexer(

@@ -49,8 +49,8 @@ from .api import run_indexer, stem_indexer_metadata
 from .contract import IndexerParams, ceil_div, check_bool, check_int, fail
 from .ops import flex_attention as flex
 from .ops.gather_attention import gather_attention
-from .prepare import (DEFAULT_OAM_LAMBDA, check_oam_lambda, check_qkv, seq_lens_tensor,
-                      stem_inputs)
+from .prepare import (DEFAULT_OAM_LAMBDA, Lengths, check_oam_lambda, check_qkv,
+                      seq_lens_tensor, stem_inputs)
 
 __all__ = ["block_sparse_attention", "dense_attention", "stem_attention", "StemInfo"]
 
@@ -168,8 +168,9 @@ def _dense(q, k, v, causal: bool, scale: float, qlen: torch.Tensor, kvlen: torch
     return out
 
 
-def dense_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
-                    q_lens=None, kv_lens=None) -> torch.Tensor:
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                    scale: float | None = None, q_lens: Lengths = None,
+                    kv_lens: Lengths = None) -> torch.Tensor:
     """Dense softmax attention with the same masks and conventions as
     ``block_sparse_attention`` (right-down causal, valid tokens ``[0, len)``,
     zeros for queries with no visible key and for padded query positions).
@@ -293,9 +294,9 @@ def block_sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sparse_indices: torch.Tensor, sparse_seq_len: torch.Tensor, *,
     block_size: int, causal: bool = True, scale: float | None = None,
-    softcap: float | None = None, q_lens=None, kv_lens=None, backend: str = "auto",
-    return_lse: bool = False,
-):
+    softcap: float | None = None, q_lens: Lengths = None, kv_lens: Lengths = None,
+    backend: str = "auto", return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention restricted to the listed key blocks of each query block.
 
     Args:
@@ -434,11 +435,12 @@ def _dense_lists(qlen, kvlen, bs: int, causal: bool, hq: int, qmax: int, kmax: i
 def stem_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     causal: bool = True, scale: float | None = None, softcap: float | None = None,
-    q_lens=None, kv_lens=None, num_prompt_tokens=None, preset: str = "default",
+    q_lens: Lengths = None, kv_lens: Lengths = None, num_prompt_tokens: Lengths = None,
+    preset: str = "default",
     oam: bool = True, oam_lambda: float = DEFAULT_OAM_LAMBDA, indexer_scale: float | None = None,
     min_q_blocks: int = 2, backend: str = "auto", return_lse: bool = False,
     return_info: bool = False, **indexer_params,
-):
+) -> torch.Tensor | tuple:
     """Stem attention in one call: Q/K/V -> indexer -> block-sparse attention.
 
     Args:

@@ -31,7 +31,8 @@ __all__ = ["stem_attn_func", "stem_attn_varlen_func"]
 
 def stem_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                    softmax_scale: float | None = None, causal: bool = True,
-                   softcap: float | None = None, return_lse: bool = False, **stem_params):
+                   softcap: float | None = None, return_lse: bool = False,
+                   **stem_params) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Stem attention on ``[B, S, H, D]`` tensors (``flash_attn_func``'s layout).
 
     Args:
@@ -92,7 +93,7 @@ def stem_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           max_seqlen_q: int, max_seqlen_k: int, *,
                           softmax_scale: float | None = None, causal: bool = True,
                           softcap: float | None = None, return_lse: bool = False,
-                          **stem_params):
+                          **stem_params) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Stem attention on packed sequences (``flash_attn_varlen_func``'s layout).
 
     Args:

@@ -44,7 +44,7 @@ the valid length:
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Sequence, Union
 
 import torch
 
@@ -60,6 +60,10 @@ __all__ = [
 
 _EPS = 1e-6
 DEFAULT_OAM_LAMBDA = 0.3
+
+# Per-batch token counts: a 1-D integer tensor, a sequence of ints, or None
+# (every sequence the tensor's full length).
+Lengths = Union[torch.Tensor, Sequence[int], None]
 
 
 class StemInputs(NamedTuple):
@@ -81,8 +85,8 @@ def _check_4d(name: str, x, who: str) -> None:
         fail(who, name, "must be a floating-point tensor", x.dtype)
 
 
-def check_qkv(q, k, v, who: str, *, same_dtype: bool = False
-              ) -> tuple[int, int, int, int, int, int]:
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, who: str, *,
+              same_dtype: bool = False) -> tuple[int, int, int, int, int, int]:
     """q [B,Hq,Sq,D], k and v [B,Hkv,Skv,D] of one shape, one device, Hq % Hkv
     == 0, non-empty dims; returns (B, Hq, Hkv, Sq, Skv, D). Errors name
     ``who`` (the calling function) and the argument."""
@@ -110,7 +114,7 @@ def check_qkv(q, k, v, who: str, *, same_dtype: bool = False
     return batch, hq, hkv, sq, skv, dim
 
 
-def check_oam_lambda(oam_lambda, who: str) -> None:
+def check_oam_lambda(oam_lambda: float, who: str) -> None:
     if (isinstance(oam_lambda, bool) or not isinstance(oam_lambda, (int, float))
             or not math.isfinite(oam_lambda)):
         fail(who, "oam_lambda", "must be a finite number", oam_lambda)
@@ -124,7 +128,7 @@ def check_blocking(block_size: int, stride: int, who: str) -> None:
         fail(who, "block_size", f"must be a multiple of stride ({stride})", block_size)
 
 
-def seq_lens_tensor(lens, batch: int, max_len: int, name: str, device: torch.device,
+def seq_lens_tensor(lens: Lengths, batch: int, max_len: int, name: str, device: torch.device,
                     who: str) -> torch.Tensor:
     """Per-batch lengths as an int64 tensor on ``device``, checked.
 
@@ -158,7 +162,7 @@ def seq_lens_tensor(lens, batch: int, max_len: int, name: str, device: torch.dev
 
 def block_representation(
     x: torch.Tensor, block_size: int, stride: int, reverse: bool = False,
-    lens=None, *, scale: float | None = None, dtype: torch.dtype = torch.bfloat16,
+    lens: Lengths = None, *, scale: float | None = None, dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """Block representations of ``x [B, H, S, D]``: ``[B, H, ceil(S/Bs), Ts*D]``.
 
@@ -192,7 +196,7 @@ def block_representation(
 
 
 def output_aware_bias(
-    v: torch.Tensor, block_size: int, stride: int, lens=None, *,
+    v: torch.Tensor, block_size: int, stride: int, lens: Lengths = None, *,
     oam_lambda: float = DEFAULT_OAM_LAMBDA, eps: float = _EPS,
 ) -> torch.Tensor:
     """The Output-Aware Metric ``vbias [B, Hkv, ceil(Skv/Bs)]`` float32 of ``v``.
@@ -234,7 +238,7 @@ def output_aware_bias(
 
 def stem_inputs(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-    block_size: int = 128, stride: int = 16, q_lens=None, kv_lens=None,
+    block_size: int = 128, stride: int = 16, q_lens: Lengths = None, kv_lens: Lengths = None,
     scale: float | None = None, oam: bool = True, oam_lambda: float = DEFAULT_OAM_LAMBDA,
 ) -> StemInputs:
     """Turn ``q [B,Hq,Sq,D]``, ``k, v [B,Hkv,Skv,D]`` into the indexer's inputs.

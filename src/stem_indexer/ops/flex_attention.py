@@ -16,7 +16,12 @@ the block lists and evaluates ``mask_mod`` densely, so it is never used here.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 from ..contract import ceil_div
 
@@ -33,7 +38,7 @@ def available() -> bool:
 
 def block_mask(sparse_indices: torch.Tensor, sparse_seq_len: torch.Tensor, *, block_size: int,
                causal: bool = True, q_len: int, kv_len: int, q_lens: torch.Tensor | None = None,
-               kv_lens: torch.Tensor | None = None):
+               kv_lens: torch.Tensor | None = None) -> "BlockMask":
     """A FlexAttention ``BlockMask`` for the indexer's selection.
 
     Args:
