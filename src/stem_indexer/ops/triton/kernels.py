@@ -21,14 +21,17 @@ prepares their inputs and explains the design as a whole):
 
 ``select_kernel``
     One program per ``ROWS`` consecutive query blocks of one (batch, query
-    head). For each row that must rank, a radix select finds the take-th
-    largest key, one 8-bit digit per pass (four passes for float32 keys, two
-    for bfloat16 ones): a histogram of the digit among the keys that match
-    the digits chosen so far. Ties at that key go to the lower block index (a
-    prefix count), and the picks are scattered to ascending positions (a
-    prefix count). Then it writes the forced blocks and the -1 padding around
-    them and the row's length. Every output element is written exactly once,
-    by its own row's program, after the row's keys have been read.
+    head). For each row that must rank it finds the take-th largest key by
+    radix select: one bit per pass while the row sits in registers (a compare
+    and an add per key, stopping as soon as a threshold leaves exactly take
+    keys), one 8-bit digit per pass for rows longer than ``BLOCK_C``, which
+    are read from memory once per pass (four passes for float32 keys, two for
+    bfloat16 ones), counting the digit among the keys that match the digits
+    chosen so far. Ties at that key go to the lower block index (a prefix
+    count), and the picks are scattered to ascending positions (a prefix
+    count). Then it writes the forced blocks and the -1 padding around them
+    and the row's length. Every output element is written exactly once, by
+    its own row's program, after the row's keys have been read.
 
 Operand tiles come either from TMA tensor descriptors (``TMA``: Hopper and
 later) or from plain pointers with per-row offsets computed once per item;

@@ -62,7 +62,7 @@ from ...contract import IndexerParams, ceil_div
 from . import kernels
 
 __all__ = ["stem_indexer_triton", "row_facts", "work_items", "kernel_launches", "Launch",
-           "Config", "default_config", "INTERPRETED"]
+           "Config", "default_config", "device_arch", "INTERPRETED"]
 
 # Whether Triton interprets these kernels (TRITON_INTERPRET=1 when they were jitted).
 INTERPRETED = isinstance(kernels.select_kernel, InterpretedFunction)
@@ -137,7 +137,7 @@ def _row_block(group: int, cfg: Config) -> tuple[int, int]:
     return block_g, cfg.block_m // block_g
 
 
-def _device_arch(device: torch.device) -> tuple[int, int]:
+def device_arch(device: torch.device) -> tuple[int, int]:
     """(compute capability as an int, SM count) of a CUDA device."""
     return _arch_of(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -308,7 +308,7 @@ def stem_indexer_triton(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt
         return (torch.empty((batch, nq, qmax, 0), dtype=torch.int32, device=device),
                 torch.zeros((batch, nq, qmax), dtype=torch.int32, device=device))
     if config is None:
-        arch, sms = (None, 1) if INTERPRETED else _device_arch(device)
+        arch, sms = (None, 1) if INTERPRETED else device_arch(device)
         config = default_config(nq // nk, qmax, kmax, df, arch=arch, sms=sms)
 
     indices = torch.empty((batch, nq, qmax, kmax), dtype=torch.int32, device=device)
