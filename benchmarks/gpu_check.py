@@ -85,11 +85,13 @@ DRY_BENCHES = [
 ]
 # Launch configurations compared by --variants: changes to the default one.
 VARIANTS = {
-    "pointer loads (no TMA)": dict(tma=False),
+    "pointer loads (no TMA)": dict(tma=False, score_maxnreg=None),
+    "score registers uncapped (one program per SM)": dict(score_maxnreg=None),
     "4 pipeline stages": dict(score_stages=4),
     "BLOCK_N 64": dict(block_n=64),
     "radix selection for every row": dict(block_c=16),
-    "select 8 warps": dict(select_warps=8),
+    "select: 1 warp": dict(select_warps=1),
+    "select: 4 warps": dict(select_warps=4),
 }
 
 

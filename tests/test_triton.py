@@ -49,7 +49,8 @@ POISON = 0x5EEDBEEF
 # Tiles small enough that every row with more than 16 candidates takes the
 # chunked (radix) selection, and items span several row blocks; pointer loads.
 TINY = launch.Config(block_m=16, block_n=16, block_k=16, tma=False, nprog=2, score_warps=4,
-                     score_stages=1, rows=2, block_c=16, block_w=16, select_warps=4)
+                     score_stages=1, score_maxnreg=None, rows=2, block_c=16, block_w=16,
+                     select_warps=4)
 # Configurations a test runs with: the interpreter's default (TMA), TINY, and
 # what the launcher picks for an sm_90 (TMA) and an sm_80 (pointers) GPU.
 CONFIGS = (None, TINY, 90, 80)

@@ -166,12 +166,14 @@ def build_report(archs, jobs: int | None = None) -> list[dict]:
 
 
 def format_table(report: list[dict]) -> str:
-    """The report as a Markdown table (constants that are False left out)."""
-    rows = ["| kernel | target | constants | warps / stages | regs | stack bytes | STL / LDL "
+    """The report as a Markdown table (constants that are False, options that
+    are defaults or the same for every launch left out)."""
+    rows = ["| kernel | target | constants | options | regs | stack bytes | STL / LDL "
             "| MMA | serves |", "|---|---|---|---|---|---|---|---|---|"]
     for e in report:
         consts = " ".join(f"{k}={v}" for k, v in e["constexprs"].items() if v is not False)
-        opts = f"{e['options']['num_warps']} / {e['options'].get('num_stages', '-')}"
+        opts = " ".join(f"{k}={v}" for k, v in e["options"].items()
+                        if v is not None and k != "enable_fp_fusion")
         rows.append(f"| `{e['kernel'].split(':')[1]}` | {e['target']} | {consts} | {opts} | "
                     f"{e['regs']} | {e['stack_bytes']} | {e['spill_stores']} / "
                     f"{e['spill_loads']} | {e['mma']} | {'; '.join(e['shape'])} |")

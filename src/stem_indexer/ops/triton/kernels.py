@@ -145,10 +145,11 @@ def score_kernel(
     w = tl.program_id(0).to(tl.int64)
     while w < total:
         t = _find_tile(item_end_ptr, CAP, w)
-        mblocks = tl.load(tile_mblocks_ptr + t)
+        mblocks = tl.load(tile_mblocks_ptr + t).to(tl.int64)  # products below stay int64
         nchunks = tl.load(tile_nchunks_ptr + t)
         local = w - (tl.load(item_end_ptr + t) - NK * mblocks * nchunks)
-        mb = (local % mblocks).to(tl.int32)  # row blocks of a key chunk are neighbours: K reuse in L2
+        # Row blocks of one key chunk are neighbours: K tiles are reused in L2.
+        mb = (local % mblocks).to(tl.int32)
         chunk = ((local // mblocks) % nchunks).to(tl.int32)
         n = (local // (mblocks * nchunks)).to(tl.int32)
         # Clamped so that no plan, however built, leads out of bounds.
@@ -195,12 +196,14 @@ def _row_keys(out_ptr, row_base, sink, valid, start, shift, BLOCK: tl.constexpr)
     """Candidate keys [start, start+BLOCK) of each row as uint32 in the keys'
     order: the sign bit of the key's width (32 bits, or 16 for bfloat16 keys,
     which are sign-extended) flipped, the bits above that width cleared.
-    Invalid slots read as 0, which no key takes (NaN ranks as -inf, above 0)."""
+    Invalid slots read as 0, which no key takes (NaN ranks as -inf, above 0):
+    they load as the sign bit, so one xor-and makes every slot's value."""
     col = start + tl.arange(0, BLOCK)
-    x = tl.load(out_ptr + row_base[:, None] + sink[:, None] + col[None, :], mask=valid, other=0)
     sign = tl.where(shift == 16, 0x8000, -2147483648)
     width = tl.where(shift == 16, 0xFFFF, -1)
-    return tl.where(valid, (x ^ sign) & width, 0).to(tl.uint32, bitcast=True)
+    x = tl.load(out_ptr + row_base[:, None] + sink[:, None] + col[None, :], mask=valid,
+                other=sign)
+    return ((x ^ sign) & width).to(tl.uint32, bitcast=True)
 
 
 @triton.jit

@@ -79,7 +79,8 @@ class Config:
     ``block_m`` rows per score tile (query heads x query blocks, powers of
     two), ``block_n`` key blocks, ``block_k`` the reduction step (Df is
     padded to a multiple of it); ``tma``: operand tiles through tensor
-    descriptors (Hopper and later) rather than pointers. ``rows`` query
+    descriptors (Hopper and later) rather than pointers; ``score_maxnreg``:
+    the score kernel's register cap (None: the compiler's). ``rows`` query
     blocks per selection program, ``block_c`` candidates held in registers
     per row, ``block_w`` the width of the selection's scatter and writes.
     """
@@ -91,6 +92,7 @@ class Config:
     nprog: int
     score_warps: int
     score_stages: int
+    score_maxnreg: int | None
     rows: int
     block_c: int
     block_w: int
@@ -112,23 +114,27 @@ def default_config(g: int, qmax: int, kmax: int, df: int, *, arch: int | None,
     """Kernel configuration for GQA group ``g`` and the given dims.
 
     ``arch``: the GPU's compute capability as an int (90 for sm_90), or
-    None for the interpreter. GPU: tensor-core sized GEMM tiles, TMA from
-    sm_90, rows of up to 8192 candidates kept in registers, one row per
-    selection program (two when rows are short); ``aot.py`` shows that these
-    compile without register spills on sm_80 and sm_90.
+    None for the interpreter. GPU: tensor-core sized GEMM tiles; from sm_90
+    TMA loads and 128 registers per thread, so that two persistent score
+    programs share an SM (one's epilogue overlaps the other's GEMM; ``nprog``
+    is two per SM). Rows of up to 8192 candidates kept in registers, one row
+    per selection program (two when rows are short), a warp per 512 keys:
+    a selection pass costs a compare per key and a reduction across the
+    program's warps, which fewer warps make cheaper. ``aot.py`` shows that
+    these compile without register spills on sm_80 and sm_90.
     Interpreter: the smallest legal tiles, so that tests exercise several
     programs, row blocks, key chunks and the chunked selection.
     """
     if arch is None:
         return Config(block_m=32, block_n=32, block_k=_block_k(df), tma=True, nprog=3,
-                      score_warps=4, score_stages=1, rows=4, block_c=64, block_w=64,
-                      select_warps=4)
+                      score_warps=4, score_stages=1, score_maxnreg=None, rows=4, block_c=64,
+                      block_w=64, select_warps=4)
     block_c = min(_pow2_at_least(kmax), 8192)
     return Config(block_m=128 if g * min(qmax, md.TILE_ROWS_MAX) >= 128 else 64,
                   block_n=128, block_k=_block_k(df), tma=arch >= 90, nprog=2 * sms,
-                  score_warps=8, score_stages=3, rows=2 if block_c <= 64 else 1,
-                  block_c=block_c, block_w=min(block_c, 1024),
-                  select_warps=8 if block_c >= 2048 else 4)
+                  score_warps=8, score_stages=3, score_maxnreg=128 if arch >= 90 else None,
+                  rows=2 if block_c <= 64 else 1, block_c=block_c, block_w=min(block_c, 1024),
+                  select_warps=max(1, min(8, block_c // 512)))
 
 
 def _row_block(group: int, cfg: Config) -> tuple[int, int]:
@@ -253,7 +259,7 @@ def kernel_launches(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, prompt_lens, m
             dict(DF=df, BLOCK_G=block_g, BLOCK_I=block_i, BLOCK_N=cfg.block_n,
                  BLOCK_K=cfg.block_k, TMA=cfg.tma, UPCAST=INTERPRETED),
             dict(num_warps=cfg.score_warps, num_stages=cfg.score_stages,
-                 enable_fp_fusion=False)))
+                 maxnreg=cfg.score_maxnreg, enable_fp_fusion=False)))
     programs = batch * nq * ceil_div(qmax, cfg.rows)
     for first in range(0, programs, MAX_GRID):
         launches.append(Launch(
