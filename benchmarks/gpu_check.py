@@ -1,22 +1,28 @@
-"""GPU check of the Triton path: correctness, speed against a baseline and the
-roofline, CUDA-graph capture. One H200, under five minutes.
+"""GPU check of the Triton path: correctness, speed against a torch composite
+and the roofline, CUDA-graph capture. One H200, under four minutes.
 
 1. Correctness: a subset of the case table (128K and 1M-token kv included)
-   on the GPU against the CPU path on the same inputs, judged like the runner
-   (SPEC section 5; integer-data cases must be identical).
-2. Speed, each timed as the median of CUDA-event measurements after warm-up:
-   the op replayed from a CUDA graph (no host checks), the eager op (with its
-   host-side value checks), and a torch composite on the GPU -- the
-   device-agnostic torch path (``ops/cpu.py``: batched matmul, mask, top-k,
-   chunked by the metadata's tiles) -- on
+   on the GPU against the op's CPU path on the same inputs, judged like the
+   runner (SPEC section 5; integer-data cases must be identical).
+2. CUDA graphs: ``torch.compile(mode="reduce-overhead")`` of the op replays
+   with results identical to eager.
+3. Speed, each the median of CUDA-event measurements after warm-up: the op
+   replayed from a CUDA graph (no host checks), the eager op (with its
+   host-side value checks), its two kernels alone (score, select), and a
+   torch composite written here (per batch and KV head: bf16 matmul with
+   float32 output, the visible candidates of each row, top-k on keys that
+   order by score then lower block index, forced blocks added; chunked to
+   fit memory) on
    * B=8, Nq=64, Nk=8, Df=2048, Bs=128, causal q = kv = 128K tokens;
    * B=1, Nq=32, Nk=8, Df=2048, Bs=128, q = 8K tokens at the end of kv = 1M.
-   The roofline is max(GEMM FLOPs of the visible pairs at 790 TFLOP/s, output
-   bytes at 4.3 TB/s). Targets: >= 5x the composite, <= 2x the roofline.
-3. CUDA graphs: ``torch.compile(mode="reduce-overhead")`` of the op replays
-   with results identical to eager.
+   The roofline is max(GEMM FLOPs of the visible pairs at 790 TFLOP/s,
+   bytes of the inputs read once and the outputs written once at 4.3 TB/s).
+   Targets: >= 5x the composite, <= 2x the roofline.
+4. ``--variants``: the two kernels under other launch configurations
+   (pointer loads instead of TMA, deeper pipeline, the radix selection for
+   every row, ...) on the first shape, to choose defaults.
 
-``--dry-run`` runs the same logic on CPU tensors with tiny shapes and the
+``--dry-run`` runs the same logic on CPU tensors with tiny shapes under the
 Triton interpreter (no GPU needed), so the script itself can be checked
 anywhere. The table goes to stdout and to ``$OUT/gpu_check.md`` (``$OUT``
 defaults to ./out), with the machine, versions and git sha.
@@ -24,22 +30,27 @@ defaults to ./out), with the machine, versions and git sha.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
-import platform
-import statistics
-import subprocess
 import sys
-import time
-from pathlib import Path
 
-import torch
+# Triton decides at import whether it interprets kernels: a dry run must say so first.
+if __name__ == "__main__" and "--dry-run" in sys.argv[1:]:
+    os.environ["TRITON_INTERPRET"] = "1"
 
-import stem_indexer  # noqa: F401  (registers the ops)
-from stem_indexer import cases, compare
-from stem_indexer.contract import IndexerParams
-from stem_indexer.ops import library
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from common import git_sha, machine, median_ms, write_atomic  # noqa: E402
+from stem_indexer import contract  # noqa: E402
+from stem_indexer.contract import IndexerParams, ceil_div  # noqa: E402
+from stem_indexer.ops.triton import launch  # noqa: E402
+from stem_indexer.testing import cases, compare  # noqa: E402
 
 PEAK_FLOPS = 790e12
 PEAK_BYTES = 4.3e12
@@ -47,6 +58,8 @@ CORRECTNESS_CASES = ("SI_WB_001", "SI_WB_003", "SI_WB_103", "SI_WB_013", "SI_WB_
                      "SI_WB_045", "SI_WB_059", "SI_WB_061", "SI_WB_161", "SI_WB_062",
                      "SI_WB_077", "SI_WB_094", "SI_WB_097", "SI_WB_098")
 DRY_CASES = ("SI_WB_003", "SI_WB_012", "SI_WB_113")
+# Memory for the composite's per-chunk temporaries (int64 keys and their sort).
+COMPOSITE_BYTES = 2 << 30
 
 
 @dataclasses.dataclass
@@ -70,26 +83,22 @@ DRY_BENCHES = [
     Bench("prefill (dry)", 2, 4, 2, 32, 16 * 8, 16 * 8, block=16, stride=4),
     Bench("chunk (dry)", 1, 4, 2, 32, 16 * 2, 16 * 100, block=16, stride=4),
 ]
-
-
-def _git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip()
-    except Exception:
-        return "unknown"
+# Launch configurations compared by --variants: changes to the default one.
+VARIANTS = {
+    "pointer loads (no TMA)": dict(tma=False, score_maxnreg=None),
+    "score registers uncapped (one program per SM)": dict(score_maxnreg=None),
+    "4 pipeline stages": dict(score_stages=4),
+    "BLOCK_N 64": dict(block_n=64),
+    "radix selection for every row": dict(block_c=16),
+    "select: 1 warp": dict(select_warps=1),
+    "select: 4 warps": dict(select_warps=4),
+}
 
 
 def _versions(device: str) -> str:
-    try:
-        import triton
-        tv = triton.__version__
-    except ImportError:
-        tv = "not installed"
-    machine = (torch.cuda.get_device_name() if device == "cuda"
-               else f"{platform.machine()} CPU ({os.cpu_count()} cores)")
-    return (f"machine: {machine}; torch {torch.__version__}; triton {tv}; "
-            f"git {_git_sha()}; python {platform.python_version()}")
+    import triton
+    return (f"machine: {machine(device)}; triton {triton.__version__}; git {git_sha()}; "
+            f"python {platform.python_version()}")
 
 
 def _metadata(inputs: dict, q_heads: int, kv_heads: int, params: IndexerParams, dim: int):
@@ -102,39 +111,130 @@ def _args(inputs: dict):
     return [inputs[k] for k in ("qflat", "kflat", "vbias", "q_seq_lens", "kv_seq_lens")]
 
 
-def run_op(inputs: dict, md, params: IndexerParams, device: str):
-    """The CUDA op (Triton); on CPU the Triton launcher under the interpreter."""
-    attrs = dataclasses.asdict(params)
-    if device == "cuda":
+def run_op(inputs: dict, md, params: IndexerParams):
+    """The op on the inputs' device; on CPU the Triton launcher (interpreted),
+    since the op itself sends CPU tensors to the CPU path."""
+    if inputs["qflat"].is_cuda:
         return torch.ops.custom.npu_stem_indexer(
-            *_args(inputs), num_prompt_tokens=inputs["num_prompt_tokens"], metadata=md, **attrs)
-    from stem_indexer.ops.triton.launch import stem_indexer_triton
-    return stem_indexer_triton(*_args(inputs), inputs["num_prompt_tokens"], md, params)
+            *_args(inputs), num_prompt_tokens=inputs["num_prompt_tokens"], metadata=md,
+            **dataclasses.asdict(params))
+    return launch.stem_indexer_triton(*_args(inputs), inputs["num_prompt_tokens"], md, params)
 
 
-def run_composite(inputs: dict, md, params: IndexerParams):
-    """The device-agnostic torch path (the op's CPU kernel) on the inputs' device."""
-    return library._indexer_kernel(*_args(inputs), num_prompt_tokens=inputs["num_prompt_tokens"],
-                                   metadata=md, **dataclasses.asdict(params))
+def run_cpu_path(inputs: dict, md, params: IndexerParams):
+    cpu = {k: (None if v is None else v.cpu()) for k, v in inputs.items()}
+    return torch.ops.custom.npu_stem_indexer(
+        *_args(cpu), num_prompt_tokens=cpu["num_prompt_tokens"], metadata=md.cpu(),
+        **dataclasses.asdict(params))
 
 
-def _time_ms(fn, device: str, reps: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
+# --------------------------------------------------------------------------- #
+# The torch composite
+# --------------------------------------------------------------------------- #
+
+
+def _row_facts(inputs: dict, params: IndexerParams, qmax: int, kmax: int) -> torch.Tensor:
+    """(B, Qmax, 4) int64: visible blocks, candidate range [lo, hi), picks."""
+    bs = params.stem_block_size
+    qb = ceil_div(inputs["q_seq_lens"].long(), bs)[:, None]
+    kb = ceil_div(inputs["kv_seq_lens"].long(), bs)[:, None]
+    prompt = inputs["num_prompt_tokens"]
+    p = ceil_div((inputs["kv_seq_lens"] if prompt is None else prompt).long(), bs)[:, None]
+    i = torch.arange(qmax, device=qb.device)[None, :]
+    s2 = torch.where(i < qb, contract.visible_blocks(i, qb, kb, params.causal), 0)
+    lo, hi = contract.candidate_range(s2, params.initial_blocks, params.window_size)
+    k = contract.row_budget(i + (kb - qb), p, contract.prompt_budget(p, params), params.alpha)
+    return torch.stack([s2, lo, hi, torch.minimum(k, hi - lo)], dim=-1)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q @ k.T from bf16 operands with float32 accumulation and output."""
+    if q.is_cuda:
+        return torch.mm(q, k.T, torch.float32)
+    return q.float() @ k.float().T
+
+
+def run_composite(inputs: dict, params: IndexerParams):
+    """The indexer as plain torch operations on the inputs' device."""
+    qflat, kflat, vbias = inputs["qflat"], inputs["kflat"], inputs["vbias"]
+    batch, nq, qmax, df = qflat.shape
+    nk, kmax = kflat.shape[1], kflat.shape[2]
+    group = nq // nk
+    facts = _row_facts(inputs, params, qmax, kmax)
+    top = max(1, int(facts[..., 3].max()))
+    cols = torch.arange(kmax, device=qflat.device)
+    indices = torch.full((batch, nq, qmax, kmax), -1, dtype=torch.int32, device=qflat.device)
+    seq_len = torch.zeros((batch, nq, qmax), dtype=torch.int32, device=qflat.device)
+    step = max(1, COMPOSITE_BYTES // (group * kmax * 24))
+    for b in range(batch):
+        for n in range(nk):
+            heads = slice(n * group, (n + 1) * group)
+            for i0 in range(0, qmax, step):
+                rows = slice(i0, min(qmax, i0 + step))
+                s2, lo, hi, take = (f[:, None] for f in facts[b, rows].unbind(-1))
+                q = qflat[b, heads, rows].reshape(-1, df)
+                s = _scores(q, kflat[b, n]) * contract.score_scale(params) + vbias[b, n]
+                keys = contract.rank_keys(s.view(group, -1, kmax), 0, params.topk_score_precision)
+                keys = keys.masked_fill(~((cols >= lo) & (cols < hi)), contract.NO_CANDIDATE)
+                best = keys.topk(min(top, kmax), dim=-1).indices
+                ranked = torch.arange(best.shape[-1], device=q.device) < take
+                picked = torch.zeros_like(keys, dtype=torch.bool).scatter_(
+                    -1, best, ranked.expand_as(best))
+                keep = picked | (cols < lo) | ((cols >= hi) & (cols < s2))
+                ordered = torch.where(keep, cols, kmax).sort(-1).values
+                indices[b, heads, rows] = torch.where(ordered < kmax, ordered, -1).int()
+                seq_len[b, heads, rows] = keep.sum(-1).int()
+    return indices, seq_len
+
+
+# --------------------------------------------------------------------------- #
+# Timing
+# --------------------------------------------------------------------------- #
+
+
+def kernel_times(inputs: dict, md, params: IndexerParams, config, device: str,
+                 reps: int) -> list[float]:
+    """Median ms of each kernel of one call (in launch order), under ``config``."""
+    qflat, kflat = inputs["qflat"], inputs["kflat"]
+    batch, nq, qmax, _ = qflat.shape
+    indices = torch.empty((batch, nq, qmax, kflat.shape[2]), dtype=torch.int32, device=device)
+    seq_len = torch.empty((batch, nq, qmax), dtype=torch.int32, device=device)
+    prompt = inputs["num_prompt_tokens"]
+    launches = launch.kernel_launches(
+        *_args(inputs), inputs["kv_seq_lens"] if prompt is None else prompt, md, params,
+        config, indices, seq_len)
+    samples = [[] for _ in launches]
+    for rep in range(reps + 1):  # the first call compiles
         if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(len(launches) + 1)]
+            events[0].record()
+            for run, event in zip(launches, events[1:]):
+                run()
+                event.record()
+            events[-1].synchronize()
+            ms = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
         else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+            ms = []
+            for run in launches:
+                t0 = time.perf_counter()
+                run()
+                ms.append((time.perf_counter() - t0) * 1e3)
+        if rep:
+            for sample, t in zip(samples, ms):
+                sample.append(t)
+    return [statistics.median(s) for s in samples]
+
+
+def _config(bench: Bench, device: str, **changes):
+    arch, sms = ((None, 1) if device != "cuda" else launch.device_arch(torch.device(device)))
+    cfg = launch.default_config(bench.q_heads // bench.kv_heads, bench.q_tokens // bench.block,
+                                bench.kv_tokens // bench.block, bench.dim, arch=arch, sms=sms)
+    return dataclasses.replace(cfg, **changes)
+
+
+# --------------------------------------------------------------------------- #
+# The checks
+# --------------------------------------------------------------------------- #
 
 
 def check_correctness(device: str, case_ids, lines: list[str]) -> bool:
@@ -145,95 +245,20 @@ def check_correctness(device: str, case_ids, lines: list[str]) -> bool:
         case = cases.get_case(cid)
         raw = case.make_inputs()
         md = _metadata(raw, case.q_heads, case.kv_heads, case.params, case.dim)
-        expected = run_composite(raw, md, case.params)
+        expected = run_cpu_path(raw, md, case.params)
         dev = {k: (v.to(device) if v is not None else None) for k, v in raw.items()}
         t0 = time.perf_counter()
         try:
-            out = run_op(dev, md.to(device), case.params, device)
-            out = tuple(t.cpu() for t in out)
+            out = tuple(t.cpu() for t in run_op(dev, md.to(device), case.params))
             result = compare.compare(out, expected, raw, case.params)
-            ok = result.ok
-            text = result.summary()
+            ok, text = result.ok, result.summary()
             if case.data == "integer" and not all(torch.equal(a, e) for a, e in zip(out, expected)):
                 ok, text = False, text + "; FAIL: integer data must be identical"
         except Exception as exc:  # reported, the check goes on
             ok, text = False, f"ERROR {type(exc).__name__}: {exc}"
         ok_all &= ok
-        lines.append(f"| {case.label} | {'PASS' if ok else 'FAIL'}: {text[:160]} | "
-                     f"{time.perf_counter() - t0:.2f} |")
+        lines.append(f"| {case.label} | {text[:160]} | {time.perf_counter() - t0:.2f} |")
         print(lines[-1], flush=True)
-    return ok_all
-
-
-def bench_inputs(bench: Bench, device: str) -> dict:
-    gen = torch.Generator(device=device).manual_seed(0)
-    qb, kb = bench.q_tokens // bench.block, bench.kv_tokens // bench.block
-    b, nq, nk, df = bench.batch, bench.q_heads, bench.kv_heads, bench.dim
-    i32 = dict(dtype=torch.int32, device=device)
-    return {
-        "qflat": torch.randn((b, nq, qb, df), generator=gen, device=device).to(torch.bfloat16),
-        "kflat": torch.randn((b, nk, kb, df), generator=gen, device=device).to(torch.bfloat16),
-        "vbias": torch.randn((b, nk, kb), generator=gen, device=device) * 0.1,
-        "q_seq_lens": torch.full((b,), bench.q_tokens, **i32),
-        "kv_seq_lens": torch.full((b,), bench.kv_tokens, **i32),
-        "num_prompt_tokens": None,
-    }
-
-
-def roofline_ms(bench: Bench, inputs: dict, out) -> float:
-    _, seq_len = out
-    qb, kb = bench.q_tokens // bench.block, bench.kv_tokens // bench.block
-    s2 = torch.arange(qb, dtype=torch.float64) + (kb - qb + 1)  # causal, right-down
-    pairs = float(s2.clamp(0, kb).sum()) * bench.batch * bench.q_heads
-    flops = 2.0 * bench.dim * pairs
-    out_bytes = out[0].numel() * 4 + seq_len.numel() * 4
-    return max(flops / PEAK_FLOPS, out_bytes / PEAK_BYTES) * 1e3
-
-
-def run_benches(device: str, benches, lines: list[str], reps: int) -> bool:
-    ok_all = True
-    lines += ["", "## Speed (median ms)", "",
-              "| shape | op (graph) | op (eager) | composite | speed-up (>= 5) | roofline | "
-              "op / roofline (<= 2) | outputs equal composite |",
-              "|---|---|---|---|---|---|---|---|"]
-    for bench in benches:
-        params = IndexerParams(stem_block_size=bench.block, stem_stride=bench.stride)
-        inputs = bench_inputs(bench, device)
-        md = _metadata(inputs, bench.q_heads, bench.kv_heads, params, bench.dim)
-        out = run_op(inputs, md, params, device)
-        composite_out = run_composite(inputs, md, params)
-        # Judged on batch 0 and the query heads of KV head 0 (recomputing the
-        # scores of differing rows of the whole output would take minutes).
-        g = bench.q_heads // bench.kv_heads
-        part = {"qflat": inputs["qflat"][:1, :g], "kflat": inputs["kflat"][:1, :1],
-                "vbias": inputs["vbias"][:1, :1], "q_seq_lens": inputs["q_seq_lens"][:1],
-                "kv_seq_lens": inputs["kv_seq_lens"][:1]}
-        equal = compare.compare(tuple(t[:1, :g].cpu() for t in out),
-                                tuple(t[:1, :g].cpu() for t in composite_out), part, params)
-        del composite_out
-        eager = _time_ms(lambda: run_op(inputs, md, params, device), device, reps)
-        if device == "cuda":
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run_op(inputs, md, params, device)
-            replay = _time_ms(graph.replay, device, reps)
-            del graph
-        else:
-            replay = eager
-        # Seconds per call: two calls after the one above.
-        composite = _time_ms(lambda: run_composite(inputs, md, params), device, 2, warmup=0)
-        roof = roofline_ms(bench, inputs, out)
-        speedup, ratio = composite / replay, replay / roof
-        ok = speedup >= 5 and ratio <= 2 and equal.ok
-        ok_all &= ok
-        lines.append(f"| {bench.name}: B={bench.batch} Nq={bench.q_heads} Nk={bench.kv_heads} "
-                     f"Df={bench.dim} q={bench.q_tokens} kv={bench.kv_tokens} | {replay:.3f} | "
-                     f"{eager:.3f} | {composite:.3f} | {speedup:.1f}x | {roof:.3f} | "
-                     f"{ratio:.2f}x | {'yes' if equal.ok else 'NO: ' + equal.summary()[:80]} |")
-        print(lines[-1], flush=True)
-        del out
-        if device == "cuda":
-            torch.cuda.empty_cache()
     return ok_all
 
 
@@ -264,29 +289,117 @@ def check_graph_capture(device: str, lines: list[str]) -> bool:
     return same
 
 
+def bench_inputs(bench: Bench, device: str) -> dict:
+    gen = torch.Generator(device=device).manual_seed(0)
+    qb, kb = bench.q_tokens // bench.block, bench.kv_tokens // bench.block
+    b, nq, nk, df = bench.batch, bench.q_heads, bench.kv_heads, bench.dim
+    i32 = dict(dtype=torch.int32, device=device)
+    return {
+        "qflat": torch.randn((b, nq, qb, df), generator=gen, device=device).to(torch.bfloat16),
+        "kflat": torch.randn((b, nk, kb, df), generator=gen, device=device).to(torch.bfloat16),
+        "vbias": torch.randn((b, nk, kb), generator=gen, device=device) * 0.1,
+        "q_seq_lens": torch.full((b,), bench.q_tokens, **i32),
+        "kv_seq_lens": torch.full((b,), bench.kv_tokens, **i32),
+        "num_prompt_tokens": None,
+    }
+
+
+def roofline_ms(bench: Bench, inputs: dict, out) -> float:
+    qb, kb = bench.q_tokens // bench.block, bench.kv_tokens // bench.block
+    s2 = torch.arange(qb, dtype=torch.float64) + (kb - qb + 1)  # causal, right-down
+    pairs = float(s2.clamp(0, kb).sum()) * bench.batch * bench.q_heads
+    flops = 2.0 * bench.dim * pairs
+    moved = sum(t.numel() * t.element_size() for t in (*_args(inputs), *out))
+    return max(flops / PEAK_FLOPS, moved / PEAK_BYTES) * 1e3
+
+
+def run_benches(device: str, benches, lines: list[str], reps: int) -> bool:
+    ok_all = True
+    lines += ["", "## Speed (median ms)", "",
+              "| shape | op (graph) | op (eager) | score + select kernels | composite | "
+              "speed-up (>= 5) | roofline | op / roofline (<= 2) | outputs equal composite |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for bench in benches:
+        params = IndexerParams(stem_block_size=bench.block, stem_stride=bench.stride)
+        inputs = bench_inputs(bench, device)
+        md = _metadata(inputs, bench.q_heads, bench.kv_heads, params, bench.dim)
+        out = run_op(inputs, md, params)
+        composite_out = run_composite(inputs, params)
+        # Judged on batch 0 and the query heads of KV head 0 (recomputing the
+        # scores of differing rows of the whole output would take minutes).
+        g = bench.q_heads // bench.kv_heads
+        part = {"qflat": inputs["qflat"][:1, :g], "kflat": inputs["kflat"][:1, :1],
+                "vbias": inputs["vbias"][:1, :1], "q_seq_lens": inputs["q_seq_lens"][:1],
+                "kv_seq_lens": inputs["kv_seq_lens"][:1]}
+        equal = compare.compare(tuple(t[:1, :g].cpu() for t in out),
+                                tuple(t[:1, :g].cpu() for t in composite_out), part, params)
+        del composite_out
+        eager = median_ms(lambda: run_op(inputs, md, params), device=device, reps=reps)
+        if device == "cuda":
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run_op(inputs, md, params)
+            replay = median_ms(graph.replay, device=device, reps=reps)
+            del graph
+        else:
+            replay = eager
+        kernels = kernel_times(inputs, md, params, _config(bench, device), device, reps)
+        composite = median_ms(lambda: run_composite(inputs, params), device=device, reps=2,
+                              warmup=0)
+        roof = roofline_ms(bench, inputs, out)
+        speedup, ratio = composite / replay, replay / roof
+        ok = speedup >= 5 and ratio <= 2 and equal.ok
+        ok_all &= ok
+        lines.append(f"| {bench.name}: B={bench.batch} Nq={bench.q_heads} Nk={bench.kv_heads} "
+                     f"Df={bench.dim} q={bench.q_tokens} kv={bench.kv_tokens} | {replay:.3f} | "
+                     f"{eager:.3f} | {' + '.join(f'{t:.3f}' for t in kernels)} | "
+                     f"{composite:.3f} | {speedup:.1f}x | {roof:.3f} | {ratio:.2f}x | "
+                     f"{'yes' if equal.ok else 'NO: ' + equal.summary()[:80]} |")
+        print(lines[-1], flush=True)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return ok_all
+
+
+def run_variants(device: str, bench: Bench, lines: list[str], reps: int) -> None:
+    lines += ["", f"## Kernel variants on {bench.name} (median ms of each kernel)", "",
+              "| configuration | score | select |", "|---|---|---|"]
+    inputs = bench_inputs(bench, device)
+    params = IndexerParams(stem_block_size=bench.block, stem_stride=bench.stride)
+    md = _metadata(inputs, bench.q_heads, bench.kv_heads, params, bench.dim)
+    for name, changes in {"default": {}, **VARIANTS}.items():
+        cfg = _config(bench, device, **changes)
+        score, *select = kernel_times(inputs, md, params, cfg, device, reps)
+        lines.append(f"| {name}: {cfg} | {score:.3f} | {sum(select):.3f} |")
+        print(lines[-1], flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny shapes on CPU under the Triton interpreter")
+    parser.add_argument("--variants", action="store_true",
+                        help="also time the kernels under other launch configurations")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args(argv)
     device = "cpu" if args.dry_run else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device; use --dry-run", file=sys.stderr)
+    if device == "cuda" and (not torch.cuda.is_available() or launch.INTERPRETED):
+        print("needs a CUDA device and TRITON_INTERPRET unset; or use --dry-run", file=sys.stderr)
         return 2
+    reps = 2 if args.dry_run else args.reps
+    benches = DRY_BENCHES if args.dry_run else BENCHES
     lines = ["# stem-indexer GPU check", "", _versions(device)]
     print(lines[-1], flush=True)
     ok = check_correctness(device, DRY_CASES if args.dry_run else CORRECTNESS_CASES, lines)
     ok &= check_graph_capture(device, lines)
-    ok &= run_benches(device, DRY_BENCHES if args.dry_run else BENCHES, lines,
-                      2 if args.dry_run else args.reps)
+    ok &= run_benches(device, benches, lines, reps)
+    if args.variants:
+        run_variants(device, benches[0], lines, reps)
     lines += ["", f"overall: {'PASS' if ok else 'FAIL'}"
               + (" (dry run: speed targets not meaningful)" if args.dry_run else "")]
     print(lines[-1])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
+    write_atomic(Path(args.out) / "gpu_check.md", "\n".join(lines) + "\n")
     return 0 if ok or args.dry_run else 1
 
 
