@@ -106,8 +106,13 @@ def _compact(idx: torch.Tensor, keep: torch.Tensor, kb: int):
     return out, count
 
 
+# FlexAttention kernel options on CUDA (None: its own defaults), chosen on an
+# H200 with benchmarks/gpu_flex_tune.py.
+CUDA_KERNEL_OPTIONS: dict | None = None
+
+
 def flex_attention_forward(q, k, v, mask, scale: float, softcap: float | None = None,
-                           return_lse: bool = False):
+                           return_lse: bool = False, kernel_options: dict | None = None):
     """Compiled FlexAttention of q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D] under ``mask``:
     ``(out, lse)``, lse float32 [B, Hq, Sq] (natural log) or None when not
     asked for (inductor's CPU template cannot give it). ``softcap`` caps the
@@ -121,6 +126,9 @@ def flex_attention_forward(q, k, v, mask, scale: float, softcap: float | None = 
     if softcap is not None:
         def score_mod(score, b, h, q_idx, kv_idx):
             return softcap * torch.tanh(score / softcap)
+    if kernel_options is None and q.is_cuda:
+        kernel_options = CUDA_KERNEL_OPTIONS
     out = _compiled(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale,
-                    enable_gqa=q.shape[1] != k.shape[1], return_lse=return_lse)
+                    enable_gqa=q.shape[1] != k.shape[1], return_lse=return_lse,
+                    kernel_options=kernel_options)
     return out if return_lse else (out, None)
