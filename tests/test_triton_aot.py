@@ -57,5 +57,6 @@ def test_score_kernels_use_tensor_core_mma(report):
     scores = [e for e in report if e["kernel"].endswith(":score_kernel")]
     assert {e["target"] for e in scores} == {"sm_90", "sm_80"}
     assert all(e["mma"] > 0 for e in scores), [(e["target"], e["mma"]) for e in scores]
-    # Hopper's TMA loads the operand tiles there.
-    assert all(e["constexprs"]["TMA"] == (e["target"] == "sm_90") for e in scores)
+    # Pointer loads on both targets: the TMA loads gave wrong scores on an
+    # H200 (see launch.default_config) and stay off.
+    assert not any(e["constexprs"]["TMA"] for e in scores)

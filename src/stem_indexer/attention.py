@@ -116,7 +116,9 @@ def _check_selection(who, sparse_indices, sparse_seq_len, batch, hq, qmax, kmax,
     listed = torch.arange(width, device=device) < lengths[..., None]
     _first_bad(who, "sparse_indices", listed & ((idx < 0) | (idx >= kmax)), idx,
                f"must be a key block in [0, {kmax})")
-    idx = torch.where(listed, idx, kmax).sort(dim=-1).values
+    idx = torch.where(listed, idx, kmax)
+    if not bool((idx[..., 1:] >= idx[..., :-1]).all()):  # the indexer's lists are sorted
+        idx = idx.sort(dim=-1).values
     dup = torch.zeros_like(listed)
     dup[..., 1:] = listed[..., 1:] & (idx[..., 1:] == idx[..., :-1])
     _first_bad(who, "sparse_indices", dup, idx, "must not list a key block twice")

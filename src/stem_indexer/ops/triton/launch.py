@@ -114,17 +114,20 @@ def default_config(g: int, qmax: int, kmax: int, df: int, *, arch: int | None,
     """Kernel configuration for GQA group ``g`` and the given dims.
 
     ``arch``: the GPU's compute capability as an int (90 for sm_90), or
-    None for the interpreter. GPU: tensor-core sized GEMM tiles; from sm_90
-    TMA loads and 128 registers per thread, so that two persistent score
-    programs share an SM (one's epilogue overlaps the other's GEMM; ``nprog``
-    is two per SM), four pipeline stages (three before sm_90). Rows of up to
-    8192 candidates kept in registers, one row per selection program (two
-    when rows are short), a warp per 1024 keys:
-    a selection pass costs a compare per key and a reduction across the
-    program's warps, which fewer warps make cheaper. ``aot.py`` shows that
-    these compile without register spills on sm_80 and sm_90; on an H200 the
-    four stages and the warp per 1024 keys each took about 5% off their
-    kernel at the 128K prefill (``gpu_check.py --variants``, benchmarks/RESULTS.md).
+    None for the interpreter. GPU: tensor-core sized GEMM tiles with pointer
+    loads, ``nprog`` two persistent score programs per SM, four pipeline
+    stages from sm_90 (three before). Rows of up to 8192 candidates kept in
+    registers, one row per selection program (two when rows are short), a
+    warp per 1024 keys: a selection pass costs a compare per key and a
+    reduction across the program's warps, which fewer warps make cheaper.
+    ``aot.py`` shows that these compile without register spills on sm_80 and
+    sm_90. On an H200 this configuration gave outputs identical to the CPU
+    path on the benchmark shapes (integer data), while the TMA loads with
+    128 registers per thread (``tma=True, score_maxnreg=128``, 35% faster
+    scores) did not: they stay off until that is understood
+    (``benchmarks/gpu_triton_diagnose.py``, benchmarks/RESULTS.md). The four
+    stages and the warp per 1024 keys each took about 5% off their kernel
+    (``gpu_check.py --variants``).
     Interpreter: the smallest legal tiles, so that tests exercise several
     programs, row blocks, key chunks and the chunked selection.
     """
@@ -134,9 +137,8 @@ def default_config(g: int, qmax: int, kmax: int, df: int, *, arch: int | None,
                       block_w=64, select_warps=4)
     block_c = min(_pow2_at_least(kmax), 8192)
     return Config(block_m=128 if g * min(qmax, md.TILE_ROWS_MAX) >= 128 else 64,
-                  block_n=128, block_k=_block_k(df), tma=arch >= 90, nprog=2 * sms,
-                  score_warps=8, score_stages=4 if arch >= 90 else 3,
-                  score_maxnreg=128 if arch >= 90 else None,
+                  block_n=128, block_k=_block_k(df), tma=False, nprog=2 * sms,
+                  score_warps=8, score_stages=4 if arch >= 90 else 3, score_maxnreg=None,
                   rows=2 if block_c <= 64 else 1, block_c=block_c, block_w=min(block_c, 1024),
                   select_warps=max(1, min(8, block_c // 1024)))
 
