@@ -199,3 +199,64 @@ def test_info_tells_which_path_ran():
     _, info = stem_attention(q, k, v, return_info=True, preset="tight", **SMALL)
     assert info.path == "sparse" and info.reason == "" and 0 < info.density < 0.5
     assert info.visible_pairs == 2 * 69 * 70 // 2
+
+
+# --------------------------------------------------------------------------- #
+# Inside compiled models
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("seq", [64, 1100], ids=["dense-path", "sparse-path"])
+def test_stem_attention_under_fullgraph_compile_equals_eager(seq):
+    q, k, v = _qkv(2, 4, 2, seq, seq, 8, 13)
+    lens = torch.tensor([seq, seq - 37])
+
+    def fn(q, k, v, lens):
+        return stem_attention(q, k, v, q_lens=lens, kv_lens=lens, return_lse=True, **SMALL)
+
+    eager = fn(q, k, v, lens)
+    compiled = torch.compile(fn, fullgraph=True)(q, k, v, lens)
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_block_sparse_attention_under_fullgraph_compile_equals_eager():
+    q, k, v = _qkv(1, 4, 2, 100, 100, 8, 14)
+    idx = torch.arange(7, dtype=torch.int32).expand(1, 4, 7, 7).contiguous()
+    lens = torch.arange(1, 8, dtype=torch.int32).expand(1, 4, 7).contiguous()
+
+    def fn(q, k, v, idx, lens):
+        return stem_indexer.block_sparse_attention(q, k, v, idx, lens, block_size=16)
+
+    torch.testing.assert_close(torch.compile(fn, fullgraph=True)(q, k, v, idx, lens),
+                               fn(q, k, v, idx, lens), rtol=0, atol=0)
+
+
+def test_return_info_is_refused_under_compile():
+    q, k, v = _qkv(1, 2, 1, 64, 64, 8, 15)
+    fn = torch.compile(lambda q: stem_attention(q, k, v, return_info=True, **SMALL),
+                       fullgraph=True)
+    with pytest.raises(Exception, match="return_info is not available under torch.compile"):
+        fn(q)
+
+
+def test_hf_model_with_stem_runs_under_compile():
+    transformers = pytest.importorskip("transformers")
+    import stem_indexer.integrations.transformers as stem_hf
+
+    fn = stem_hf.register("stem-test-compile", **SMALL, preset="tight")
+    try:
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, max_position_embeddings=2048)
+        model = transformers.LlamaForCausalLM(config).eval()
+        model.set_attn_implementation(fn.name)
+        ids = torch.randint(1, 128, (1, 1024), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            eager = model(ids).logits
+            compiled = torch.compile(model)(ids).logits
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+        assert fn.stats["stem"] >= 4  # both layers, eager and compiled: sparse
+    finally:
+        stem_hf.unregister(fn.name)

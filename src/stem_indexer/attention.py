@@ -49,8 +49,8 @@ from .api import run_indexer, stem_indexer_metadata
 from .contract import IndexerParams, ceil_div, check_bool, check_int, fail
 from .ops import flex_attention as flex
 from .ops.gather_attention import gather_attention
-from .prepare import (DEFAULT_OAM_LAMBDA, Lengths, check_oam_lambda, check_qkv,
-                      seq_lens_tensor, stem_inputs)
+from .prepare import (DEFAULT_OAM_LAMBDA, Lengths, check_lens_values, check_oam_lambda,
+                      check_qkv, lens_argument, seq_lens_tensor, stem_inputs)
 
 __all__ = ["block_sparse_attention", "dense_attention", "stem_attention", "StemInfo"]
 
@@ -85,12 +85,8 @@ def _check_inference(who: str, *tensors: torch.Tensor) -> None:
              "under torch.no_grad() or torch.inference_mode())", "requires_grad=True")
 
 
-def _check_selection(who, sparse_indices, sparse_seq_len, batch, hq, qmax, kmax, device):
-    """The selection checked (on its device); lists sorted ascending.
-
-    Returns (indices int64 [B,Hq,Qmax,W], lengths int64 [B,Hq,Qmax]) with W
-    the longest list and entries past each row's length -1.
-    """
+def _check_selection(who, sparse_indices, sparse_seq_len, batch, hq, qmax, device) -> None:
+    """The selection's types, shapes and device (static: fine while tracing)."""
     for name, t, nd in (("sparse_indices", sparse_indices, 4),
                         ("sparse_seq_len", sparse_seq_len, 3)):
         if not isinstance(t, torch.Tensor):
@@ -107,6 +103,15 @@ def _check_selection(who, sparse_indices, sparse_seq_len, batch, hq, qmax, kmax,
     if tuple(sparse_seq_len.shape) != (batch, hq, qmax):
         fail(who, "sparse_seq_len", f"must have shape {(batch, hq, qmax)}",
              tuple(sparse_seq_len.shape))
+
+
+def _selection_values(who, sparse_indices, sparse_seq_len, kmax):
+    """The selection's values checked (on its device); lists sorted ascending.
+
+    Returns (indices int64 [B,Hq,Qmax,W], lengths int64 [B,Hq,Qmax]) with W
+    the longest list and entries past each row's length -1.
+    """
+    device = sparse_indices.device
     width = sparse_indices.shape[3]
     lengths = sparse_seq_len.detach().to(torch.int64)
     _first_bad(who, "sparse_seq_len", (lengths < 0) | (lengths > width), lengths,
@@ -338,13 +343,13 @@ def block_sparse_attention(
     softcap = _check_softcap(who, softcap)
     _check_backend(who, backend)
     _check_inference(who, q, k, v)
-    qmax, kmax = ceil_div(sq, block_size), ceil_div(skv, block_size)
-    idx, lengths = _check_selection(who, sparse_indices, sparse_seq_len, batch, hq, qmax, kmax,
-                                    q.device)
-    qlen = seq_lens_tensor(q_lens, batch, sq, "q_lens", _CPU, who)
-    kvlen = seq_lens_tensor(kv_lens, batch, skv, "kv_lens", _CPU, who)
-    call = _Call(q, k, v, idx, lengths, qlen, kvlen, block_size, causal, scale, softcap)
-    out, lse = _run(call, _backend(backend, q), return_lse)
+    _check_selection(who, sparse_indices, sparse_seq_len, batch, hq, ceil_div(sq, block_size),
+                     q.device)
+    qlen = lens_argument(q_lens, batch, sq, "q_lens", who)
+    kvlen = lens_argument(kv_lens, batch, skv, "kv_lens", who)
+    out, lse = torch.ops.stem_indexer.block_sparse_attention(
+        q, k, v, sparse_indices, sparse_seq_len, qlen, kvlen, block_size, causal, scale,
+        softcap, backend, return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -378,6 +383,21 @@ class StemInfo(NamedTuple):
     @property
     def density(self) -> float:
         return self.kept_pairs / self.visible_pairs if self.visible_pairs else 1.0
+
+    def encode(self) -> torch.Tensor:
+        """As an int64 tensor, the form a custom op can return."""
+        return torch.tensor([_PATHS.index(self.path), _REASONS.index(self.reason),
+                             _KERNELS.index(self.backend), self.kept_pairs, self.visible_pairs])
+
+    @classmethod
+    def decode(cls, code: torch.Tensor) -> "StemInfo":
+        path, reason, backend, kept, visible = code.tolist()
+        return cls(_PATHS[path], _REASONS[reason], _KERNELS[backend], kept, visible)
+
+
+_PATHS = ("sparse", "dense")
+_REASONS = ("", "decode", "budget keeps every block")
+_KERNELS = ("native", "flex", "gather", "sdpa")
 
 
 def _visible_pairs(qlen, kvlen, params: IndexerParams) -> int:
@@ -503,19 +523,21 @@ def stem_attention(
     check_int(who, "min_q_blocks", min_q_blocks, 0)
     _check_backend(who, backend)
     _check_inference(who, q, k, v)
-    qlen = seq_lens_tensor(q_lens, batch, sq, "q_lens", _CPU, who)
-    kvlen = seq_lens_tensor(kv_lens, batch, skv, "kv_lens", _CPU, who)
-    prompt = kvlen
-    if num_prompt_tokens is not None:
-        prompt = seq_lens_tensor(num_prompt_tokens, batch, 2**31 - 1, "num_prompt_tokens",
-                                 _CPU, who)
-        contract.check_prompt(prompt, kvlen, who, "kv_lens")
     if indexer_scale is not None:
         indexer_scale = _check_scale(who, "indexer_scale", indexer_scale, dim)
-
-    out, lse, info = _stem(q, k, v, qlen, kvlen, prompt, params, scale, softcap, oam,
-                           oam_lambda, indexer_scale, min_q_blocks, backend, return_lse)
-    extra = ((lse,) if return_lse else ()) + ((info,) if return_info else ())
+    if return_info and torch.compiler.is_compiling():
+        fail(who, "return_info", "is not available under torch.compile (it reads the "
+             "selection on the host); count with the transformers integration's stats instead",
+             True)
+    qlen = lens_argument(q_lens, batch, sq, "q_lens", who)
+    kvlen = lens_argument(kv_lens, batch, skv, "kv_lens", who)
+    prompt = (None if num_prompt_tokens is None
+              else lens_argument(num_prompt_tokens, batch, 2**31 - 1, "num_prompt_tokens", who))
+    out, lse, info = torch.ops.stem_indexer.stem_attention(
+        q, k, v, qlen, kvlen, prompt, *(getattr(params, f) for f in contract.PARAM_NAMES),
+        scale, softcap, oam, float(oam_lambda), indexer_scale, min_q_blocks, backend,
+        return_lse)
+    extra = ((lse,) if return_lse else ()) + ((StemInfo.decode(info),) if return_info else ())
     return (out, *extra) if extra else out
 
 
@@ -567,3 +589,70 @@ def _stem(q, k, v, qlen, kvlen, prompt, params: IndexerParams, scale, softcap, o
     out, lse = _run(_Call(q, k, v, idx, lengths, qlen, kvlen, bs, params.causal, scale,
                           softcap), backend, want_lse)
     return out, lse, StemInfo("sparse", "", backend, int(lengths.sum()), visible)
+
+
+# --------------------------------------------------------------------------- #
+# The two functions as custom ops: opaque to torch.compile (fullgraph too),
+# since they read lengths and selections on the host.
+# --------------------------------------------------------------------------- #
+
+
+@torch.library.custom_op("stem_indexer::block_sparse_attention", mutates_args=())
+def _block_sparse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     sparse_indices: torch.Tensor, sparse_seq_len: torch.Tensor,
+                     q_lens: torch.Tensor, kv_lens: torch.Tensor, block_size: int, causal: bool,
+                     scale: float, softcap: float | None, backend: str,
+                     want_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    who = "block_sparse_attention"
+    sq, skv = q.shape[2], k.shape[2]
+    qlen = check_lens_values(q_lens, sq, "q_lens", who)
+    kvlen = check_lens_values(kv_lens, skv, "kv_lens", who)
+    idx, lengths = _selection_values(who, sparse_indices, sparse_seq_len,
+                                     ceil_div(skv, block_size))
+    call = _Call(q, k, v, idx, lengths, qlen, kvlen, block_size, causal, scale, softcap)
+    out, lse = _run(call, _backend(backend, q), want_lse)
+    return out.contiguous(), _lse_or_nan(lse, q)
+
+
+@_block_sparse_op.register_fake
+def _(q, k, v, sparse_indices, sparse_seq_len, q_lens, kv_lens, block_size, causal, scale,
+      softcap, backend, want_lse):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("stem_indexer::stem_attention", mutates_args=())
+def _stem_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: torch.Tensor,
+    kv_lens: torch.Tensor, num_prompt_tokens: torch.Tensor | None, causal: bool,
+    stem_block_size: int, stem_stride: int, alpha: float, initial_blocks: int,
+    window_size: int, k_block_num_rate_medium: float, k_block_num_bias_medium: int,
+    k_block_num_rate_large: float, k_block_num_bias_large: int, topk_score_precision: int,
+    scale: float, softcap: float | None, oam: bool, oam_lambda: float,
+    indexer_scale: float | None, min_q_blocks: int, backend: str, want_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    who = "stem_attention"
+    qlen = check_lens_values(q_lens, q.shape[2], "q_lens", who)
+    kvlen = check_lens_values(kv_lens, k.shape[2], "kv_lens", who)
+    prompt = kvlen
+    if num_prompt_tokens is not None:
+        prompt = check_lens_values(num_prompt_tokens, 2**31 - 1, "num_prompt_tokens", who)
+        contract.check_prompt(prompt, kvlen, who, "kv_lens")
+    params = IndexerParams(causal, stem_block_size, stem_stride, alpha, initial_blocks,
+                           window_size, k_block_num_rate_medium, k_block_num_bias_medium,
+                           k_block_num_rate_large, k_block_num_bias_large, topk_score_precision)
+    out, lse, info = _stem(q, k, v, qlen, kvlen, prompt, params, scale, softcap, oam,
+                           oam_lambda, indexer_scale, min_q_blocks, backend, want_lse)
+    return out.contiguous(), _lse_or_nan(lse, q), info.encode()
+
+
+@_stem_attention_op.register_fake
+def _(q, k, v, *args):
+    return (torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32),
+            torch.empty(5, dtype=torch.int64, device="cpu"))
+
+
+def _lse_or_nan(lse: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """The op's second output: the log-sum-exp, or NaN where none was asked for."""
+    if lse is not None:
+        return lse.contiguous()
+    return torch.full(q.shape[:3], math.nan, dtype=torch.float32, device=q.device)

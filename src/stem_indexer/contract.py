@@ -140,15 +140,17 @@ class IndexerParams:
         the op's attributes taking precedence, checked."""
         if not isinstance(preset, str) or preset not in PRESETS:
             fail(who, "preset", f"must be one of {', '.join(map(repr, PRESETS))}", repr(preset))
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(kwargs) - set(names))
+        unknown = sorted(set(kwargs) - set(PARAM_NAMES))
         if unknown:
-            fail(who, unknown[0], f"is not an indexer parameter (those are {', '.join(names)})",
-                 repr(kwargs[unknown[0]]))
+            fail(who, unknown[0], "is not an indexer parameter (those are "
+                 f"{', '.join(PARAM_NAMES)})", repr(kwargs[unknown[0]]))
         params = cls(**{**PRESETS[preset], **kwargs})
         params.check(who)
         return params
 
+
+# The attributes' names, in the op schema's order.
+PARAM_NAMES = tuple(f.name for f in dataclasses.fields(IndexerParams))
 
 # Named budgets, as overrides of the schema defaults. ``default`` is the
 # operator's (the paper's and the NPU's): Ks = P below 56 prompt blocks,

