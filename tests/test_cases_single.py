@@ -12,7 +12,9 @@ so the default suite exercises compilation too.
 
 Each test compares the op with ``stem_indexer_reference`` under the SPEC
 section 5 rules; cases with ``data="integer"`` have exact scores, so they must
-also match the reference bit for bit.
+also match the reference bit for bit. ``test_case_torch_selection`` runs a
+quarter of the table (and the representative subset) on the CPU path's torch
+selection, its fallback where no C compiler exists.
 """
 
 from __future__ import annotations
@@ -24,28 +26,27 @@ import torch
 
 from stem_indexer.testing import cases, runner
 
-pytestmark = pytest.mark.selections  # CPU: native and torch selection
-
 _SPEC = os.environ.get(runner.ENV_CASE_ID, "").strip()
 _MODE_GIVEN = bool(os.environ.get(runner.ENV_MODE, "").strip())
 
 
-def _params() -> list:
+def _params(subset=None) -> list:
     mode = runner.env_mode()
     named = bool(_SPEC)
     out = []
     for case in cases.select_cases(_SPEC, include_large=True):
+        if subset is not None and not subset(case):
+            continue
         marks = [pytest.mark.large] if case.large and not named else []
         case_id = case.label if mode == "eager" else f"{case.label}-graph"
         out.append(pytest.param(case, mode, id=case_id, marks=marks))
     if not named and not _MODE_GIVEN:
         out += [pytest.param(case, "graph", id=f"{case.label}-graph")
-                for case in cases.graph_subset()]
+                for case in cases.graph_subset() if subset is None or subset(case)]
     return out
 
 
-@pytest.mark.parametrize("case, mode", _params())
-def test_case(case: cases.Case, mode: str, device: str):
+def _check(case: cases.Case, mode: str, device: str) -> None:
     result = runner.run_case(case, device=device, mode=mode)
     assert result.ok, f"{case.id} [{case.covers}] {mode}/{device}: {result.summary}"
 
@@ -60,3 +61,22 @@ def test_case(case: cases.Case, mode: str, device: str):
             assert torch.equal(a, g), (
                 f"{case.id}: {name} differs from the reference although every score is exact "
                 f"({rows.numel()} flat rows differ, first {rows[:8].tolist()})")
+
+
+@pytest.mark.parametrize("case, mode", _params())
+def test_case(case: cases.Case, mode: str, device: str):
+    _check(case, mode, device)
+
+
+def _torch_selection_subset(case: cases.Case) -> bool:
+    """A quarter of the table plus the representative subset: the torch
+    selection is the CPU path's fallback (where no C compiler exists); the
+    semantics, property and metadata tests run it on every shape they build."""
+    return case.number % 4 == 0 or case.id in cases.GRAPH_SUBSET
+
+
+@pytest.mark.parametrize("case, mode", _params(_torch_selection_subset))
+def test_case_torch_selection(case: cases.Case, mode: str, monkeypatch):
+    from stem_indexer.ops import native
+    monkeypatch.setattr(native, "kernel", lambda: None)
+    _check(case, mode, "cpu")
