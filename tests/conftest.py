@@ -1,7 +1,11 @@
 """Shared pytest configuration.
 
 * ``--run-large``: tests marked ``large`` (the 1M-token prefill and the like)
-  are skipped without it.
+  are deselected without it.
+* ``--run-slow``: tests marked ``slow`` (the full matrices: every Triton
+  configuration under the interpreter, every model family, graph mode for
+  the whole representative subset, ...) are deselected without it. The
+  default run keeps one test of each concern.
 * ``device`` fixture: "cpu", plus "cuda" where a GPU is usable (so nothing is
   generated that cannot run here). ``STEM_INDEXER_DEVICE=cpu`` (or ``cuda``)
   restricts it to one device. Tests marked ``selections`` run their CPU
@@ -36,6 +40,8 @@ def _devices() -> list[str]:
 def pytest_addoption(parser):
     parser.addoption("--run-large", action="store_true", default=False,
                      help="also run tests marked 'large' (1M-token prefill cases, minutes each)")
+    parser.addoption("--run-slow", action="store_true", default=False,
+                     help="also run tests marked 'slow' (the full matrices, a few minutes)")
 
 
 def pytest_configure(config):
@@ -46,12 +52,12 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--run-large"):
-        return
-    skip = pytest.mark.skip(reason="large case; run with --run-large")
-    for item in items:
-        if item.get_closest_marker("large") is not None:
-            item.add_marker(skip)
+    """Deselect the tiers not asked for (reported as deselected, not skipped)."""
+    tiers = [t for t in ("large", "slow") if not config.getoption(f"--run-{t}")]
+    dropped = [item for item in items if any(item.get_closest_marker(t) for t in tiers)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if item not in dropped]
 
 
 def pytest_generate_tests(metafunc):

@@ -87,7 +87,9 @@ def _backends() -> list:
     if attention._native() is not None:
         out += [(s, "native") for s in SHAPES]
     out += [(s, "flex") for s in SHAPES[1:3]]
-    return [pytest.param(s, b, id=f"{_ids(s)}-{b}") for s, b in out]
+    return [pytest.param(s, b, id=f"{_ids(s)}-{b}",
+                         marks=[pytest.mark.slow] if (b, s) == ("flex", SHAPES[2]) else [])
+            for s, b in out]
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])

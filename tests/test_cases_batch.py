@@ -21,8 +21,10 @@ _SPEC = os.environ.get(runner.ENV_CASE_ID, "").strip()
 _MODE_GIVEN = bool(os.environ.get(runner.ENV_MODE, "").strip())
 
 
-def _modes() -> list[str]:
-    return [runner.env_mode()] if _MODE_GIVEN else ["eager", "graph"]
+def _modes() -> list:
+    if _MODE_GIVEN:
+        return [runner.env_mode()]
+    return ["eager", pytest.param("graph", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("mode", _modes())

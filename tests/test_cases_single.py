@@ -40,9 +40,11 @@ def _params(subset=None) -> list:
         marks = [pytest.mark.large] if case.large and not named else []
         case_id = case.label if mode == "eager" else f"{case.label}-graph"
         out.append(pytest.param(case, mode, id=case_id, marks=marks))
-    if not named and not _MODE_GIVEN:
-        out += [pytest.param(case, "graph", id=f"{case.label}-graph")
-                for case in cases.graph_subset() if subset is None or subset(case)]
+    if not named and not _MODE_GIVEN:  # graph mode: two cases by default, the subset slow
+        out += [pytest.param(case, "graph", id=f"{case.label}-graph",
+                             marks=[] if n < 2 else [pytest.mark.slow])
+                for n, case in enumerate(c for c in cases.graph_subset()
+                                         if subset is None or subset(c))]
     return out
 
 
@@ -69,13 +71,20 @@ def test_case(case: cases.Case, mode: str, device: str):
 
 
 def _torch_selection_subset(case: cases.Case) -> bool:
-    """A quarter of the table plus the representative subset: the torch
-    selection is the CPU path's fallback (where no C compiler exists); the
-    semantics, property and metadata tests run it on every shape they build."""
+    """The representative subset (and, in the slow tier, a quarter of the
+    table): the torch selection is the CPU path's fallback where no C compiler
+    exists; the semantics, property and metadata tests run it on every shape
+    they build."""
     return case.number % 4 == 0 or case.id in cases.GRAPH_SUBSET
 
 
-@pytest.mark.parametrize("case, mode", _params(_torch_selection_subset))
+def _torch_params() -> list:
+    return [p if p.values[0].id in cases.GRAPH_SUBSET and p.values[1] == "eager"
+            else pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.slow])
+            for p in _params(_torch_selection_subset)]
+
+
+@pytest.mark.parametrize("case, mode", _torch_params())
 def test_case_torch_selection(case: cases.Case, mode: str, monkeypatch):
     from stem_indexer.ops import native
     monkeypatch.setattr(native, "kernel", lambda: None)

@@ -202,6 +202,7 @@ def test_density_and_mass_recall_follow_the_selection(synthetic):
     assert row.max_abs > 0
 
 
+@pytest.mark.slow
 def test_default_table_has_every_configuration(synthetic):
     rows = evaluate.evaluate([synthetic])
     seen = {(r.config.budget.name, r.config.oam, r.config.alpha) for r in rows}

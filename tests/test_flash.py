@@ -240,6 +240,7 @@ def test_return_info_is_refused_under_compile():
         fn(q)
 
 
+@pytest.mark.slow
 def test_hf_model_with_stem_runs_under_compile():
     transformers = pytest.importorskip("transformers")
     import stem_indexer.integrations.transformers as stem_hf

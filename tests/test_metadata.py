@@ -288,7 +288,8 @@ def workspace_sizes(monkeypatch):
 
 @pytest.mark.parametrize("q_tokens, kv_tokens, bs, nq", [
     pytest.param(300 * 16, 1 << 20, 16, 1, id="kv-1M-tokens-300-query-blocks"),
-    pytest.param(6000 * 16, 6000 * 16, 16, 1, id="causal-96K-tokens-6000-blocks"),
+    pytest.param(6000 * 16, 6000 * 16, 16, 1, id="causal-96K-tokens-6000-blocks",
+                 marks=pytest.mark.slow),
 ])
 def test_score_temporaries_bounded_by_tile_budget(bmm_shapes, workspace_sizes, monkeypatch,
                                                    selection, q_tokens, kv_tokens, bs, nq):

@@ -113,6 +113,7 @@ def test_truncated_library_is_rebuilt_not_loaded(cache):
 
 
 @needs_cc
+@pytest.mark.slow
 def test_library_without_the_kernel_is_rebuilt(cache):
     compile_c("int something_else(void) { return 0; }\n", built_library(cache))
     _assert_rebuilt(cache, ok(run_child(cache)))
@@ -128,7 +129,8 @@ def test_stub_library_that_does_nothing_is_never_run(cache):
 
 
 @needs_cc
-@pytest.mark.parametrize("mode", [0o777, 0o770], ids=["world-writable", "group-writable"])
+@pytest.mark.parametrize("mode", [0o777, pytest.param(0o770, marks=pytest.mark.slow)],
+                         ids=["world-writable", "group-writable"])
 def test_cache_others_can_write_is_refused(cache, mode):
     """Code others could plant is not loaded: one warning, the torch selection,
     the right output, and the planted library untouched."""
@@ -160,6 +162,7 @@ def test_concurrent_builds_agree(tmp_path):
 
 
 @needs_cc
+@pytest.mark.slow
 def test_cache_directory_is_private_when_created(tmp_path):
     cache = tmp_path / "new" / "cache"
     ok(run_child(cache))

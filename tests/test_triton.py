@@ -54,12 +54,13 @@ TINY = launch.Config(block_m=16, block_n=16, block_k=16, tma=False, nprog=2, sco
 # Configurations a test runs with: TINY, and what the launcher picks for a GPU
 # (sm_90 and sm_80 get the same tiles; the interpreter's own default, TMA
 # descriptors on small tiles, runs in the costlier tests only).
-CONFIGS = (TINY, 90)
+CONFIGS = (TINY, pytest.param(90, marks=pytest.mark.slow))
 CONFIG_IDS = ("tiny", "gpu")
 # (precision, configuration) pairs of the costlier tests: both precisions with
 # TINY, one each with the GPU configuration and the interpreter's default.
-PRECISION_CONFIGS = [pytest.param(p, c, id=f"p{p}-{i}") for p, c, i in (
-    (1, TINY, "tiny"), (2, TINY, "tiny"), (1, 90, "gpu"), (2, None, "default"))]
+PRECISION_CONFIGS = [pytest.param(p, c, id=f"p{p}-{i}", marks=[pytest.mark.slow] if slow else [])
+                     for p, c, i, slow in ((1, TINY, "tiny", False), (2, 90, "gpu", False),
+                                           (2, TINY, "tiny", True), (1, None, "default", True))]
 
 
 # --------------------------------------------------------------------------- #
@@ -246,8 +247,8 @@ def test_selection_edges_are_consistent():
 
 
 @interpreted
-@pytest.mark.parametrize("candidates,precision,config", [(8190, 1, 90), (8300, 2, 90)],
-                         ids=["8190-p1", "8300-p2"])
+@pytest.mark.parametrize("candidates,precision,config", [
+    (8190, 1, 90), pytest.param(8300, 2, 90, marks=pytest.mark.slow)], ids=["8190-p1", "8300-p2"])
 def test_long_rows_with_ties(candidates, precision, config):
     # Integer scores in [-4, 4]: hundreds of keys tie at the threshold. With
     # the GPU configurations 8190 candidates stay in registers (one bit per
@@ -352,6 +353,7 @@ TABLE_SUBSET = ("SI_WB_003", "SI_WB_004", "SI_WB_006", "SI_WB_007", "SI_WB_009",
 
 
 @interpreted
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [cases.get_case(c) for c in TABLE_SUBSET],
                          ids=lambda c: c.label)
 def test_case_table_subset(case):
@@ -477,5 +479,6 @@ def test_cuda_graph_capture_replays_identically():
 
 if __name__ == "__main__":  # the child run: results file, then the test ids
     recorder = _Recorder()
-    pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[2:]], plugins=[recorder])
+    pytest.main(["-q", "-p", "no:cacheprovider", "--run-slow", "--run-large", *sys.argv[2:]],
+                plugins=[recorder])
     Path(sys.argv[1]).write_text(json.dumps(recorder.results))
