@@ -21,8 +21,8 @@ from stem_indexer.ops import sparse_attention as sa
 
 pytestmark = pytest.mark.skipif(not sa.available(), reason=sa.status())
 
-ISAS = ["avx512", "avx2", "scalar"]
-BF16_MODES = ["gemm", "convert"] if sa.bf16_hardware() else ["convert"]
+ISAS = ["avx512bf16", "avx512", "avx2", "scalar"]
+BF16_MODES = ["amx", "widen"] if sa.amx_available() else ["widen"]
 
 
 def selection(gen, batch, hq, qmax, kmax, *, p=0.4, diagonal=True, empty=0.1):

@@ -3,35 +3,41 @@
  * One work item is one row (b, h, i): the block_size query tokens of query
  * block i of head h attend to the key blocks listed for the row, with the
  * token-level mask (keys j < kv_len; with causal, j <= t + kv_len - q_len).
- * The listed blocks (ascending) are consumed in steps of up to CHUNK_KEYS
- * keys; adjacent blocks form one piece, multiplied where it lies in K and V
- * (no gather):
+ * The listed blocks (ascending) are consumed in steps of up to STEP_KEYS
+ * keys; adjacent blocks form one piece, multiplied in one GEMM:
  *
- *   S = (scale * log2 e) Q K_piece^T     one GEMM per piece, into a score tile
- *   online softmax per query row          base 2, running max and sum in fp32
- *   O = O * correction + P V_piece        one GEMM per piece
+ *   S = Q K_piece^T                    one GEMM per piece, into a score tile
+ *   online softmax per query row       scale folded in, base 2, running max
+ *                                      and sum in float32
+ *   O = O * correction + P V_piece     one GEMM per piece
  *
- * Because the blocks are ascending and a query's last visible key is a single
- * bound, the keys a query sees in a step are a prefix of the step's columns:
- * each query row takes the exponential of that prefix and zeros the rest.
- * Keys at or past kv_len and query rows at or past q_len are cut from the GEMMs
- * (never read), so NaN or inf in padding cannot reach a valid output; a masked
- * probability is never multiplied with a padded value row.
+ * Because the blocks ascend and a query's last visible key is a single bound,
+ * the keys a query sees in a step are a prefix of the step's columns: each
+ * query row exponentiates that prefix and zeros the rest of its row of P.
+ * Keys at or past kv_len and query rows at or past q_len are never read into
+ * a product with a valid output (cut from the GEMMs, or packed as zeros), so
+ * NaN or inf in padding cannot reach a valid output.
  *
- * GEMMs are MKL's, exported by torch's libtorch_cpu.so and passed in by the
- * caller: Fortran sgemm_ (float32), cblas_gemm_bf16bf16f32 (bfloat16 operands,
- * float32 accumulation: P is rounded to bfloat16 as torch's flash kernel does).
- * On CPUs without bfloat16 hardware the caller asks for the `convert` mode
- * instead: each step's K and V pieces and each row's Q are widened to float32
- * in thread scratch and multiplied with sgemm_. Each thread runs MKL
- * single-threaded (MKL_Set_Num_Threads_Local), since the rows already share
- * the cores.
+ * Three ways to multiply, chosen by the caller (GEMMs come from torch's
+ * libtorch_cpu.so and are passed in as function pointers):
  *
- * Rows are handed out longest list first (dynamic schedule) so that the long
- * causal rows do not end up last on one thread. Built with -fopenmp where the
- * compiler has it (ops/native.py), serial otherwise.
+ *   MODE_SGEMM  float32: MKL sgemm_ on Q, K, V where they lie.
+ *   MODE_WIDEN  bfloat16 without AMX: each row's Q and each step's K/V pieces
+ *               widened to float32 in thread scratch, then sgemm_.
+ *   MODE_AMX    bfloat16 with AMX: per (batch, KV head), K^T and V are packed
+ *               once into VNNI layout (pairs of rows interleaved) in shared
+ *               buffers, keys past kv_len as zeros; rows then call torch's
+ *               at::native::cpublas::brgemm (oneDNN's AMX micro-kernel, the
+ *               one torch's own flash attention uses) on whole blocks, and P
+ *               is rounded to bfloat16 as torch's flash kernel does.
+ *
+ * MKL runs single-threaded inside each thread (MKL_Set_Num_Threads_Local),
+ * since the rows already share the cores. Rows are handed out longest list
+ * first (dynamic schedule). Built with -fopenmp where the compiler has it
+ * (ops/native.py), serial otherwise.
  */
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,38 +48,41 @@
 #include <immintrin.h>
 #define HAVE_X86 1
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,avx512bf16")))
 #define AVX2 __attribute__((target("avx2,fma")))
 #endif
 
-enum { F32 = 0, BF16 = 1 };                                /* dtype of q, k, v, out */
-enum { ISA_AUTO = -1, ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+enum { F32 = 0, BF16 = 1 };                   /* dtype of q, k, v, out */
+enum { MODE_SGEMM, MODE_WIDEN, MODE_AMX };
+enum { ISA_AUTO = -1, ISA_SCALAR, ISA_AVX2, ISA_AVX512, ISA_AVX512BF16 };
 enum { ERR_MEMORY = 1, ERR_ARGS = 2 };
-enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO_TRANS = 111, CBLAS_TRANS = 112 };
 
-#define CHUNK_KEYS 512 /* keys per online-softmax step (rounded to whole blocks) */
+#define STEP_KEYS 512 /* keys per online-softmax step (rounded to whole blocks) */
 #define ALIGN 64
 
+/* Fortran sgemm_; at::native::cpublas::brgemm (bfloat16, B in VNNI) and
+ * brgemm_release; MKL_Set_Num_Threads_Local. */
 typedef void (*sgemm_t)(const char *, const char *, const int *, const int *, const int *,
                         const float *, const float *, const int *, const float *, const int *,
                         const float *, float *, const int *);
-typedef void (*bgemm_t)(int, int, int, int, int, int, float, const uint16_t *, int,
-                        const uint16_t *, int, float, float *, int);
+typedef void (*brgemm_t)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool,
+                         const uint16_t *, const uint16_t *, float *, bool);
+typedef void (*release_t)(bool);
 typedef int (*threads_t)(int);
 
 /* --------------------------------------------------------------------------
  * Row operations of the online softmax, per instruction set.
  *
- * max(s, c):               largest of s[0..c).
- * exp_f32(s, c, n, m):     s[j] = 2^(s[j] - m) for j < c, 0 for c <= j < n
- *                          (n rounded up to 16 may be written); the sum.
+ * scale_max(s, c, a):     s[j] *= a for j < c; the largest of them.
+ * exp_f32(s, c, n, m):    s[j] = 2^(s[j] - m) for j < c, 0 for c <= j < n
+ *                         (up to n rounded to 16 may be written); the sum.
  * exp_bf16(s, c, n, m, p): the same into p as bfloat16 (nearest even); the
- *                          sum of the rounded values, so that the weights used
- *                          and the normaliser agree.
- * Exponents below -126 give 0 (a weight under 2^-126 of the row's largest).
+ *                         sum of the float32 values (as torch's flash kernel).
+ * Exponents at or below -126 give 0 (a weight under 2^-126 of the largest).
  * -------------------------------------------------------------------------- */
 
 struct rowops {
-    float (*max)(const float *s, int c);
+    float (*scale_max)(float *s, int c, float a);
     float (*exp_f32)(float *s, int c, int n, float m);
     float (*exp_bf16)(const float *s, int c, int n, float m, uint16_t *p);
 };
@@ -98,11 +107,13 @@ static inline float exp2_clip(float x)
     return x > -126.0f ? exp2f(x) : 0.0f;
 }
 
-static float max_scalar(const float *s, int c)
+static float scale_max_scalar(float *s, int c, float a)
 {
     float m = -INFINITY;
-    for (int j = 0; j < c; j++)
+    for (int j = 0; j < c; j++) {
+        s[j] *= a;
         m = s[j] > m ? s[j] : m;
+    }
     return m;
 }
 
@@ -120,8 +131,9 @@ static float exp_bf16_scalar(const float *s, int c, int n, float m, uint16_t *p)
 {
     float sum = 0.0f;
     for (int j = 0; j < n; j++) {
-        p[j] = j < c ? bf16_round(exp2_clip(s[j] - m)) : 0;
-        sum += bf16_float(p[j]);
+        float e = j < c ? exp2_clip(s[j] - m) : 0.0f;
+        p[j] = bf16_round(e);
+        sum += e;
     }
     return sum;
 }
@@ -144,20 +156,22 @@ AVX512 static inline __m512 exp2_512(__m512 x)
     return _mm512_maskz_scalef_ps(ok, p, n);
 }
 
+/* Lanes j .. j+15 that lie below c. */
 static inline __mmask16 head_mask(int j, int c)
 {
     int left = c - j;
     return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
 }
 
-AVX512 static float max_512(const float *s, int c)
+AVX512 static float scale_max_512(float *s, int c, float a)
 {
-    __m512 acc = _mm512_set1_ps(-INFINITY);
-    int j = 0;
-    for (; j + 16 <= c; j += 16)
-        acc = _mm512_max_ps(acc, _mm512_loadu_ps(s + j));
-    if (j < c)
-        acc = _mm512_mask_max_ps(acc, head_mask(j, c), acc, _mm512_loadu_ps(s + j));
+    __m512 acc = _mm512_set1_ps(-INFINITY), av = _mm512_set1_ps(a);
+    for (int j = 0; j < c; j += 16) {
+        __mmask16 k = head_mask(j, c);
+        __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), av);
+        _mm512_mask_storeu_ps(s + j, k, x);
+        acc = _mm512_mask_max_ps(acc, k, acc, x);
+    }
     return _mm512_reduce_max_ps(acc);
 }
 
@@ -165,10 +179,10 @@ AVX512 static float exp_f32_512(float *s, int c, int n, float m)
 {
     __m512 acc = _mm512_setzero_ps(), mv = _mm512_set1_ps(m);
     for (int j = 0; j < n; j += 16) {
-        __m512 p = _mm512_maskz_mov_ps(head_mask(j, c),
-                                       exp2_512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv)));
-        _mm512_storeu_ps(s + j, p);
-        acc = _mm512_add_ps(acc, p);
+        __m512 e = exp2_512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+        e = _mm512_maskz_mov_ps(head_mask(j, c), e);
+        _mm512_storeu_ps(s + j, e);
+        acc = _mm512_add_ps(acc, e);
     }
     return _mm512_reduce_add_ps(acc);
 }
@@ -178,14 +192,28 @@ AVX512 static float exp_bf16_512(const float *s, int c, int n, float m, uint16_t
     __m512 acc = _mm512_setzero_ps(), mv = _mm512_set1_ps(m);
     const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
     for (int j = 0; j < n; j += 16) {
-        __m512 e = _mm512_maskz_mov_ps(head_mask(j, c),
-                                       exp2_512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv)));
-        __m512i b = _mm512_castps_si512(e); /* round to nearest even (e >= 0, finite) */
+        __m512 e = exp2_512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+        e = _mm512_maskz_mov_ps(head_mask(j, c), e);
+        __m512i b = _mm512_castps_si512(e); /* nearest even; e >= 0 and finite */
         b = _mm512_add_epi32(b, _mm512_add_epi32(half, _mm512_and_si512(
                                                            _mm512_srli_epi32(b, 16), one)));
-        b = _mm512_srli_epi32(b, 16);
-        _mm256_storeu_si256((__m256i *)(p + j), _mm512_cvtepi32_epi16(b));
-        acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)));
+        _mm256_storeu_si256((__m256i *)(p + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
+        acc = _mm512_add_ps(acc, e);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* With AVX512-BF16: one instruction rounds 32 values (nearest even). */
+AVX512BF16 static float exp_bf16_512bf(const float *s, int c, int n, float m, uint16_t *p)
+{
+    __m512 acc = _mm512_setzero_ps(), mv = _mm512_set1_ps(m);
+    for (int j = 0; j < n; j += 32) {
+        __m512 e0 = exp2_512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+        __m512 e1 = exp2_512(_mm512_sub_ps(_mm512_loadu_ps(s + j + 16), mv));
+        e0 = _mm512_maskz_mov_ps(head_mask(j, c), e0);
+        e1 = _mm512_maskz_mov_ps(head_mask(j + 16, c), e1);
+        _mm512_storeu_si512((void *)(p + j), (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        acc = _mm512_add_ps(acc, _mm512_add_ps(e0, e1));
     }
     return _mm512_reduce_add_ps(acc);
 }
@@ -208,6 +236,7 @@ AVX2 static inline __m256 exp2_256(__m256 x)
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), ok);
 }
 
+/* All-ones lanes for j .. j+7 below c. */
 AVX2 static inline __m256 lanes_below(int j, int c)
 {
     __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -221,14 +250,16 @@ AVX2 static float hsum_256(__m256 v)
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-AVX2 static float max_256(const float *s, int c)
+AVX2 static float scale_max_256(float *s, int c, float a)
 {
-    __m256 acc = _mm256_set1_ps(-INFINITY);
+    __m256 acc = _mm256_set1_ps(-INFINITY), av = _mm256_set1_ps(a);
     int j = 0;
-    for (; j + 8 <= c; j += 8)
-        acc = _mm256_max_ps(acc, _mm256_loadu_ps(s + j));
-    float m = max_scalar(s + j, c - j);
-    float lanes[8];
+    for (; j + 8 <= c; j += 8) {
+        __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + j), av);
+        _mm256_storeu_ps(s + j, x);
+        acc = _mm256_max_ps(acc, x);
+    }
+    float m = scale_max_scalar(s + j, c - j, a), lanes[8];
     _mm256_storeu_ps(lanes, acc);
     for (int l = 0; l < 8; l++)
         m = lanes[l] > m ? lanes[l] : m;
@@ -239,10 +270,10 @@ AVX2 static float exp_f32_256(float *s, int c, int n, float m)
 {
     __m256 acc = _mm256_setzero_ps(), mv = _mm256_set1_ps(m);
     for (int j = 0; j < n; j += 8) {
-        __m256 p = _mm256_and_ps(exp2_256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)),
+        __m256 e = _mm256_and_ps(exp2_256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)),
                                  lanes_below(j, c));
-        _mm256_storeu_ps(s + j, p);
-        acc = _mm256_add_ps(acc, p);
+        _mm256_storeu_ps(s + j, e);
+        acc = _mm256_add_ps(acc, e);
     }
     return hsum_256(acc);
 }
@@ -261,14 +292,14 @@ AVX2 static float exp_bf16_256(const float *s, int c, int n, float m, uint16_t *
         __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b),
                                           _mm256_extracti128_si256(b, 1));
         _mm_storeu_si128((__m128i *)(p + j), packed);
-        acc = _mm256_add_ps(acc, _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)));
+        acc = _mm256_add_ps(acc, e);
     }
     return hsum_256(acc);
 }
 #endif
 
 /* The row operations for `isa` (ISA_AUTO: the best this CPU runs); -1 if
- * the requested set is not available here. */
+ * the requested set does not run here. */
 static int pick_rowops(int isa, struct rowops *ops)
 {
     int best = ISA_SCALAR;
@@ -280,17 +311,21 @@ static int pick_rowops(int isa, struct rowops *ops)
         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
         __builtin_cpu_supports("avx512vl"))
         best = ISA_AVX512;
+    if (best == ISA_AVX512 && __builtin_cpu_supports("avx512bf16"))
+        best = ISA_AVX512BF16;
 #endif
     if (isa == ISA_AUTO)
         isa = best;
     if (isa < ISA_SCALAR || isa > best)
         return -1;
-    *ops = (struct rowops){max_scalar, exp_f32_scalar, exp_bf16_scalar};
+    *ops = (struct rowops){scale_max_scalar, exp_f32_scalar, exp_bf16_scalar};
 #ifdef HAVE_X86
     if (isa == ISA_AVX2)
-        *ops = (struct rowops){max_256, exp_f32_256, exp_bf16_256};
+        *ops = (struct rowops){scale_max_256, exp_f32_256, exp_bf16_256};
     if (isa == ISA_AVX512)
-        *ops = (struct rowops){max_512, exp_f32_512, exp_bf16_512};
+        *ops = (struct rowops){scale_max_512, exp_f32_512, exp_bf16_512};
+    if (isa == ISA_AVX512BF16)
+        *ops = (struct rowops){scale_max_512, exp_f32_512, exp_bf16_512bf};
 #endif
     return 0;
 }
@@ -302,14 +337,16 @@ static int pick_rowops(int isa, struct rowops *ops)
 struct job {
     const void *q, *k, *v;
     void *out;
-    int64_t hq, hkv, sq, skv, dim, bs, qmax, width;
+    int64_t batch, hq, hkv, sq, skv, dim, bs, qmax, width;
     const int64_t *idx, *lengths, *q_lens, *kv_lens;
-    int causal, dtype, convert; /* convert: bfloat16 computed in float32 with sgemm_ */
-    float alpha;                /* scale * log2(e): scores in base-2 units */
-    int step_blocks, ld;        /* blocks per step; row stride of the score tiles */
+    int causal, dtype, mode;
+    float alpha;               /* scale * log2(e): scores in base-2 units */
+    int step_blocks, step_keys; /* per step; the K chunk of MODE_AMX */
+    int ld_s, ld_p;            /* row strides of the score and bf16 P tiles */
     sgemm_t sgemm;
-    bgemm_t bgemm;
+    brgemm_t brgemm;
     struct rowops ops;
+    uint16_t *kp, *vp; /* MODE_AMX: the current KV head packed (see pack_chunk) */
 };
 
 struct piece {
@@ -325,12 +362,17 @@ struct scratch {
 
 /* Where one row's computation stands. */
 struct row {
-    const void *q;          /* its first query token (float32 scratch when converting) */
+    const void *q;          /* its first query token (float32 scratch when widening) */
     const char *k, *v;      /* its KV head's first key */
     int nq;                 /* valid query tokens */
     int64_t lim0;           /* with causal: keys < lim0 + t are visible to query t */
     int np, ncols, nblocks; /* the current step */
 };
+
+static size_t esize(const struct job *jb)
+{
+    return jb->dtype == F32 ? 4 : 2;
+}
 
 static void *alloc(size_t bytes)
 {
@@ -345,53 +387,82 @@ static void scratch_free(struct scratch *sc)
 
 static int scratch_init(const struct job *jb, struct scratch *sc)
 {
-    size_t bs = (size_t)jb->bs, d = (size_t)jb->dim, ld = (size_t)jb->ld;
-    int bf16 = jb->dtype == BF16 && !jb->convert, conv = jb->convert;
+    size_t bs = (size_t)jb->bs, d = (size_t)jb->dim, keys = (size_t)jb->ld_s;
+    int amx = jb->mode == MODE_AMX, widen = jb->mode == MODE_WIDEN;
     memset(sc, 0, sizeof *sc);
-    sc->s = alloc(bs * ld * sizeof(float));
+    sc->s = alloc(bs * (size_t)jb->ld_s * sizeof(float));
     sc->o = alloc(bs * d * sizeof(float));
     sc->m = alloc(bs * sizeof(float));
     sc->l = alloc(bs * sizeof(float));
     sc->pieces = alloc((size_t)jb->step_blocks * sizeof(struct piece));
-    sc->p = bf16 ? alloc(bs * ld * sizeof(uint16_t)) : NULL;
-    sc->q32 = conv ? alloc(bs * d * sizeof(float)) : NULL;
-    sc->k32 = conv ? alloc(ld * d * sizeof(float)) : NULL;
-    sc->v32 = conv ? alloc(ld * d * sizeof(float)) : NULL;
-    int ok = sc->s && sc->o && sc->m && sc->l && sc->pieces && (!bf16 || sc->p) &&
-             (!conv || (sc->q32 && sc->k32 && sc->v32));
+    sc->p = amx ? alloc(bs * (size_t)jb->ld_p * sizeof(uint16_t)) : NULL;
+    sc->q32 = widen ? alloc(bs * d * sizeof(float)) : NULL;
+    sc->k32 = widen ? alloc(keys * d * sizeof(float)) : NULL;
+    sc->v32 = widen ? alloc(keys * d * sizeof(float)) : NULL;
+    int ok = sc->s && sc->o && sc->m && sc->l && sc->pieces && (!amx || sc->p) &&
+             (!widen || (sc->q32 && sc->k32 && sc->v32));
     if (!ok)
         scratch_free(sc);
     return ok;
 }
 
 /* --------------------------------------------------------------------------
- * GEMMs, row-major: sgemm_ is column-major, so each product is asked for
- * transposed (C^T = B^T A^T).
+ * MODE_AMX packing, one chunk of step_keys keys of one KV head at a time:
+ *   kp[c][d / 2][j][d % 2] = K[c * step_keys + j][d]   (K^T, pairs of d)
+ *   vp[key / 2][d][key % 2] = V[key][d]                (pairs of keys)
+ * the VNNI layout brgemm reads for B; keys at or past kv_len are zeros.
  * -------------------------------------------------------------------------- */
 
-/* s[nq, n] (row stride jb->ld) = alpha * q[nq, D] k[n, D]^T */
-static void gemm_qk(const struct job *jb, int nq, int n, const void *q, const void *k, float *s)
+static void pack_chunk(const struct job *jb, int64_t slice, int64_t c)
 {
-    int d = (int)jb->dim, ld = jb->ld;
-    if (jb->dtype == BF16 && !jb->convert) {
-        jb->bgemm(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS, nq, n, d, jb->alpha, q, d, k,
-                  d, 0.0f, s, ld);
-    } else {
-        const float zero = 0.0f;
-        jb->sgemm("T", "N", &n, &nq, &d, &jb->alpha, k, &d, q, &d, &zero, s, &ld);
+    int64_t d = jb->dim, kc = jb->step_keys, b = slice / jb->hkv;
+    int64_t valid = jb->kv_lens[b] - c * kc; /* keys of the chunk below kv_len */
+    const uint16_t *k = (const uint16_t *)jb->k + (slice * jb->skv + c * kc) * d;
+    const uint16_t *v = (const uint16_t *)jb->v + (slice * jb->skv + c * kc) * d;
+    uint16_t *kp = jb->kp + c * kc * d, *vp = jb->vp + c * kc * d;
+    for (int64_t j = 0; j < kc; j++) {
+        const uint16_t *kr = k + j * d, *vr = v + j * d;
+        uint16_t *vo = vp + (j / 2) * 2 * d + (j % 2);
+        int live = j < valid;
+        for (int64_t e = 0; e < d; e++) {
+            kp[(e / 2) * 2 * kc + 2 * j + (e % 2)] = live ? kr[e] : 0;
+            vo[2 * e] = live ? vr[e] : 0;
+        }
     }
 }
 
-/* o[nq, D] += p[nq, n] (row stride jb->ld) v[n, D] */
-static void gemm_pv(const struct job *jb, int nq, int n, const void *p, const void *v, float *o)
+/* --------------------------------------------------------------------------
+ * GEMMs, row-major. sgemm_ is column-major, so each product is asked for
+ * transposed (C^T = B^T A^T).
+ * -------------------------------------------------------------------------- */
+
+/* s[nq, n] (row stride ld_s) = q[nq, D] k[n, D]^T, float32 */
+static void sgemm_qk(const struct job *jb, int nq, int n, const float *q, const float *k, float *s)
 {
-    int d = (int)jb->dim, ld = jb->ld;
-    if (jb->dtype == BF16 && !jb->convert) {
-        jb->bgemm(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_NO_TRANS, nq, d, n, 1.0f, p, ld, v, d,
-                  1.0f, o, d);
-    } else {
-        const float one = 1.0f;
-        jb->sgemm("N", "N", &d, &nq, &n, &one, v, &d, p, &ld, &one, o, &d);
+    int d = (int)jb->dim, ld = jb->ld_s;
+    const float one = 1.0f, zero = 0.0f;
+    jb->sgemm("T", "N", &n, &nq, &d, &one, k, &d, q, &d, &zero, s, &ld);
+}
+
+/* o[nq, D] += p[nq, n] (row stride ld_s) v[n, D], float32 */
+static void sgemm_pv(const struct job *jb, int nq, int n, const float *p, const float *v, float *o)
+{
+    int d = (int)jb->dim, ld = jb->ld_s;
+    const float one = 1.0f;
+    jb->sgemm("N", "N", &d, &nq, &n, &one, v, &d, p, &ld, &one, o, &d);
+}
+
+/* S for keys [key, key + n) of the packed KV head, n whole blocks, split
+ * where the keys cross a chunk of kp. */
+static void amx_qk(const struct job *jb, const struct row *rw, int64_t key, int n, float *s)
+{
+    int64_t d = jb->dim, kc = jb->step_keys;
+    while (n > 0) {
+        int64_t c = key / kc, at = key - c * kc;
+        int part = (int)(kc - at < n ? kc - at : n);
+        jb->brgemm(rw->nq, part, d, d, kc, jb->ld_s, false, rw->q, jb->kp + c * kc * d + 2 * at,
+                   s, true);
+        key += part, s += part, n -= part;
     }
 }
 
@@ -422,25 +493,25 @@ static int visible(const struct scratch *sc, const struct row *rw, int t)
 
 /* Online softmax over the step's scores: running max m and sum l per query,
  * output rows rescaled when the max grows; probabilities left in the score
- * tile (float32) or in sc->p (bfloat16). */
-static void softmax_step(const struct job *jb, struct scratch *sc, const struct row *rw)
+ * tile (float32) or in sc->p (bfloat16), zero from column c up to n. */
+static void softmax_step(const struct job *jb, struct scratch *sc, const struct row *rw, int n)
 {
-    int ld = jb->ld, d = (int)jb->dim, n = rw->ncols, bf16 = sc->p != NULL;
+    int d = (int)jb->dim, bf16 = sc->p != NULL;
     const struct piece *last = &sc->pieces[rw->np - 1];
     int all = !jb->causal || last->key + last->n <= rw->lim0; /* every query sees all */
     for (int t = 0; t < rw->nq; t++) {
-        float *s = sc->s + (size_t)t * ld;
-        int c = all ? n : visible(sc, rw, t);
-        float mx = c ? jb->ops.max(s, c) : -INFINITY;
+        float *s = sc->s + (size_t)t * jb->ld_s;
+        int c = all ? rw->ncols : visible(sc, rw, t);
+        float mx = c ? jb->ops.scale_max(s, c, jb->alpha) : -INFINITY;
         float m_new = mx > sc->m[t] ? mx : sc->m[t];
         if (m_new == -INFINITY) { /* nothing visible yet: zero weights */
             if (bf16)
-                memset(sc->p + (size_t)t * ld, 0, (size_t)n * sizeof(uint16_t));
+                memset(sc->p + (size_t)t * jb->ld_p, 0, (size_t)n * sizeof(uint16_t));
             else
                 memset(s, 0, (size_t)n * sizeof(float));
             continue;
         }
-        float sum = bf16 ? jb->ops.exp_bf16(s, c, n, m_new, sc->p + (size_t)t * ld)
+        float sum = bf16 ? jb->ops.exp_bf16(s, c, n, m_new, sc->p + (size_t)t * jb->ld_p)
                          : jb->ops.exp_f32(s, c, n, m_new);
         float corr = exp2f(sc->m[t] - m_new); /* 0 when m was -inf */
         if (corr != 1.0f) {
@@ -453,34 +524,61 @@ static void softmax_step(const struct job *jb, struct scratch *sc, const struct 
     }
 }
 
-/* One step: scores, softmax, values, for the pieces gathered in sc. */
-static void step(const struct job *jb, struct scratch *sc, struct row *rw)
+/* MODE_AMX: whole blocks (the row's last piece may end inside one; the rest
+ * of that block is computed on packed keys and weighted 0). */
+static void step_amx(const struct job *jb, struct scratch *sc, const struct row *rw)
+{
+    int bs = (int)jb->bs, d = (int)jb->dim;
+    int n = (rw->ncols + bs - 1) / bs * bs;
+    for (int p = 0; p < rw->np; p++) {
+        const struct piece *pc = &sc->pieces[p];
+        amx_qk(jb, rw, pc->key, (pc->n + bs - 1) / bs * bs, sc->s + pc->col);
+    }
+    softmax_step(jb, sc, rw, n);
+    for (int p = 0; p < rw->np; p++) {
+        const struct piece *pc = &sc->pieces[p];
+        jb->brgemm(rw->nq, d, (pc->n + bs - 1) / bs * bs, jb->ld_p, d, d, true,
+                   sc->p + pc->col, jb->vp + pc->key * d, sc->o, true);
+    }
+}
+
+/* MODE_WIDEN: the pieces widened into one contiguous float32 run. */
+static void step_widen(const struct job *jb, struct scratch *sc, const struct row *rw)
 {
     int64_t d = jb->dim;
-    size_t esz = jb->dtype == F32 ? 4 : 2;
-    if (jb->convert) { /* widen the pieces into one contiguous float32 run */
-        for (int p = 0; p < rw->np; p++) {
-            const struct piece *pc = &sc->pieces[p];
-            widen(sc->k32 + pc->col * d, (const uint16_t *)(rw->k + pc->key * d * esz), pc->n * d);
-            widen(sc->v32 + pc->col * d, (const uint16_t *)(rw->v + pc->key * d * esz), pc->n * d);
-        }
-        gemm_qk(jb, rw->nq, rw->ncols, rw->q, sc->k32, sc->s);
-    } else {
-        for (int p = 0; p < rw->np; p++) {
-            const struct piece *pc = &sc->pieces[p];
-            gemm_qk(jb, rw->nq, pc->n, rw->q, rw->k + pc->key * d * esz, sc->s + pc->col);
-        }
+    for (int p = 0; p < rw->np; p++) {
+        const struct piece *pc = &sc->pieces[p];
+        widen(sc->k32 + pc->col * d, (const uint16_t *)rw->k + pc->key * d, pc->n * d);
+        widen(sc->v32 + pc->col * d, (const uint16_t *)rw->v + pc->key * d, pc->n * d);
     }
-    softmax_step(jb, sc, rw);
-    if (jb->convert) {
-        gemm_pv(jb, rw->nq, rw->ncols, sc->s, sc->v32, sc->o);
-    } else {
-        for (int p = 0; p < rw->np; p++) {
-            const struct piece *pc = &sc->pieces[p];
-            const void *pm = sc->p ? (const void *)(sc->p + pc->col) : sc->s + pc->col;
-            gemm_pv(jb, rw->nq, pc->n, pm, rw->v + pc->key * d * esz, sc->o);
-        }
+    sgemm_qk(jb, rw->nq, rw->ncols, rw->q, sc->k32, sc->s);
+    softmax_step(jb, sc, rw, rw->ncols);
+    sgemm_pv(jb, rw->nq, rw->ncols, sc->s, sc->v32, sc->o);
+}
+
+/* MODE_SGEMM: K and V read where they lie. */
+static void step_sgemm(const struct job *jb, struct scratch *sc, const struct row *rw)
+{
+    int64_t d = jb->dim;
+    for (int p = 0; p < rw->np; p++) {
+        const struct piece *pc = &sc->pieces[p];
+        sgemm_qk(jb, rw->nq, pc->n, rw->q, (const float *)rw->k + pc->key * d, sc->s + pc->col);
     }
+    softmax_step(jb, sc, rw, rw->ncols);
+    for (int p = 0; p < rw->np; p++) {
+        const struct piece *pc = &sc->pieces[p];
+        sgemm_pv(jb, rw->nq, pc->n, sc->s + pc->col, (const float *)rw->v + pc->key * d, sc->o);
+    }
+}
+
+static void step(const struct job *jb, struct scratch *sc, struct row *rw)
+{
+    if (jb->mode == MODE_AMX)
+        step_amx(jb, sc, rw);
+    else if (jb->mode == MODE_WIDEN)
+        step_widen(jb, sc, rw);
+    else
+        step_sgemm(jb, sc, rw);
     rw->np = rw->ncols = rw->nblocks = 0;
 }
 
@@ -514,44 +612,51 @@ static void write_out(const struct job *jb, const struct scratch *sc, void *out,
                 dst[j] = bf16_round(o[j] * inv);
         }
     }
-    size_t esz = jb->dtype == F32 ? 4 : 2;
-    memset((char *)out + (size_t)nq * d * esz, 0, (size_t)(rows - nq) * d * esz);
+    memset((char *)out + (size_t)nq * d * esize(jb), 0, (size_t)(rows - nq) * d * esize(jb));
+}
+
+/* Start row (b, h, i): its pointers and running state; 0 if it sees nothing. */
+static int row_init(const struct job *jb, struct scratch *sc, int64_t row, struct row *rw,
+                    int64_t *hi)
+{
+    int64_t i = row % jb->qmax, bh = row / jb->qmax, b = bh / jb->hq, h = bh % jb->hq;
+    int64_t d = jb->dim, r0 = i * jb->bs, qlen = jb->q_lens[b], kvlen = jb->kv_lens[b];
+    int64_t rows = jb->sq - r0 < jb->bs ? jb->sq - r0 : jb->bs;
+    int64_t nq = qlen - r0 < 0 ? 0 : qlen - r0 < rows ? qlen - r0 : rows;
+    *rw = (struct row){.nq = (int)nq, .lim0 = r0 + kvlen - qlen + 1};
+    *hi = kvlen; /* no key at or past hi is visible to any of the row's queries */
+    if (jb->causal && rw->lim0 + nq - 1 < *hi)
+        *hi = rw->lim0 + nq - 1;
+    if (nq == 0 || *hi <= 0 || jb->lengths[row] == 0)
+        return 0;
+    const char *q = (const char *)jb->q + (size_t)(bh * jb->sq + r0) * d * esize(jb);
+    rw->q = q;
+    if (jb->mode == MODE_WIDEN) {
+        widen(sc->q32, (const uint16_t *)q, nq * d);
+        rw->q = sc->q32;
+    }
+    int64_t kv_off = (b * jb->hkv + h / (jb->hq / jb->hkv)) * jb->skv * d * (int64_t)esize(jb);
+    rw->k = (const char *)jb->k + kv_off;
+    rw->v = (const char *)jb->v + kv_off;
+    for (int t = 0; t < nq; t++)
+        sc->m[t] = -INFINITY, sc->l[t] = 0.0f;
+    memset(sc->o, 0, (size_t)nq * d * sizeof(float));
+    return 1;
 }
 
 static void attend_row(const struct job *jb, struct scratch *sc, int64_t row)
 {
-    int64_t i = row % jb->qmax, bh = row / jb->qmax, b = bh / jb->hq, h = bh % jb->hq;
-    int64_t d = jb->dim, bs = jb->bs, r0 = i * bs, qlen = jb->q_lens[b];
-    int64_t kvlen = jb->kv_lens[b];
-    size_t esz = jb->dtype == F32 ? 4 : 2;
-    int rows = (int)(jb->sq - r0 < bs ? jb->sq - r0 : bs);
-    int64_t nq64 = qlen - r0 < 0 ? 0 : qlen - r0;
-    struct row rw = {.nq = (int)(nq64 < rows ? nq64 : rows), .lim0 = r0 + kvlen - qlen + 1};
-    char *out = (char *)jb->out + (size_t)(bh * jb->sq + r0) * d * esz;
-    int64_t hi = kvlen; /* no key at or past hi is visible to any of the row's queries */
-    if (jb->causal && rw.lim0 + rw.nq - 1 < hi)
-        hi = rw.lim0 + rw.nq - 1;
-    int64_t len = jb->lengths[row];
-    if (rw.nq == 0 || hi <= 0 || len == 0) {
-        memset(out, 0, (size_t)rows * d * esz);
+    int64_t i = row % jb->qmax, bh = row / jb->qmax, r0 = i * jb->bs, hi;
+    int rows = (int)(jb->sq - r0 < jb->bs ? jb->sq - r0 : jb->bs);
+    void *out = (char *)jb->out + (size_t)(bh * jb->sq + r0) * jb->dim * esize(jb);
+    struct row rw;
+    if (!row_init(jb, sc, row, &rw, &hi)) {
+        memset(out, 0, (size_t)rows * jb->dim * esize(jb));
         return;
     }
-    const char *q = (const char *)jb->q + (size_t)(bh * jb->sq + r0) * d * esz;
-    rw.q = q;
-    if (jb->convert) {
-        widen(sc->q32, (const uint16_t *)q, rw.nq * d);
-        rw.q = sc->q32;
-    }
-    int64_t kv_off = (b * jb->hkv + h / (jb->hq / jb->hkv)) * jb->skv * d * (int64_t)esz;
-    rw.k = (const char *)jb->k + kv_off;
-    rw.v = (const char *)jb->v + kv_off;
-    for (int t = 0; t < rw.nq; t++)
-        sc->m[t] = -INFINITY, sc->l[t] = 0.0f;
-    memset(sc->o, 0, (size_t)rw.nq * d * sizeof(float));
-
     const int64_t *list = jb->idx + row * jb->width;
-    for (int64_t s = 0; s < len; s++) {
-        int64_t a = list[s] * bs, e = a + bs < hi ? a + bs : hi;
+    for (int64_t s = 0; s < jb->lengths[row]; s++) {
+        int64_t a = list[s] * jb->bs, e = a + jb->bs < hi ? a + jb->bs : hi;
         if (e <= a)
             break; /* ascending: no later block is visible either */
         add_keys(sc, &rw, a, e);
@@ -564,82 +669,123 @@ static void attend_row(const struct job *jb, struct scratch *sc, int64_t row)
 }
 
 /* --------------------------------------------------------------------------
- * Entry point.
+ * Scheduling. MODE_AMX goes one (batch, KV head) at a time: its K/V packed by
+ * all threads, then its rows; the other modes share all rows at once.
  * -------------------------------------------------------------------------- */
 
-/* Rows ordered by list length, longest first (counting sort); NULL on no memory. */
-static int64_t *order_rows(const struct job *jb, int64_t nrows)
+/* Rows [r0, r1) ordered by list length, longest first (counting sort). */
+static void order_rows(const struct job *jb, int64_t r0, int64_t r1, int64_t *order,
+                       int64_t *count)
 {
-    int64_t *order = malloc((size_t)(nrows ? nrows : 1) * sizeof(int64_t));
-    int64_t *start = calloc((size_t)jb->width + 2, sizeof(int64_t));
-    if (!order || !start) {
-        free(order), free(start);
-        return NULL;
-    }
-    for (int64_t r = 0; r < nrows; r++)
-        start[jb->width - jb->lengths[r] + 1]++;
-    for (int64_t w = 1; w <= jb->width + 1; w++)
-        start[w] += start[w - 1];
-    for (int64_t r = 0; r < nrows; r++)
-        order[start[jb->width - jb->lengths[r]]++] = r;
-    free(start);
-    return order;
+    int64_t w = jb->width;
+    memset(count, 0, (size_t)(w + 2) * sizeof(int64_t));
+    for (int64_t r = r0; r < r1; r++)
+        count[w - jb->lengths[r] + 1]++;
+    for (int64_t x = 1; x <= w + 1; x++)
+        count[x] += count[x - 1];
+    for (int64_t r = r0; r < r1; r++)
+        order[count[w - jb->lengths[r]]++] = r;
 }
 
-static int run_rows(const struct job *jb, const int64_t *order, int64_t nrows, threads_t threads,
-                    int nthreads)
+/* Every thread runs this: the slices in turn, with their packing if any.
+ * A thread without scratch still meets every barrier; returns whether it had. */
+static int run_slices(const struct job *jb, const int64_t *order, int64_t nslices,
+                      int64_t per_slice)
 {
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads)
-    {
-        struct scratch sc;
-        int ok = scratch_init(jb, &sc);
-        int prev = threads ? threads(1) : 0; /* MKL serial inside this thread */
+    struct scratch sc;
+    int ok = scratch_init(jb, &sc);
+    int64_t padded = (jb->skv + jb->bs - 1) / jb->bs * jb->bs;
+    int64_t nchunks = (padded + jb->step_keys - 1) / jb->step_keys;
+    for (int64_t sl = 0; sl < nslices; sl++) {
+        if (jb->mode == MODE_AMX) {
+#pragma omp for schedule(static)
+            for (int64_t c = 0; c < nchunks; c++)
+                pack_chunk(jb, sl, c);
+        }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t r = 0; r < nrows; r++)
+        for (int64_t r = sl * per_slice; r < (sl + 1) * per_slice; r++)
             if (ok)
                 attend_row(jb, &sc, order[r]);
+    }
+    if (ok)
+        scratch_free(&sc);
+    return ok;
+}
+
+static int run(const struct job *jb, threads_t threads, release_t release, int nthreads)
+{
+    int64_t nrows = jb->batch * jb->hq * jb->qmax;
+    int64_t nslices = jb->mode == MODE_AMX ? jb->batch * jb->hkv : 1;
+    int64_t per_slice = nslices ? nrows / nslices : 0;
+    int64_t *order = malloc((size_t)(nrows ? nrows : 1) * sizeof(int64_t));
+    int64_t *count = malloc((size_t)(jb->width + 2) * sizeof(int64_t));
+    int failed = !order || !count;
+    for (int64_t sl = 0; !failed && sl < nslices; sl++)
+        order_rows(jb, sl * per_slice, (sl + 1) * per_slice, order + sl * per_slice, count);
+    free(count);
+    if (failed) {
+        free(order);
+        return ERR_MEMORY;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        int prev = threads ? threads(1) : 0; /* MKL serial inside this thread */
+        int ok = run_slices(jb, order, nslices, per_slice);
+        if (jb->mode == MODE_AMX)
+            release(true); /* the AMX tile state brgemm configured */
         if (threads)
             threads(prev);
-        if (ok) {
-            scratch_free(&sc);
-        } else {
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
     }
+    free(order);
     return failed ? ERR_MEMORY : 0;
 }
 
 /* q [B, Hq, Sq, D], k and v [B, Hkv, Skv, D], out [B, Hq, Sq, D]: contiguous,
  * one dtype (F32 or BF16). idx [B, Hq, Qmax, width] int64, each row's first
  * lengths[b, h, i] entries ascending, in [0, ceil(Skv / bs)), no duplicates;
- * q_lens, kv_lens [B]. blas: {sgemm_, cblas_gemm_bf16bf16f32 (may be NULL
- * when not used), MKL_Set_Num_Threads_Local (may be NULL)}. convert: compute
- * BF16 in float32 with sgemm_. isa: ISA_AUTO, or a set to force (tests).
+ * q_lens, kv_lens [B]. mode: MODE_SGEMM for F32, MODE_WIDEN or MODE_AMX for
+ * BF16 (MODE_AMX needs an AMX CPU, even D and bs). blas: {sgemm_, brgemm,
+ * brgemm_release, MKL_Set_Num_Threads_Local}, the last may be NULL and the
+ * brgemm pair when not MODE_AMX. isa: ISA_AUTO, or a set to force (tests).
  * Returns 0, ERR_MEMORY, or ERR_ARGS (bad sizes, missing GEMM, isa not here). */
 int stem_sparse_attention(const void *q, const void *k, const void *v, void *out, int64_t batch,
                           int64_t hq, int64_t hkv, int64_t sq, int64_t skv, int64_t dim,
                           int64_t bs, const int64_t *idx, int64_t width, const int64_t *lengths,
                           const int64_t *q_lens, const int64_t *kv_lens, int causal, double scale,
-                          int dtype, int convert, void *const *blas, int isa, int nthreads)
+                          int dtype, int mode, void *const *blas, int isa, int nthreads)
 {
-    struct job jb = {q, k, v, out, hq, hkv, sq, skv, dim, bs, (sq + bs - 1) / bs, width,
-                     idx, lengths, q_lens, kv_lens, causal, dtype, convert && dtype == BF16,
-                     (float)(scale * 1.4426950408889634)};
-    jb.sgemm = (sgemm_t)blas[0];
-    jb.bgemm = (bgemm_t)blas[1];
-    if (batch < 0 || hq < 1 || hkv < 1 || hq % hkv || sq < 0 || skv < 0 || dim < 1 || bs < 1 ||
-        dim > INT32_MAX / 4 || bs > CHUNK_KEYS * 64 || (dtype != F32 && dtype != BF16) ||
-        !jb.sgemm || (dtype == BF16 && !jb.convert && !jb.bgemm) || pick_rowops(isa, &jb.ops))
+    struct job jb = {.q = q, .k = k, .v = v, .out = out, .batch = batch, .hq = hq, .hkv = hkv,
+                     .sq = sq, .skv = skv, .dim = dim, .bs = bs, .width = width, .idx = idx,
+                     .lengths = lengths, .q_lens = q_lens, .kv_lens = kv_lens,
+                     .causal = causal, .dtype = dtype, .mode = mode,
+                     .alpha = (float)(scale * 1.4426950408889634),
+                     .sgemm = (sgemm_t)blas[0], .brgemm = (brgemm_t)blas[1]};
+    int amx = mode == MODE_AMX;
+    if (batch < 0 || hq < 1 || hkv < 1 || hq % hkv || sq < 0 || skv < 0 || dim < 1 ||
+        bs < 1 || width < 0 || dim > 65536 || bs > 65536 ||
+        (dtype == F32) != (mode == MODE_SGEMM) || (dtype != F32 && dtype != BF16) ||
+        (mode != MODE_SGEMM && mode != MODE_WIDEN && !amx) ||
+        (amx ? !jb.brgemm || !blas[2] || dim % 2 || bs % 2 : !jb.sgemm) ||
+        pick_rowops(isa, &jb.ops))
         return ERR_ARGS;
-    jb.step_blocks = bs >= CHUNK_KEYS ? 1 : (int)(CHUNK_KEYS / bs);
-    jb.ld = (int)((jb.step_blocks * bs + 15) / 16 * 16);
-    int64_t nrows = batch * hq * jb.qmax;
-    int64_t *order = order_rows(&jb, nrows);
-    if (!order)
-        return ERR_MEMORY;
-    int err = run_rows(&jb, order, nrows, (threads_t)blas[2], nthreads < 1 ? 1 : nthreads);
-    free(order);
+    jb.qmax = (sq + bs - 1) / bs;
+    jb.step_blocks = bs >= STEP_KEYS ? 1 : (int)(STEP_KEYS / bs);
+    jb.step_keys = jb.step_blocks * (int)bs;
+    /* Strides off powers of two (cache sets), rows on 64-byte lines (AMX loads). */
+    jb.ld_s = (jb.step_keys + 15) / 16 * 16 + 16;
+    jb.ld_p = (jb.step_keys + 31) / 32 * 32 + 32;
+    if (amx) {
+        int64_t keys = ((skv + bs - 1) / bs * bs + jb.step_keys - 1) / jb.step_keys * jb.step_keys;
+        jb.kp = alloc((size_t)keys * dim * sizeof(uint16_t));
+        jb.vp = alloc((size_t)keys * dim * sizeof(uint16_t));
+    }
+    int err = amx && (!jb.kp || !jb.vp)
+                  ? ERR_MEMORY
+                  : run(&jb, (threads_t)blas[3], (release_t)blas[2], nthreads < 1 ? 1 : nthreads);
+    free(jb.kp), free(jb.vp);
     return err;
 }
