@@ -182,10 +182,24 @@ def test_empty_rows_and_empty_lists():
     assert torch.equal(check(case), torch.zeros_like(case["q"]))
 
 
-def test_long_lists_span_steps():
-    """Lists longer than one online-softmax step (512 keys), in many pieces."""
-    check(make_case(14, hq=2, hkv=1, sq=1200, bs=16, p=0.6, dim=32))
-    check(make_case(15, hq=2, hkv=1, sq=1200, bs=128, p=0.9, dim=32, dtype=torch.bfloat16))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_lists_span_steps(dtype):
+    """Lists longer than one online-softmax step (512 keys), in many pieces
+    (with AMX, also pieces across the packed 512-key chunks of K)."""
+    check(make_case(14, hq=2, hkv=1, sq=1200, bs=16, p=0.6, dim=32, dtype=dtype))
+    check(make_case(15, hq=2, hkv=1, sq=1200, bs=128, p=0.9, dim=32, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_larger_than_a_step(dtype):
+    check(make_case(20, hq=2, hkv=1, sq=1500, bs=640, dim=16, dtype=dtype, p=0.7))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_tails_and_negative_scale(dtype):
+    case = make_case(21, batch=2, sq=2 * 32 + 1, bs=32, dtype=dtype, q_lens=[65, 33])
+    check(case)
+    check({**case, "scale": -0.3})
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -222,3 +236,7 @@ def test_rejects_what_it_cannot_run():
         sa.sparse_attention(**case, bf16="fast")
     with pytest.raises(ValueError):
         sa.sparse_attention(**{**case, "lengths": case["lengths"][..., :1]})
+    odd = make_case(22, sq=64, bs=32, dim=33, dtype=torch.bfloat16)
+    with pytest.raises(ValueError):
+        sa.sparse_attention(**odd, bf16="amx")
+    check(odd)  # "auto" widens

@@ -31,8 +31,10 @@
  *               one torch's own flash attention uses) on whole blocks, and P
  *               is rounded to bfloat16 as torch's flash kernel does.
  *
- * MKL runs single-threaded inside each thread (MKL_Set_Num_Threads_Local),
- * since the rows already share the cores. Rows are handed out longest list
+ * The rows already share the cores, so MKL must run serially in each thread:
+ * inside an active libgomp region it does by itself (MKL_Get_Max_Threads()
+ * is 1 there), and MKL_Set_Num_Threads_Local(1) makes that explicit for
+ * nested-parallel settings. Rows are handed out longest list
  * first (dynamic schedule). Built with -fopenmp where the compiler has it
  * (ops/native.py), serial otherwise.
  */
