@@ -73,20 +73,24 @@ typedef void (*release_t)(bool);
 typedef int (*threads_t)(int);
 
 /* --------------------------------------------------------------------------
- * Row operations of the online softmax, per instruction set.
+ * Row operations of the online softmax, per instruction set. The scores s are
+ * raw products q.k; a is the scale in base-2 units.
  *
- * scale_max(s, c, a):     s[j] *= a for j < c; the largest of them.
- * exp_f32(s, c, n, m):    s[j] = 2^(s[j] - m) for j < c, 0 for c <= j < n
- *                         (up to n rounded to 16 may be written); the sum.
- * exp_bf16(s, c, n, m, p): the same into p as bfloat16 (nearest even); the
- *                         sum of the float32 values (as torch's flash kernel).
+ * max(s, c, a):              the largest of s[j] * a over j < c.
+ * exp_f32(s, c, n, a, m):    s[j] = 2^(s[j] * a - m) for j < c, 0 for c <= j < n
+ *                            (up to n rounded to 16 may be written); the sum.
+ * exp_bf16(s, c, n, a, m, p): the same into p as bfloat16 (nearest even), up
+ *                            to n rounded to 32; the sum of the float32 values
+ *                            (as torch's flash kernel). The exponential is a
+ *                            degree-4 polynomial there (relative error 3e-6,
+ *                            a thousandth of bfloat16's rounding step).
  * Exponents at or below -126 give 0 (a weight under 2^-126 of the largest).
  * -------------------------------------------------------------------------- */
 
 struct rowops {
-    float (*scale_max)(float *s, int c, float a);
-    float (*exp_f32)(float *s, int c, int n, float m);
-    float (*exp_bf16)(const float *s, int c, int n, float m, uint16_t *p);
+    float (*max)(const float *s, int c, float a);
+    float (*exp_f32)(float *s, int c, int n, float a, float m);
+    float (*exp_bf16)(const float *s, int c, int n, float a, float m, uint16_t *p);
 };
 
 static inline uint16_t bf16_round(float x)
@@ -109,31 +113,29 @@ static inline float exp2_clip(float x)
     return x > -126.0f ? exp2f(x) : 0.0f;
 }
 
-static float scale_max_scalar(float *s, int c, float a)
+static float max_scalar(const float *s, int c, float a)
 {
     float m = -INFINITY;
-    for (int j = 0; j < c; j++) {
-        s[j] *= a;
-        m = s[j] > m ? s[j] : m;
-    }
+    for (int j = 0; j < c; j++)
+        m = s[j] * a > m ? s[j] * a : m;
     return m;
 }
 
-static float exp_f32_scalar(float *s, int c, int n, float m)
+static float exp_f32_scalar(float *s, int c, int n, float a, float m)
 {
     float sum = 0.0f;
     for (int j = 0; j < n; j++) {
-        s[j] = j < c ? exp2_clip(s[j] - m) : 0.0f;
+        s[j] = j < c ? exp2_clip(s[j] * a - m) : 0.0f;
         sum += s[j];
     }
     return sum;
 }
 
-static float exp_bf16_scalar(const float *s, int c, int n, float m, uint16_t *p)
+static float exp_bf16_scalar(const float *s, int c, int n, float a, float m, uint16_t *p)
 {
     float sum = 0.0f;
     for (int j = 0; j < n; j++) {
-        float e = j < c ? exp2_clip(s[j] - m) : 0.0f;
+        float e = j < c ? exp2_clip(s[j] * a - m) : 0.0f;
         p[j] = bf16_round(e);
         sum += e;
     }
@@ -141,20 +143,29 @@ static float exp_bf16_scalar(const float *s, int c, int n, float m, uint16_t *p)
 }
 
 #ifdef HAVE_X86
-/* 2^x with the Cephes exp2f polynomial on [-1/2, 1/2] (relative error
- * below 2e-7); lanes with x <= -126 (and NaN) give 0. */
-AVX512 static inline __m512 exp2_512(__m512 x)
+/* 2^x on [-1/2, 1/2] after rounding x: the Cephes exp2f polynomial (degree
+ * 6, relative error below 2e-7), or degree 4 (`low`, 3e-6). Lanes with
+ * x <= -126 (and NaN) give 0. */
+AVX512 static inline __m512 exp2_512(__m512 x, int low)
 {
     __mmask16 ok = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GT_OQ);
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 f = _mm512_sub_ps(x, n), p;
+    if (low) {
+        p = _mm512_set1_ps(9.570099e-3f);
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.591786e-2f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024744e-1f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931218e-1f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999993e-1f));
+    } else {
+        p = _mm512_set1_ps(1.535336188319500e-4f);
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    }
     return _mm512_maskz_scalef_ps(ok, p, n);
 }
 
@@ -165,37 +176,48 @@ static inline __mmask16 head_mask(int j, int c)
     return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
 }
 
-AVX512 static float scale_max_512(float *s, int c, float a)
+/* 2^(s[j..j+15] * a - m), zero in lanes at or past c. */
+AVX512 static inline __m512 exp_lanes_512(const float *s, int j, int c, __m512 a, __m512 m,
+                                          int low)
 {
-    __m512 acc = _mm512_set1_ps(-INFINITY), av = _mm512_set1_ps(a);
-    for (int j = 0; j < c; j += 16) {
-        __mmask16 k = head_mask(j, c);
-        __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), av);
-        _mm512_mask_storeu_ps(s + j, k, x);
-        acc = _mm512_mask_max_ps(acc, k, acc, x);
-    }
-    return _mm512_reduce_max_ps(acc);
+    __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), a, m);
+    return _mm512_maskz_mov_ps(head_mask(j, c), exp2_512(x, low));
 }
 
-AVX512 static float exp_f32_512(float *s, int c, int n, float m)
+/* Four accumulators: one chain of vmaxps would wait on its 4-cycle latency. */
+AVX512 static float max_512(const float *s, int c, float a)
 {
-    __m512 acc = _mm512_setzero_ps(), mv = _mm512_set1_ps(m);
+    __m512 av = _mm512_set1_ps(a), acc[4];
+    for (int l = 0; l < 4; l++)
+        acc[l] = _mm512_set1_ps(-INFINITY);
+    int j = 0;
+    for (; j + 64 <= c; j += 64)
+        for (int l = 0; l < 4; l++)
+            acc[l] = _mm512_max_ps(acc[l], _mm512_mul_ps(_mm512_loadu_ps(s + j + 16 * l), av));
+    for (; j < c; j += 16)
+        acc[0] = _mm512_mask_max_ps(acc[0], head_mask(j, c), acc[0],
+                                    _mm512_mul_ps(_mm512_loadu_ps(s + j), av));
+    return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(acc[0], acc[1]),
+                                              _mm512_max_ps(acc[2], acc[3])));
+}
+
+AVX512 static float exp_f32_512(float *s, int c, int n, float a, float m)
+{
+    __m512 acc = _mm512_setzero_ps(), av = _mm512_set1_ps(a), mv = _mm512_set1_ps(m);
     for (int j = 0; j < n; j += 16) {
-        __m512 e = exp2_512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
-        e = _mm512_maskz_mov_ps(head_mask(j, c), e);
+        __m512 e = exp_lanes_512(s, j, c, av, mv, 0);
         _mm512_storeu_ps(s + j, e);
         acc = _mm512_add_ps(acc, e);
     }
     return _mm512_reduce_add_ps(acc);
 }
 
-AVX512 static float exp_bf16_512(const float *s, int c, int n, float m, uint16_t *p)
+AVX512 static float exp_bf16_512(const float *s, int c, int n, float a, float m, uint16_t *p)
 {
-    __m512 acc = _mm512_setzero_ps(), mv = _mm512_set1_ps(m);
+    __m512 acc = _mm512_setzero_ps(), av = _mm512_set1_ps(a), mv = _mm512_set1_ps(m);
     const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
     for (int j = 0; j < n; j += 16) {
-        __m512 e = exp2_512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
-        e = _mm512_maskz_mov_ps(head_mask(j, c), e);
+        __m512 e = exp_lanes_512(s, j, c, av, mv, 1);
         __m512i b = _mm512_castps_si512(e); /* nearest even; e >= 0 and finite */
         b = _mm512_add_epi32(b, _mm512_add_epi32(half, _mm512_and_si512(
                                                            _mm512_srli_epi32(b, 16), one)));
@@ -206,43 +228,51 @@ AVX512 static float exp_bf16_512(const float *s, int c, int n, float m, uint16_t
 }
 
 /* With AVX512-BF16: one instruction rounds 32 values (nearest even). */
-AVX512BF16 static float exp_bf16_512bf(const float *s, int c, int n, float m, uint16_t *p)
+AVX512BF16 static float exp_bf16_512bf(const float *s, int c, int n, float a, float m,
+                                       uint16_t *p)
 {
-    __m512 acc = _mm512_setzero_ps(), mv = _mm512_set1_ps(m);
+    __m512 acc = _mm512_setzero_ps(), av = _mm512_set1_ps(a), mv = _mm512_set1_ps(m);
     for (int j = 0; j < n; j += 32) {
-        __m512 e0 = exp2_512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
-        __m512 e1 = exp2_512(_mm512_sub_ps(_mm512_loadu_ps(s + j + 16), mv));
-        e0 = _mm512_maskz_mov_ps(head_mask(j, c), e0);
-        e1 = _mm512_maskz_mov_ps(head_mask(j + 16, c), e1);
+        __m512 e0 = exp_lanes_512(s, j, c, av, mv, 1);
+        __m512 e1 = exp_lanes_512(s, j + 16, c, av, mv, 1);
         _mm512_storeu_si512((void *)(p + j), (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
         acc = _mm512_add_ps(acc, _mm512_add_ps(e0, e1));
     }
     return _mm512_reduce_add_ps(acc);
 }
 
-AVX2 static inline __m256 exp2_256(__m256 x)
+AVX2 static inline __m256 exp2_256(__m256 x, int low)
 {
     __m256 ok = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GT_OQ);
     x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f)); /* also NaN -> -126 */
     __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 f = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256 f = _mm256_sub_ps(x, n), p;
+    if (low) {
+        p = _mm256_set1_ps(9.570099e-3f);
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.591786e-2f));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4024744e-1f));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931218e-1f));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.999993e-1f));
+    } else {
+        p = _mm256_set1_ps(1.535336188319500e-4f);
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    }
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
                                                    _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), ok);
 }
 
-/* All-ones lanes for j .. j+7 below c. */
-AVX2 static inline __m256 lanes_below(int j, int c)
+/* 2^(s[j..j+7] * a - m), zero in lanes at or past c. */
+AVX2 static inline __m256 exp_lanes_256(const float *s, int j, int c, __m256 a, __m256 m, int low)
 {
     __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(c), lane));
+    __m256 below = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(c), lane));
+    return _mm256_and_ps(exp2_256(_mm256_fmsub_ps(_mm256_loadu_ps(s + j), a, m), low), below);
 }
 
 AVX2 static float hsum_256(__m256 v)
@@ -252,41 +282,36 @@ AVX2 static float hsum_256(__m256 v)
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-AVX2 static float scale_max_256(float *s, int c, float a)
+AVX2 static float max_256(const float *s, int c, float a)
 {
     __m256 acc = _mm256_set1_ps(-INFINITY), av = _mm256_set1_ps(a);
     int j = 0;
-    for (; j + 8 <= c; j += 8) {
-        __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + j), av);
-        _mm256_storeu_ps(s + j, x);
-        acc = _mm256_max_ps(acc, x);
-    }
-    float m = scale_max_scalar(s + j, c - j, a), lanes[8];
+    for (; j + 8 <= c; j += 8)
+        acc = _mm256_max_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(s + j), av));
+    float m = max_scalar(s + j, c - j, a), lanes[8];
     _mm256_storeu_ps(lanes, acc);
     for (int l = 0; l < 8; l++)
         m = lanes[l] > m ? lanes[l] : m;
     return m;
 }
 
-AVX2 static float exp_f32_256(float *s, int c, int n, float m)
+AVX2 static float exp_f32_256(float *s, int c, int n, float a, float m)
 {
-    __m256 acc = _mm256_setzero_ps(), mv = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps(), av = _mm256_set1_ps(a), mv = _mm256_set1_ps(m);
     for (int j = 0; j < n; j += 8) {
-        __m256 e = _mm256_and_ps(exp2_256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)),
-                                 lanes_below(j, c));
+        __m256 e = exp_lanes_256(s, j, c, av, mv, 0);
         _mm256_storeu_ps(s + j, e);
         acc = _mm256_add_ps(acc, e);
     }
     return hsum_256(acc);
 }
 
-AVX2 static float exp_bf16_256(const float *s, int c, int n, float m, uint16_t *p)
+AVX2 static float exp_bf16_256(const float *s, int c, int n, float a, float m, uint16_t *p)
 {
-    __m256 acc = _mm256_setzero_ps(), mv = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps(), av = _mm256_set1_ps(a), mv = _mm256_set1_ps(m);
     const __m256i half = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
     for (int j = 0; j < n; j += 8) {
-        __m256 e = _mm256_and_ps(exp2_256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)),
-                                 lanes_below(j, c));
+        __m256 e = exp_lanes_256(s, j, c, av, mv, 1);
         __m256i b = _mm256_castps_si256(e);
         b = _mm256_add_epi32(b, _mm256_add_epi32(half, _mm256_and_si256(
                                                            _mm256_srli_epi32(b, 16), one)));
@@ -320,14 +345,14 @@ static int pick_rowops(int isa, struct rowops *ops)
         isa = best;
     if (isa < ISA_SCALAR || isa > best)
         return -1;
-    *ops = (struct rowops){scale_max_scalar, exp_f32_scalar, exp_bf16_scalar};
+    *ops = (struct rowops){max_scalar, exp_f32_scalar, exp_bf16_scalar};
 #ifdef HAVE_X86
     if (isa == ISA_AVX2)
-        *ops = (struct rowops){scale_max_256, exp_f32_256, exp_bf16_256};
+        *ops = (struct rowops){max_256, exp_f32_256, exp_bf16_256};
     if (isa == ISA_AVX512)
-        *ops = (struct rowops){scale_max_512, exp_f32_512, exp_bf16_512};
+        *ops = (struct rowops){max_512, exp_f32_512, exp_bf16_512};
     if (isa == ISA_AVX512BF16)
-        *ops = (struct rowops){scale_max_512, exp_f32_512, exp_bf16_512bf};
+        *ops = (struct rowops){max_512, exp_f32_512, exp_bf16_512bf};
 #endif
     return 0;
 }
@@ -409,28 +434,49 @@ static int scratch_init(const struct job *jb, struct scratch *sc)
 }
 
 /* --------------------------------------------------------------------------
- * MODE_AMX packing, one chunk of step_keys keys of one KV head at a time:
+ * MODE_AMX packing, one chunk of step_keys keys of one KV head at a time, into
+ * the VNNI layout brgemm reads for B (pairs along the reduced dimension):
  *   kp[c][d / 2][j][d % 2] = K[c * step_keys + j][d]   (K^T, pairs of d)
  *   vp[key / 2][d][key % 2] = V[key][d]                (pairs of keys)
- * the VNNI layout brgemm reads for B; keys at or past kv_len are zeros.
+ * Keys at or past kv_len are zeros. Seen as 32-bit words, the first is the
+ * transpose of K[keys][D / 2] and the second interleaves rows two by two.
  * -------------------------------------------------------------------------- */
+
+static inline uint32_t load32(const uint16_t *p)
+{
+    uint32_t w;
+    memcpy(&w, p, 4);
+    return w;
+}
+
+/* kc keys from k (row stride d), the first `valid` of them real. */
+static void pack_k(const uint16_t *k, int64_t d, int64_t kc, int64_t valid, uint32_t *out)
+{
+    for (int64_t j0 = 0; j0 < kc; j0 += 16) { /* 16 rows at a time: one line per row */
+        int64_t j1 = j0 + 16 < kc ? j0 + 16 : kc;
+        for (int64_t w = 0; w < d / 2; w++)
+            for (int64_t j = j0; j < j1; j++)
+                out[w * kc + j] = j < valid ? load32(k + j * d + 2 * w) : 0;
+    }
+}
+
+static void pack_v(const uint16_t *v, int64_t d, int64_t kc, int64_t valid, uint32_t *out)
+{
+    for (int64_t j = 0; j < kc; j += 2, out += d) {
+        const uint16_t *r0 = v + j * d, *r1 = r0 + d;
+        int live0 = j < valid, live1 = j + 1 < valid;
+        for (int64_t e = 0; e < d; e++)
+            out[e] = (live0 ? r0[e] : 0u) | (live1 ? (uint32_t)r1[e] << 16 : 0u);
+    }
+}
 
 static void pack_chunk(const struct job *jb, int64_t slice, int64_t c)
 {
     int64_t d = jb->dim, kc = jb->step_keys, b = slice / jb->hkv;
     int64_t valid = jb->kv_lens[b] - c * kc; /* keys of the chunk below kv_len */
-    const uint16_t *k = (const uint16_t *)jb->k + (slice * jb->skv + c * kc) * d;
-    const uint16_t *v = (const uint16_t *)jb->v + (slice * jb->skv + c * kc) * d;
-    uint16_t *kp = jb->kp + c * kc * d, *vp = jb->vp + c * kc * d;
-    for (int64_t j = 0; j < kc; j++) {
-        const uint16_t *kr = k + j * d, *vr = v + j * d;
-        uint16_t *vo = vp + (j / 2) * 2 * d + (j % 2);
-        int live = j < valid;
-        for (int64_t e = 0; e < d; e++) {
-            kp[(e / 2) * 2 * kc + 2 * j + (e % 2)] = live ? kr[e] : 0;
-            vo[2 * e] = live ? vr[e] : 0;
-        }
-    }
+    int64_t at = (slice * jb->skv + c * kc) * d;
+    pack_k((const uint16_t *)jb->k + at, d, kc, valid, (uint32_t *)(jb->kp + c * kc * d));
+    pack_v((const uint16_t *)jb->v + at, d, kc, valid, (uint32_t *)(jb->vp + c * kc * d));
 }
 
 /* --------------------------------------------------------------------------
@@ -504,7 +550,7 @@ static void softmax_step(const struct job *jb, struct scratch *sc, const struct 
     for (int t = 0; t < rw->nq; t++) {
         float *s = sc->s + (size_t)t * jb->ld_s;
         int c = all ? rw->ncols : visible(sc, rw, t);
-        float mx = c ? jb->ops.scale_max(s, c, jb->alpha) : -INFINITY;
+        float mx = c ? jb->ops.max(s, c, jb->alpha) : -INFINITY;
         float m_new = mx > sc->m[t] ? mx : sc->m[t];
         if (m_new == -INFINITY) { /* nothing visible yet: zero weights */
             if (bf16)
@@ -513,8 +559,8 @@ static void softmax_step(const struct job *jb, struct scratch *sc, const struct 
                 memset(s, 0, (size_t)n * sizeof(float));
             continue;
         }
-        float sum = bf16 ? jb->ops.exp_bf16(s, c, n, m_new, sc->p + (size_t)t * jb->ld_p)
-                         : jb->ops.exp_f32(s, c, n, m_new);
+        float sum = bf16 ? jb->ops.exp_bf16(s, c, n, jb->alpha, m_new, sc->p + (size_t)t * jb->ld_p)
+                         : jb->ops.exp_f32(s, c, n, jb->alpha, m_new);
         float corr = exp2f(sc->m[t] - m_new); /* 0 when m was -inf */
         if (corr != 1.0f) {
             float *o = sc->o + (size_t)t * d;
