@@ -50,7 +50,10 @@
 #include <immintrin.h>
 #define HAVE_X86 1
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
+#if defined(__clang__) ? __clang_major__ >= 9 : __GNUC__ >= 10 /* AVX512-BF16 intrinsics */
+#define HAVE_BF16_ISA 1
 #define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,avx512bf16")))
+#endif
 #define AVX2 __attribute__((target("avx2,fma")))
 #endif
 
@@ -227,6 +230,7 @@ AVX512 static float exp_bf16_512(const float *s, int c, int n, float a, float m,
     return _mm512_reduce_add_ps(acc);
 }
 
+#ifdef HAVE_BF16_ISA
 /* With AVX512-BF16: one instruction rounds 32 values (nearest even). */
 AVX512BF16 static float exp_bf16_512bf(const float *s, int c, int n, float a, float m,
                                        uint16_t *p)
@@ -240,6 +244,7 @@ AVX512BF16 static float exp_bf16_512bf(const float *s, int c, int n, float a, fl
     }
     return _mm512_reduce_add_ps(acc);
 }
+#endif
 
 AVX2 static inline __m256 exp2_256(__m256 x, int low)
 {
@@ -338,8 +343,10 @@ static int pick_rowops(int isa, struct rowops *ops)
         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
         __builtin_cpu_supports("avx512vl"))
         best = ISA_AVX512;
+#ifdef HAVE_BF16_ISA
     if (best == ISA_AVX512 && __builtin_cpu_supports("avx512bf16"))
         best = ISA_AVX512BF16;
+#endif
 #endif
     if (isa == ISA_AUTO)
         isa = best;
@@ -351,6 +358,8 @@ static int pick_rowops(int isa, struct rowops *ops)
         *ops = (struct rowops){max_256, exp_f32_256, exp_bf16_256};
     if (isa == ISA_AVX512)
         *ops = (struct rowops){max_512, exp_f32_512, exp_bf16_512};
+#endif
+#ifdef HAVE_BF16_ISA
     if (isa == ISA_AVX512BF16)
         *ops = (struct rowops){max_512, exp_f32_512, exp_bf16_512bf};
 #endif
