@@ -11,9 +11,11 @@ dense); density: listed (query block, key block) pairs of the valid rows /
 causally visible block pairs. E = 1 means the kernel pays per kept pair what
 dense SDPA pays per visible pair. The torch path of the package
 (``block_sparse_attention(..., backend="gather")``) is timed in the same run
-as the baseline. Dense, kernel and gather runs alternate; medians are reported.
-Other jobs share the machine, so E is also given from process CPU time (both
-threads' CPU seconds, which preemption by other jobs does not inflate).
+as the baseline. Dense, kernel and gather runs alternate; times are medians,
+E is the median over repetitions of dense_time * density / sparse_time taken
+from runs of the same repetition (adjacent in time, so drift in the machine's
+load cancels). Other jobs share the machine, so E is also given from process
+CPU time (both threads' CPU seconds, which preemption does not inflate).
 
 The kernel is timed alone (``sparse_attention`` on host-checked, sorted
 lists); ``block_sparse_attention`` also checks the selection, on the host.
@@ -183,6 +185,12 @@ def timed(fn):
     return time.perf_counter() - t0, time.process_time() - c0, result
 
 
+def paired_e(times: dict, name: str, dens: float) -> float:
+    """E from the runs of one repetition (adjacent in time), median over
+    repetitions: slow drift in the machine's load cancels in each ratio."""
+    return statistics.median(d / s for d, s in zip(times["dense"], times[name])) * dens
+
+
 def run_config(cfg: Config, args) -> str:
     gen = torch.Generator().manual_seed(0)
     q, k, v = make_inputs(cfg, gen)
@@ -215,12 +223,11 @@ def run_config(cfg: Config, args) -> str:
             wall[name].append(t)
             cpu[name].append(c)
     ms = {name: statistics.median(ts) * 1e3 for name, ts in wall.items()}
-    cpu_s = {name: statistics.median(ts) for name, ts in cpu.items()}
     err = {name: row_error(q, k, v, outs[name], idx, lengths, lens, scale, args.check_rows,
                            torch.Generator().manual_seed(1))
            for name in ("kernel", "gather") if name in outs}
-    e = {name: ms["dense"] * dens / ms[name] for name in ("kernel", "gather") if name in ms}
-    e_cpu = cpu_s["dense"] * dens / cpu_s["kernel"]
+    e = {name: paired_e(wall, name, dens) for name in ("kernel", "gather") if name in ms}
+    e_cpu = paired_e(cpu, "kernel", dens)
     gather = (f"{ms['gather']:.0f} | {e['gather']:.2f} | {err['gather']:.1e}"
               if "gather" in ms else "- | - | -")
     return (f"| {cfg} | {dens:.1%} | {ms['dense']:.0f} | {ms['kernel']:.0f} | "
@@ -243,7 +250,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4], choices=[1, 4])
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     ap.add_argument("--selections", nargs="+", default=["stem", "synth25", "synth50"])
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--check-rows", type=int, default=8)
     ap.add_argument("--no-gather", action="store_true", help="skip the torch baseline")
     args = ap.parse_args()
