@@ -23,7 +23,7 @@ in one GEMM) with an online softmax in float32. How the products are made:
   elsewhere (AVX2 / AVX-512 CPUs without AMX).
 
 The GEMMs come from ``libtorch_cpu.so`` (MKL's BLAS and the cpublas functions
-are exported on x86 builds; the C++ names encode their full signatures, so a
+are exported on x86 builds; the C++ names encode their parameter types, so a
 torch whose signatures differ simply does not resolve them). Where they are
 missing (aarch64, builds without MKL) or the C file cannot be built (see
 ``native.status``), ``available()`` is False and callers keep their torch path.
