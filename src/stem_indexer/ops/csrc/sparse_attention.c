@@ -1,0 +1,848 @@
+/* Block-sparse softmax attention on the CPU (ops/sparse_attention.py).
+ *
+ * One work item is one row (b, h, i): the block_size query tokens of query
+ * block i of head h attend to the key blocks listed for the row, with the
+ * token-level mask (keys j < kv_len; with causal, j <= t + kv_len - q_len).
+ * The listed blocks (ascending) are consumed in steps of up to STEP_KEYS
+ * keys; adjacent blocks form one piece, multiplied in one GEMM:
+ *
+ *   S = Q K_piece^T                    one GEMM per piece, into a score tile
+ *   online softmax per query row       scale folded in, base 2, running max
+ *                                      and sum in float32
+ *   O = O * correction + P V_piece     one GEMM per piece
+ *
+ * Because the blocks ascend and a query's last visible key is a single bound,
+ * the keys a query sees in a step are a prefix of the step's columns: each
+ * query row exponentiates that prefix and zeros the rest of its row of P.
+ * Keys at or past kv_len and query rows at or past q_len are never read into
+ * a product with a valid output (cut from the GEMMs, or packed as zeros), so
+ * NaN or inf in padding cannot reach a valid output.
+ *
+ * Three ways to multiply, chosen by the caller (GEMMs come from torch's
+ * libtorch_cpu.so and are passed in as function pointers):
+ *
+ *   MODE_SGEMM  float32: MKL sgemm_ on Q, K, V where they lie.
+ *   MODE_WIDEN  bfloat16 without AMX: each row's Q and each step's K/V pieces
+ *               widened to float32 in thread scratch, then sgemm_.
+ *   MODE_AMX    bfloat16 with AMX: per (batch, KV head), K^T and V are packed
+ *               once into VNNI layout (pairs of rows interleaved) in shared
+ *               buffers, keys past kv_len as zeros; rows then call torch's
+ *               at::native::cpublas::brgemm (oneDNN's AMX micro-kernel, the
+ *               one torch's own flash attention uses) on whole blocks, and P
+ *               is rounded to bfloat16 as torch's flash kernel does.
+ *
+ * The rows already share the cores, so MKL must run serially in each thread:
+ * inside an active libgomp region it does by itself (MKL_Get_Max_Threads()
+ * is 1 there), and MKL_Set_Num_Threads_Local(1) makes that explicit for
+ * nested-parallel settings. Rows are handed out longest list
+ * first (dynamic schedule). Built with -fopenmp where the compiler has it
+ * (ops/native.py), serial otherwise.
+ */
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_X86 1
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
+#if defined(__clang__) ? __clang_major__ >= 9 : __GNUC__ >= 10 /* AVX512-BF16 intrinsics */
+#define HAVE_BF16_ISA 1
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,avx512bf16")))
+#endif
+#define AVX2 __attribute__((target("avx2,fma")))
+#endif
+
+enum { F32 = 0, BF16 = 1 };                   /* dtype of q, k, v, out */
+enum { MODE_SGEMM, MODE_WIDEN, MODE_AMX };
+enum { ISA_AUTO = -1, ISA_SCALAR, ISA_AVX2, ISA_AVX512, ISA_AVX512BF16 };
+enum { ERR_MEMORY = 1, ERR_ARGS = 2 };
+
+#define STEP_KEYS 512 /* keys per online-softmax step (rounded to whole blocks) */
+#define ALIGN 64
+
+/* Fortran sgemm_; at::native::cpublas::brgemm (bfloat16, B in VNNI) and
+ * brgemm_release; MKL_Set_Num_Threads_Local. */
+typedef void (*sgemm_t)(const char *, const char *, const int *, const int *, const int *,
+                        const float *, const float *, const int *, const float *, const int *,
+                        const float *, float *, const int *);
+typedef void (*brgemm_t)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool,
+                         const uint16_t *, const uint16_t *, float *, bool);
+typedef void (*release_t)(bool);
+typedef int (*threads_t)(int);
+
+/* --------------------------------------------------------------------------
+ * Row operations of the online softmax, per instruction set. The scores s are
+ * raw products q.k; a is the scale in base-2 units.
+ *
+ * max(s, c, a):              the largest of s[j] * a over j < c.
+ * exp_f32(s, c, n, a, m):    s[j] = 2^(s[j] * a - m) for j < c, 0 for c <= j < n
+ *                            (up to n rounded to 16 may be written); the sum.
+ * exp_bf16(s, c, n, a, m, p): the same into p as bfloat16 (nearest even), up
+ *                            to n rounded to 32; the sum of the float32 values
+ *                            (as torch's flash kernel). The exponential is a
+ *                            degree-4 polynomial there (relative error 3e-6,
+ *                            a thousandth of bfloat16's rounding step).
+ * Exponents at or below -126 give 0 (a weight under 2^-126 of the largest).
+ * -------------------------------------------------------------------------- */
+
+struct rowops {
+    float (*max)(const float *s, int c, float a);
+    float (*exp_f32)(float *s, int c, int n, float a, float m);
+    float (*exp_bf16)(const float *s, int c, int n, float a, float m, uint16_t *p);
+};
+
+static inline uint16_t bf16_round(float x)
+{
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+static inline float bf16_float(uint16_t h)
+{
+    uint32_t b = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &b, 4);
+    return x;
+}
+
+static inline float exp2_clip(float x)
+{
+    return x > -126.0f ? exp2f(x) : 0.0f;
+}
+
+static float max_scalar(const float *s, int c, float a)
+{
+    float m = -INFINITY;
+    for (int j = 0; j < c; j++)
+        m = s[j] * a > m ? s[j] * a : m;
+    return m;
+}
+
+static float exp_f32_scalar(float *s, int c, int n, float a, float m)
+{
+    float sum = 0.0f;
+    for (int j = 0; j < n; j++) {
+        s[j] = j < c ? exp2_clip(s[j] * a - m) : 0.0f;
+        sum += s[j];
+    }
+    return sum;
+}
+
+static float exp_bf16_scalar(const float *s, int c, int n, float a, float m, uint16_t *p)
+{
+    float sum = 0.0f;
+    for (int j = 0; j < n; j++) {
+        float e = j < c ? exp2_clip(s[j] * a - m) : 0.0f;
+        p[j] = bf16_round(e);
+        sum += e;
+    }
+    return sum;
+}
+
+#ifdef HAVE_X86
+/* 2^x on [-1/2, 1/2] after rounding x: the Cephes exp2f polynomial (degree
+ * 6, relative error below 2e-7), or degree 4 (`low`, 3e-6). Lanes with
+ * x <= -126 (and NaN) give 0. */
+AVX512 static inline __m512 exp2_512(__m512 x, int low)
+{
+    __mmask16 ok = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GT_OQ);
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n), p;
+    if (low) {
+        p = _mm512_set1_ps(9.570099e-3f);
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.591786e-2f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024744e-1f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931218e-1f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999993e-1f));
+    } else {
+        p = _mm512_set1_ps(1.535336188319500e-4f);
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    }
+    return _mm512_maskz_scalef_ps(ok, p, n);
+}
+
+/* Lanes j .. j+15 that lie below c. */
+static inline __mmask16 head_mask(int j, int c)
+{
+    int left = c - j;
+    return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+}
+
+/* 2^(s[j..j+15] * a - m), zero in lanes at or past c. */
+AVX512 static inline __m512 exp_lanes_512(const float *s, int j, int c, __m512 a, __m512 m,
+                                          int low)
+{
+    __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), a, m);
+    return _mm512_maskz_mov_ps(head_mask(j, c), exp2_512(x, low));
+}
+
+/* Four accumulators: one chain of vmaxps would wait on its 4-cycle latency. */
+AVX512 static float max_512(const float *s, int c, float a)
+{
+    __m512 av = _mm512_set1_ps(a), acc[4];
+    for (int l = 0; l < 4; l++)
+        acc[l] = _mm512_set1_ps(-INFINITY);
+    int j = 0;
+    for (; j + 64 <= c; j += 64)
+        for (int l = 0; l < 4; l++)
+            acc[l] = _mm512_max_ps(acc[l], _mm512_mul_ps(_mm512_loadu_ps(s + j + 16 * l), av));
+    for (; j < c; j += 16)
+        acc[0] = _mm512_mask_max_ps(acc[0], head_mask(j, c), acc[0],
+                                    _mm512_mul_ps(_mm512_loadu_ps(s + j), av));
+    return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(acc[0], acc[1]),
+                                              _mm512_max_ps(acc[2], acc[3])));
+}
+
+AVX512 static float exp_f32_512(float *s, int c, int n, float a, float m)
+{
+    __m512 acc = _mm512_setzero_ps(), av = _mm512_set1_ps(a), mv = _mm512_set1_ps(m);
+    for (int j = 0; j < n; j += 16) {
+        __m512 e = exp_lanes_512(s, j, c, av, mv, 0);
+        _mm512_storeu_ps(s + j, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+AVX512 static float exp_bf16_512(const float *s, int c, int n, float a, float m, uint16_t *p)
+{
+    __m512 acc = _mm512_setzero_ps(), av = _mm512_set1_ps(a), mv = _mm512_set1_ps(m);
+    const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+    for (int j = 0; j < n; j += 16) {
+        __m512 e = exp_lanes_512(s, j, c, av, mv, 1);
+        __m512i b = _mm512_castps_si512(e); /* nearest even; e >= 0 and finite */
+        b = _mm512_add_epi32(b, _mm512_add_epi32(half, _mm512_and_si512(
+                                                           _mm512_srli_epi32(b, 16), one)));
+        _mm256_storeu_si256((__m256i *)(p + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
+        acc = _mm512_add_ps(acc, e);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+#ifdef HAVE_BF16_ISA
+/* With AVX512-BF16: one instruction rounds 32 values (nearest even). */
+AVX512BF16 static float exp_bf16_512bf(const float *s, int c, int n, float a, float m,
+                                       uint16_t *p)
+{
+    __m512 acc = _mm512_setzero_ps(), av = _mm512_set1_ps(a), mv = _mm512_set1_ps(m);
+    for (int j = 0; j < n; j += 32) {
+        __m512 e0 = exp_lanes_512(s, j, c, av, mv, 1);
+        __m512 e1 = exp_lanes_512(s, j + 16, c, av, mv, 1);
+        _mm512_storeu_si512((void *)(p + j), (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        acc = _mm512_add_ps(acc, _mm512_add_ps(e0, e1));
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+#endif
+
+AVX2 static inline __m256 exp2_256(__m256 x, int low)
+{
+    __m256 ok = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GT_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f)); /* also NaN -> -126 */
+    __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(x, n), p;
+    if (low) {
+        p = _mm256_set1_ps(9.570099e-3f);
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.591786e-2f));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4024744e-1f));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931218e-1f));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.999993e-1f));
+    } else {
+        p = _mm256_set1_ps(1.535336188319500e-4f);
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    }
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                   _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), ok);
+}
+
+/* 2^(s[j..j+7] * a - m), zero in lanes at or past c. */
+AVX2 static inline __m256 exp_lanes_256(const float *s, int j, int c, __m256 a, __m256 m, int low)
+{
+    __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256 below = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(c), lane));
+    return _mm256_and_ps(exp2_256(_mm256_fmsub_ps(_mm256_loadu_ps(s + j), a, m), low), below);
+}
+
+AVX2 static float hsum_256(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+AVX2 static float max_256(const float *s, int c, float a)
+{
+    __m256 acc = _mm256_set1_ps(-INFINITY), av = _mm256_set1_ps(a);
+    int j = 0;
+    for (; j + 8 <= c; j += 8)
+        acc = _mm256_max_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(s + j), av));
+    float m = max_scalar(s + j, c - j, a), lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    for (int l = 0; l < 8; l++)
+        m = lanes[l] > m ? lanes[l] : m;
+    return m;
+}
+
+AVX2 static float exp_f32_256(float *s, int c, int n, float a, float m)
+{
+    __m256 acc = _mm256_setzero_ps(), av = _mm256_set1_ps(a), mv = _mm256_set1_ps(m);
+    for (int j = 0; j < n; j += 8) {
+        __m256 e = exp_lanes_256(s, j, c, av, mv, 0);
+        _mm256_storeu_ps(s + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    return hsum_256(acc);
+}
+
+AVX2 static float exp_bf16_256(const float *s, int c, int n, float a, float m, uint16_t *p)
+{
+    __m256 acc = _mm256_setzero_ps(), av = _mm256_set1_ps(a), mv = _mm256_set1_ps(m);
+    const __m256i half = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+    for (int j = 0; j < n; j += 8) {
+        __m256 e = exp_lanes_256(s, j, c, av, mv, 1);
+        __m256i b = _mm256_castps_si256(e);
+        b = _mm256_add_epi32(b, _mm256_add_epi32(half, _mm256_and_si256(
+                                                           _mm256_srli_epi32(b, 16), one)));
+        b = _mm256_srli_epi32(b, 16);
+        __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b),
+                                          _mm256_extracti128_si256(b, 1));
+        _mm_storeu_si128((__m128i *)(p + j), packed);
+        acc = _mm256_add_ps(acc, e);
+    }
+    return hsum_256(acc);
+}
+#endif
+
+/* The row operations for `isa` (ISA_AUTO: the best this CPU runs); -1 if
+ * the requested set does not run here. */
+static int pick_rowops(int isa, struct rowops *ops)
+{
+    int best = ISA_SCALAR;
+#ifdef HAVE_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        best = ISA_AVX2;
+    if (best == ISA_AVX2 && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vl"))
+        best = ISA_AVX512;
+#ifdef HAVE_BF16_ISA
+    if (best == ISA_AVX512 && __builtin_cpu_supports("avx512bf16"))
+        best = ISA_AVX512BF16;
+#endif
+#endif
+    if (isa == ISA_AUTO)
+        isa = best;
+    if (isa < ISA_SCALAR || isa > best)
+        return -1;
+    *ops = (struct rowops){max_scalar, exp_f32_scalar, exp_bf16_scalar};
+#ifdef HAVE_X86
+    if (isa == ISA_AVX2)
+        *ops = (struct rowops){max_256, exp_f32_256, exp_bf16_256};
+    if (isa == ISA_AVX512)
+        *ops = (struct rowops){max_512, exp_f32_512, exp_bf16_512};
+#endif
+#ifdef HAVE_BF16_ISA
+    if (isa == ISA_AVX512BF16)
+        *ops = (struct rowops){max_512, exp_f32_512, exp_bf16_512bf};
+#endif
+    return 0;
+}
+
+/* --------------------------------------------------------------------------
+ * The problem, per-thread scratch, one step's pieces.
+ * -------------------------------------------------------------------------- */
+
+struct job {
+    const void *q, *k, *v;
+    void *out;
+    int64_t batch, hq, hkv, sq, skv, dim, bs, qmax, width;
+    const int64_t *idx, *lengths, *q_lens, *kv_lens;
+    int causal, dtype, mode;
+    float alpha;               /* scale * log2(e): scores in base-2 units */
+    int step_blocks, step_keys; /* per step; the K chunk of MODE_AMX */
+    int ld_s, ld_p;            /* row strides of the score and bf16 P tiles */
+    sgemm_t sgemm;
+    brgemm_t brgemm;
+    struct rowops ops;
+    uint16_t *kp, *vp; /* MODE_AMX: the current KV head packed (see pack_chunk) */
+};
+
+struct piece {
+    int64_t key; /* first key (token index in the sequence) */
+    int n, col;  /* keys, first column in the step */
+};
+
+struct scratch {
+    float *s, *o, *m, *l, *q32, *k32, *v32;
+    uint16_t *p;
+    struct piece *pieces;
+};
+
+/* Where one row's computation stands. */
+struct row {
+    const void *q;          /* its first query token (float32 scratch when widening) */
+    const char *k, *v;      /* its KV head's first key */
+    int nq;                 /* valid query tokens */
+    int64_t lim0;           /* with causal: keys < lim0 + t are visible to query t */
+    int np, ncols, nblocks; /* the current step */
+};
+
+static size_t esize(const struct job *jb)
+{
+    return jb->dtype == F32 ? 4 : 2;
+}
+
+static void *alloc(size_t bytes)
+{
+    return aligned_alloc(ALIGN, (bytes + ALIGN - 1) / ALIGN * ALIGN);
+}
+
+static void scratch_free(struct scratch *sc)
+{
+    free(sc->s), free(sc->o), free(sc->m), free(sc->l), free(sc->p), free(sc->pieces);
+    free(sc->q32), free(sc->k32), free(sc->v32);
+}
+
+static int scratch_init(const struct job *jb, struct scratch *sc)
+{
+    size_t bs = (size_t)jb->bs, d = (size_t)jb->dim, keys = (size_t)jb->ld_s;
+    int amx = jb->mode == MODE_AMX, widen = jb->mode == MODE_WIDEN;
+    memset(sc, 0, sizeof *sc);
+    sc->s = alloc(bs * (size_t)jb->ld_s * sizeof(float));
+    sc->o = alloc(bs * d * sizeof(float));
+    sc->m = alloc(bs * sizeof(float));
+    sc->l = alloc(bs * sizeof(float));
+    sc->pieces = alloc((size_t)jb->step_blocks * sizeof(struct piece));
+    sc->p = amx ? alloc(bs * (size_t)jb->ld_p * sizeof(uint16_t)) : NULL;
+    sc->q32 = widen ? alloc(bs * d * sizeof(float)) : NULL;
+    sc->k32 = widen ? alloc(keys * d * sizeof(float)) : NULL;
+    sc->v32 = widen ? alloc(keys * d * sizeof(float)) : NULL;
+    int ok = sc->s && sc->o && sc->m && sc->l && sc->pieces && (!amx || sc->p) &&
+             (!widen || (sc->q32 && sc->k32 && sc->v32));
+    if (!ok)
+        scratch_free(sc);
+    return ok;
+}
+
+/* --------------------------------------------------------------------------
+ * MODE_AMX packing, one chunk of step_keys keys of one KV head at a time, into
+ * the VNNI layout brgemm reads for B (pairs along the reduced dimension):
+ *   kp[c][d / 2][j][d % 2] = K[c * step_keys + j][d]   (K^T, pairs of d)
+ *   vp[key / 2][d][key % 2] = V[key][d]                (pairs of keys)
+ * Keys at or past kv_len are zeros. Seen as 32-bit words, the first is the
+ * transpose of K[keys][D / 2] and the second interleaves rows two by two.
+ * -------------------------------------------------------------------------- */
+
+static inline uint32_t load32(const uint16_t *p)
+{
+    uint32_t w;
+    memcpy(&w, p, 4);
+    return w;
+}
+
+/* kc keys from k (row stride d), the first `valid` of them real. */
+static void pack_k(const uint16_t *k, int64_t d, int64_t kc, int64_t valid, uint32_t *out)
+{
+    for (int64_t j0 = 0; j0 < kc; j0 += 16) { /* 16 rows at a time: one line per row */
+        int64_t j1 = j0 + 16 < kc ? j0 + 16 : kc;
+        for (int64_t w = 0; w < d / 2; w++)
+            for (int64_t j = j0; j < j1; j++)
+                out[w * kc + j] = j < valid ? load32(k + j * d + 2 * w) : 0;
+    }
+}
+
+static void pack_v(const uint16_t *v, int64_t d, int64_t kc, int64_t valid, uint32_t *out)
+{
+    for (int64_t j = 0; j < kc; j += 2, out += d) {
+        const uint16_t *r0 = v + j * d, *r1 = r0 + d;
+        int live0 = j < valid, live1 = j + 1 < valid;
+        for (int64_t e = 0; e < d; e++)
+            out[e] = (live0 ? r0[e] : 0u) | (live1 ? (uint32_t)r1[e] << 16 : 0u);
+    }
+}
+
+static void pack_chunk(const struct job *jb, int64_t slice, int64_t c)
+{
+    int64_t d = jb->dim, kc = jb->step_keys, b = slice / jb->hkv;
+    int64_t valid = jb->kv_lens[b] - c * kc; /* keys of the chunk below kv_len */
+    int64_t at = (slice * jb->skv + c * kc) * d;
+    pack_k((const uint16_t *)jb->k + at, d, kc, valid, (uint32_t *)(jb->kp + c * kc * d));
+    pack_v((const uint16_t *)jb->v + at, d, kc, valid, (uint32_t *)(jb->vp + c * kc * d));
+}
+
+/* --------------------------------------------------------------------------
+ * GEMMs, row-major. sgemm_ is column-major, so each product is asked for
+ * transposed (C^T = B^T A^T).
+ * -------------------------------------------------------------------------- */
+
+/* s[nq, n] (row stride ld_s) = q[nq, D] k[n, D]^T, float32 */
+static void sgemm_qk(const struct job *jb, int nq, int n, const float *q, const float *k, float *s)
+{
+    int d = (int)jb->dim, ld = jb->ld_s;
+    const float one = 1.0f, zero = 0.0f;
+    jb->sgemm("T", "N", &n, &nq, &d, &one, k, &d, q, &d, &zero, s, &ld);
+}
+
+/* o[nq, D] += p[nq, n] (row stride ld_s) v[n, D], float32 */
+static void sgemm_pv(const struct job *jb, int nq, int n, const float *p, const float *v, float *o)
+{
+    int d = (int)jb->dim, ld = jb->ld_s;
+    const float one = 1.0f;
+    jb->sgemm("N", "N", &d, &nq, &n, &one, v, &d, p, &ld, &one, o, &d);
+}
+
+/* S for keys [key, key + n) of the packed KV head, n whole blocks, split
+ * where the keys cross a chunk of kp. */
+static void amx_qk(const struct job *jb, const struct row *rw, int64_t key, int n, float *s)
+{
+    int64_t d = jb->dim, kc = jb->step_keys;
+    while (n > 0) {
+        int64_t c = key / kc, at = key - c * kc;
+        int part = (int)(kc - at < n ? kc - at : n);
+        jb->brgemm(rw->nq, part, d, d, kc, jb->ld_s, false, rw->q, jb->kp + c * kc * d + 2 * at,
+                   s, true);
+        key += part, s += part, n -= part;
+    }
+}
+
+/* --------------------------------------------------------------------------
+ * One row: steps of listed blocks, online softmax, output.
+ * -------------------------------------------------------------------------- */
+
+static void widen(float *dst, const uint16_t *src, int64_t n)
+{
+    for (int64_t j = 0; j < n; j++)
+        dst[j] = bf16_float(src[j]);
+}
+
+/* Keys of the step that query t sees: a prefix of its columns (the pieces
+ * ascend and every visible key lies below one bound). */
+static int visible(const struct scratch *sc, const struct row *rw, int t)
+{
+    int64_t lim = rw->lim0 + t;
+    int c = 0;
+    for (int p = 0; p < rw->np; p++) {
+        int64_t left = lim - sc->pieces[p].key;
+        if (left <= 0)
+            break;
+        c += left < sc->pieces[p].n ? (int)left : sc->pieces[p].n;
+    }
+    return c;
+}
+
+/* Online softmax over the step's scores: running max m and sum l per query,
+ * output rows rescaled when the max grows; probabilities left in the score
+ * tile (float32) or in sc->p (bfloat16), zero from column c up to n. */
+static void softmax_step(const struct job *jb, struct scratch *sc, const struct row *rw, int n)
+{
+    int d = (int)jb->dim, bf16 = sc->p != NULL;
+    const struct piece *last = &sc->pieces[rw->np - 1];
+    int all = !jb->causal || last->key + last->n <= rw->lim0; /* every query sees all */
+    for (int t = 0; t < rw->nq; t++) {
+        float *s = sc->s + (size_t)t * jb->ld_s;
+        int c = all ? rw->ncols : visible(sc, rw, t);
+        float mx = c ? jb->ops.max(s, c, jb->alpha) : -INFINITY;
+        float m_new = mx > sc->m[t] ? mx : sc->m[t];
+        if (m_new == -INFINITY) { /* nothing visible yet: zero weights */
+            if (bf16)
+                memset(sc->p + (size_t)t * jb->ld_p, 0, (size_t)n * sizeof(uint16_t));
+            else
+                memset(s, 0, (size_t)n * sizeof(float));
+            continue;
+        }
+        float sum = bf16 ? jb->ops.exp_bf16(s, c, n, jb->alpha, m_new, sc->p + (size_t)t * jb->ld_p)
+                         : jb->ops.exp_f32(s, c, n, jb->alpha, m_new);
+        float corr = exp2f(sc->m[t] - m_new); /* 0 when m was -inf */
+        if (corr != 1.0f) {
+            float *o = sc->o + (size_t)t * d;
+            for (int j = 0; j < d; j++)
+                o[j] *= corr;
+        }
+        sc->l[t] = sc->l[t] * corr + sum;
+        sc->m[t] = m_new;
+    }
+}
+
+/* MODE_AMX: whole blocks (the row's last piece may end inside one; the rest
+ * of that block is computed on packed keys and weighted 0). */
+static void step_amx(const struct job *jb, struct scratch *sc, const struct row *rw)
+{
+    int bs = (int)jb->bs, d = (int)jb->dim;
+    int n = (rw->ncols + bs - 1) / bs * bs;
+    for (int p = 0; p < rw->np; p++) {
+        const struct piece *pc = &sc->pieces[p];
+        amx_qk(jb, rw, pc->key, (pc->n + bs - 1) / bs * bs, sc->s + pc->col);
+    }
+    softmax_step(jb, sc, rw, n);
+    for (int p = 0; p < rw->np; p++) {
+        const struct piece *pc = &sc->pieces[p];
+        jb->brgemm(rw->nq, d, (pc->n + bs - 1) / bs * bs, jb->ld_p, d, d, true,
+                   sc->p + pc->col, jb->vp + pc->key * d, sc->o, true);
+    }
+}
+
+/* MODE_WIDEN: the pieces widened into one contiguous float32 run. */
+static void step_widen(const struct job *jb, struct scratch *sc, const struct row *rw)
+{
+    int64_t d = jb->dim;
+    for (int p = 0; p < rw->np; p++) {
+        const struct piece *pc = &sc->pieces[p];
+        widen(sc->k32 + pc->col * d, (const uint16_t *)rw->k + pc->key * d, pc->n * d);
+        widen(sc->v32 + pc->col * d, (const uint16_t *)rw->v + pc->key * d, pc->n * d);
+    }
+    sgemm_qk(jb, rw->nq, rw->ncols, rw->q, sc->k32, sc->s);
+    softmax_step(jb, sc, rw, rw->ncols);
+    sgemm_pv(jb, rw->nq, rw->ncols, sc->s, sc->v32, sc->o);
+}
+
+/* MODE_SGEMM: K and V read where they lie. */
+static void step_sgemm(const struct job *jb, struct scratch *sc, const struct row *rw)
+{
+    int64_t d = jb->dim;
+    for (int p = 0; p < rw->np; p++) {
+        const struct piece *pc = &sc->pieces[p];
+        sgemm_qk(jb, rw->nq, pc->n, rw->q, (const float *)rw->k + pc->key * d, sc->s + pc->col);
+    }
+    softmax_step(jb, sc, rw, rw->ncols);
+    for (int p = 0; p < rw->np; p++) {
+        const struct piece *pc = &sc->pieces[p];
+        sgemm_pv(jb, rw->nq, pc->n, sc->s + pc->col, (const float *)rw->v + pc->key * d, sc->o);
+    }
+}
+
+static void step(const struct job *jb, struct scratch *sc, struct row *rw)
+{
+    if (jb->mode == MODE_AMX)
+        step_amx(jb, sc, rw);
+    else if (jb->mode == MODE_WIDEN)
+        step_widen(jb, sc, rw);
+    else
+        step_sgemm(jb, sc, rw);
+    rw->np = rw->ncols = rw->nblocks = 0;
+}
+
+/* Add keys [a, e) to the step, extending the last piece when adjacent. */
+static void add_keys(struct scratch *sc, struct row *rw, int64_t a, int64_t e)
+{
+    struct piece *last = rw->np ? &sc->pieces[rw->np - 1] : NULL;
+    if (last && last->key + last->n == a)
+        last->n += (int)(e - a);
+    else
+        sc->pieces[rw->np++] = (struct piece){a, (int)(e - a), rw->ncols};
+    rw->ncols += (int)(e - a);
+    rw->nblocks++;
+}
+
+/* Normalised output rows (zero where nothing was visible), zero padding rows. */
+static void write_out(const struct job *jb, const struct scratch *sc, void *out, int nq,
+                      int rows)
+{
+    int64_t d = jb->dim;
+    for (int t = 0; t < nq; t++) {
+        float inv = sc->l[t] > 0.0f ? 1.0f / sc->l[t] : 0.0f;
+        const float *o = sc->o + t * d;
+        if (jb->dtype == F32) {
+            float *dst = (float *)out + t * d;
+            for (int64_t j = 0; j < d; j++)
+                dst[j] = o[j] * inv;
+        } else {
+            uint16_t *dst = (uint16_t *)out + t * d;
+            for (int64_t j = 0; j < d; j++)
+                dst[j] = bf16_round(o[j] * inv);
+        }
+    }
+    memset((char *)out + (size_t)nq * d * esize(jb), 0, (size_t)(rows - nq) * d * esize(jb));
+}
+
+/* Start row (b, h, i): its pointers and running state; 0 if it sees nothing. */
+static int row_init(const struct job *jb, struct scratch *sc, int64_t row, struct row *rw,
+                    int64_t *hi)
+{
+    int64_t i = row % jb->qmax, bh = row / jb->qmax, b = bh / jb->hq, h = bh % jb->hq;
+    int64_t d = jb->dim, r0 = i * jb->bs, qlen = jb->q_lens[b], kvlen = jb->kv_lens[b];
+    int64_t rows = jb->sq - r0 < jb->bs ? jb->sq - r0 : jb->bs;
+    int64_t nq = qlen - r0 < 0 ? 0 : qlen - r0 < rows ? qlen - r0 : rows;
+    *rw = (struct row){.nq = (int)nq, .lim0 = r0 + kvlen - qlen + 1};
+    *hi = kvlen; /* no key at or past hi is visible to any of the row's queries */
+    if (jb->causal && rw->lim0 + nq - 1 < *hi)
+        *hi = rw->lim0 + nq - 1;
+    if (nq == 0 || *hi <= 0 || jb->lengths[row] == 0)
+        return 0;
+    const char *q = (const char *)jb->q + (size_t)(bh * jb->sq + r0) * d * esize(jb);
+    rw->q = q;
+    if (jb->mode == MODE_WIDEN) {
+        widen(sc->q32, (const uint16_t *)q, nq * d);
+        rw->q = sc->q32;
+    }
+    int64_t kv_off = (b * jb->hkv + h / (jb->hq / jb->hkv)) * jb->skv * d * (int64_t)esize(jb);
+    rw->k = (const char *)jb->k + kv_off;
+    rw->v = (const char *)jb->v + kv_off;
+    for (int t = 0; t < nq; t++)
+        sc->m[t] = -INFINITY, sc->l[t] = 0.0f;
+    memset(sc->o, 0, (size_t)nq * d * sizeof(float));
+    return 1;
+}
+
+static void attend_row(const struct job *jb, struct scratch *sc, int64_t row)
+{
+    int64_t i = row % jb->qmax, bh = row / jb->qmax, r0 = i * jb->bs, hi;
+    int rows = (int)(jb->sq - r0 < jb->bs ? jb->sq - r0 : jb->bs);
+    void *out = (char *)jb->out + (size_t)(bh * jb->sq + r0) * jb->dim * esize(jb);
+    struct row rw;
+    if (!row_init(jb, sc, row, &rw, &hi)) {
+        memset(out, 0, (size_t)rows * jb->dim * esize(jb));
+        return;
+    }
+    const int64_t *list = jb->idx + row * jb->width;
+    for (int64_t s = 0; s < jb->lengths[row]; s++) {
+        int64_t a = list[s] * jb->bs, e = a + jb->bs < hi ? a + jb->bs : hi;
+        if (e <= a)
+            break; /* ascending: no later block is visible either */
+        add_keys(sc, &rw, a, e);
+        if (rw.nblocks == jb->step_blocks)
+            step(jb, sc, &rw);
+    }
+    if (rw.nblocks)
+        step(jb, sc, &rw);
+    write_out(jb, sc, out, rw.nq, rows);
+}
+
+/* --------------------------------------------------------------------------
+ * Scheduling. MODE_AMX goes one (batch, KV head) at a time: its K/V packed by
+ * all threads, then its rows; the other modes share all rows at once.
+ * -------------------------------------------------------------------------- */
+
+/* Rows [r0, r1) ordered by list length, longest first (counting sort). */
+static void order_rows(const struct job *jb, int64_t r0, int64_t r1, int64_t *order,
+                       int64_t *count)
+{
+    int64_t w = jb->width;
+    memset(count, 0, (size_t)(w + 2) * sizeof(int64_t));
+    for (int64_t r = r0; r < r1; r++)
+        count[w - jb->lengths[r] + 1]++;
+    for (int64_t x = 1; x <= w + 1; x++)
+        count[x] += count[x - 1];
+    for (int64_t r = r0; r < r1; r++)
+        order[count[w - jb->lengths[r]]++] = r;
+}
+
+/* Every thread runs this: the slices in turn, with their packing if any.
+ * A thread without scratch still meets every barrier; returns whether it had. */
+static int run_slices(const struct job *jb, const int64_t *order, int64_t nslices,
+                      int64_t per_slice)
+{
+    struct scratch sc;
+    int ok = scratch_init(jb, &sc);
+    int64_t padded = (jb->skv + jb->bs - 1) / jb->bs * jb->bs;
+    int64_t nchunks = (padded + jb->step_keys - 1) / jb->step_keys;
+    for (int64_t sl = 0; sl < nslices; sl++) {
+        if (jb->mode == MODE_AMX) {
+#pragma omp for schedule(static)
+            for (int64_t c = 0; c < nchunks; c++)
+                pack_chunk(jb, sl, c);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = sl * per_slice; r < (sl + 1) * per_slice; r++)
+            if (ok)
+                attend_row(jb, &sc, order[r]);
+    }
+    if (ok)
+        scratch_free(&sc);
+    return ok;
+}
+
+static int run(const struct job *jb, threads_t threads, release_t release, int nthreads)
+{
+    int64_t nrows = jb->batch * jb->hq * jb->qmax;
+    int64_t nslices = jb->mode == MODE_AMX ? jb->batch * jb->hkv : 1;
+    int64_t per_slice = nslices ? nrows / nslices : 0;
+    int64_t *order = malloc((size_t)(nrows ? nrows : 1) * sizeof(int64_t));
+    int64_t *count = malloc((size_t)(jb->width + 2) * sizeof(int64_t));
+    int failed = !order || !count;
+    for (int64_t sl = 0; !failed && sl < nslices; sl++)
+        order_rows(jb, sl * per_slice, (sl + 1) * per_slice, order + sl * per_slice, count);
+    free(count);
+    if (failed) {
+        free(order);
+        return ERR_MEMORY;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        int prev = threads ? threads(1) : 0; /* MKL serial inside this thread */
+        int ok = run_slices(jb, order, nslices, per_slice);
+        if (jb->mode == MODE_AMX)
+            release(true); /* the AMX tile state brgemm configured */
+        if (threads)
+            threads(prev);
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+    }
+    free(order);
+    return failed ? ERR_MEMORY : 0;
+}
+
+/* q [B, Hq, Sq, D], k and v [B, Hkv, Skv, D], out [B, Hq, Sq, D]: contiguous,
+ * one dtype (F32 or BF16). idx [B, Hq, Qmax, width] int64, each row's first
+ * lengths[b, h, i] entries ascending, in [0, ceil(Skv / bs)), no duplicates;
+ * q_lens, kv_lens [B]. mode: MODE_SGEMM for F32, MODE_WIDEN or MODE_AMX for
+ * BF16 (MODE_AMX needs an AMX CPU, even D and bs). blas: {sgemm_, brgemm,
+ * brgemm_release, MKL_Set_Num_Threads_Local}, the last may be NULL and the
+ * brgemm pair when not MODE_AMX. isa: ISA_AUTO, or a set to force (tests).
+ * Returns 0, ERR_MEMORY, or ERR_ARGS (bad sizes, missing GEMM, isa not here). */
+int stem_sparse_attention(const void *q, const void *k, const void *v, void *out, int64_t batch,
+                          int64_t hq, int64_t hkv, int64_t sq, int64_t skv, int64_t dim,
+                          int64_t bs, const int64_t *idx, int64_t width, const int64_t *lengths,
+                          const int64_t *q_lens, const int64_t *kv_lens, int causal, double scale,
+                          int dtype, int mode, void *const *blas, int isa, int nthreads)
+{
+    struct job jb = {.q = q, .k = k, .v = v, .out = out, .batch = batch, .hq = hq, .hkv = hkv,
+                     .sq = sq, .skv = skv, .dim = dim, .bs = bs, .width = width, .idx = idx,
+                     .lengths = lengths, .q_lens = q_lens, .kv_lens = kv_lens,
+                     .causal = causal, .dtype = dtype, .mode = mode,
+                     .alpha = (float)(scale * 1.4426950408889634),
+                     .sgemm = (sgemm_t)blas[0], .brgemm = (brgemm_t)blas[1]};
+    int amx = mode == MODE_AMX;
+    if (batch < 0 || hq < 1 || hkv < 1 || hq % hkv || sq < 0 || skv < 0 || dim < 1 ||
+        bs < 1 || width < 0 || dim > 65536 || bs > 65536 ||
+        (dtype == F32) != (mode == MODE_SGEMM) || (dtype != F32 && dtype != BF16) ||
+        (mode != MODE_SGEMM && mode != MODE_WIDEN && !amx) ||
+        (amx ? !jb.brgemm || !blas[2] || dim % 2 || bs % 2 : !jb.sgemm) ||
+        pick_rowops(isa, &jb.ops))
+        return ERR_ARGS;
+    jb.qmax = (sq + bs - 1) / bs;
+    jb.step_blocks = bs >= STEP_KEYS ? 1 : (int)(STEP_KEYS / bs);
+    jb.step_keys = jb.step_blocks * (int)bs;
+    /* Strides off powers of two (cache sets), rows on 64-byte lines (AMX loads). */
+    jb.ld_s = (jb.step_keys + 15) / 16 * 16 + 16;
+    jb.ld_p = (jb.step_keys + 31) / 32 * 32 + 32;
+    if (amx) {
+        int64_t keys = ((skv + bs - 1) / bs * bs + jb.step_keys - 1) / jb.step_keys * jb.step_keys;
+        jb.kp = alloc((size_t)keys * dim * sizeof(uint16_t));
+        jb.vp = alloc((size_t)keys * dim * sizeof(uint16_t));
+    }
+    int err = amx && (!jb.kp || !jb.vp)
+                  ? ERR_MEMORY
+                  : run(&jb, (threads_t)blas[3], (release_t)blas[2], nthreads < 1 ? 1 : nthreads);
+    free(jb.kp), free(jb.vp);
+    return err;
+}

@@ -1,0 +1,242 @@
+"""The CPU block-sparse attention kernel (``ops/sparse_attention.py``,
+``csrc/sparse_attention.c``) against a float64 dense reference restricted to
+the listed blocks.
+
+Accuracy: the kernel's largest error on the valid outputs must be within 4x
+the error torch's dense SDPA makes on the same inputs and the same mask
+(against the same float64 reference). Outputs that must be zero (padded query
+positions, queries with no visible key) must be exactly zero, also when the
+padding of q, k and v holds NaN and inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stem_indexer.ops import sparse_attention as sa
+
+pytestmark = pytest.mark.skipif(not sa.available(), reason=sa.status())
+
+ISAS = ["avx512bf16", "avx512", "avx2", "scalar"]
+BF16_MODES = ["amx", "widen"] if sa.amx_available() else ["widen"]
+
+
+def selection(gen, batch, hq, qmax, kmax, *, p=0.4, diagonal=True, empty=0.1):
+    """Random ascending lists (-1 past each length): each key block kept with
+    probability p; the diagonal block (i + kmax - qmax) kept or dropped as
+    asked; a fraction ``empty`` of rows list nothing."""
+    keep = torch.rand(batch, hq, qmax, kmax, generator=gen) < p
+    diag = torch.arange(qmax)[:, None] + kmax - qmax == torch.arange(kmax)[None, :]
+    keep = keep | diag if diagonal else keep & ~diag
+    keep &= torch.rand(batch, hq, qmax, 1, generator=gen) >= empty
+    lengths = keep.sum(-1)
+    blocks = torch.where(keep, torch.arange(kmax), kmax).sort(-1).values
+    return torch.where(blocks < kmax, blocks, -1), lengths
+
+
+def visibility(idx, lengths, q_lens, kv_lens, sq, skv, bs, causal):
+    """[B, Hq, Sq, Skv] bool: listed block, valid query and key, causal."""
+    batch, hq, qmax, _ = idx.shape
+    member = torch.zeros(batch, hq, qmax, math.ceil(skv / bs) + 1, dtype=torch.bool)
+    listed = torch.arange(idx.shape[-1]) < lengths[..., None]
+    member.scatter_(-1, torch.where(listed, idx, member.shape[-1] - 1), True)
+    member = member[..., :-1].repeat_interleave(bs, 2).repeat_interleave(bs, 3)[..., :sq, :skv]
+    t = torch.arange(sq)[:, None]
+    j = torch.arange(skv)[None, :]
+    vis = (t < q_lens[:, None, None]) & (j < kv_lens[:, None, None])
+    if causal:
+        vis &= j <= t + (kv_lens - q_lens)[:, None, None]
+    return member & vis[:, None]
+
+
+def clean(x, lens):
+    """x with its padding (positions >= lens) zeroed."""
+    pad = torch.arange(x.shape[2])[None, :] >= lens[:, None]
+    return x.masked_fill(pad[:, None, :, None], 0)
+
+
+def reference(q, k, v, vis, scale):
+    """float64 softmax attention under ``vis``; rows seeing nothing give 0."""
+    group = q.shape[1] // k.shape[1]
+    kd = k.double().repeat_interleave(group, 1)
+    vd = v.double().repeat_interleave(group, 1)
+    s = scale * q.double() @ kd.transpose(-1, -2)
+    s = s.masked_fill(~vis, -math.inf)
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return p @ vd
+
+
+def sdpa(q, k, v, vis, scale):
+    group = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1),
+                                          v.repeat_interleave(group, 1), attn_mask=vis,
+                                          scale=scale)
+
+
+def make_case(seed, *, batch=1, hq=4, hkv=2, sq=200, skv=None, dim=64, bs=32, causal=True,
+              dtype=torch.float32, q_lens=None, kv_lens=None, **sel):
+    gen = torch.Generator().manual_seed(seed)
+    skv = sq if skv is None else skv
+    q = torch.randn(batch, hq, sq, dim, generator=gen).to(dtype)
+    k = torch.randn(batch, hkv, skv, dim, generator=gen).to(dtype)
+    v = torch.randn(batch, hkv, skv, dim, generator=gen).to(dtype)
+    q_lens = torch.full((batch,), sq) if q_lens is None else torch.tensor(q_lens)
+    kv_lens = torch.full((batch,), skv) if kv_lens is None else torch.tensor(kv_lens)
+    idx, lengths = selection(gen, batch, hq, math.ceil(sq / bs), math.ceil(skv / bs), **sel)
+    return dict(q=q, k=k, v=v, idx=idx, lengths=lengths, q_lens=q_lens, kv_lens=kv_lens,
+                block_size=bs, causal=causal, scale=dim ** -0.5)
+
+
+def plant(case, value):
+    """Put ``value`` in every padded position of q, k and v (copies)."""
+    out = dict(case)
+    for name, lens in (("q", case["q_lens"]), ("k", case["kv_lens"]), ("v", case["kv_lens"])):
+        x = case[name].clone()
+        pad = torch.arange(x.shape[2])[None, :] >= lens[:, None]
+        out[name] = x.masked_fill(pad[:, None, :, None], value)
+    return out
+
+
+def check(case, **kw):
+    """Run the kernel; compare with the reference; return its output."""
+    out = sa.sparse_attention(**case, **kw)
+    assert out.dtype == case["q"].dtype and out.shape == case["q"].shape
+    q, k, v = (clean(case[n], case[ln]) for n, ln in (("q", "q_lens"), ("k", "kv_lens"),
+                                                       ("v", "kv_lens")))
+    vis = visibility(case["idx"], case["lengths"], case["q_lens"], case["kv_lens"],
+                     q.shape[2], k.shape[2], case["block_size"], case["causal"])
+    ref = reference(q, k, v, vis, case["scale"])
+    seen = vis.any(-1)  # [B, Hq, Sq]: queries with a visible key
+    assert torch.equal(out[~seen], torch.zeros_like(out[~seen])), "zero rows must be exact 0"
+    if not bool(seen.any()):
+        return out
+    err = (out.double() - ref)[seen].abs().max().item()
+    base = (sdpa(q, k, v, vis, case["scale"]).double() - ref)[seen].abs().max().item()
+    tiny = 4 * torch.finfo(q.dtype).eps * ref[seen].abs().max().item()
+    assert err <= 4 * base + tiny, f"error {err:.3g} vs SDPA's {base:.3g}"
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2)])
+@pytest.mark.parametrize("dim", [64, 128, 40])
+def test_dtypes_heads_dims(dtype, hq, hkv, dim):
+    for mode in BF16_MODES if dtype == torch.bfloat16 else ["auto"]:
+        check(make_case(dim + hq, hq=hq, hkv=hkv, dim=dim, dtype=dtype), bf16=mode)
+
+
+@pytest.mark.parametrize("bs", [16, 32, 128])
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_sizes_and_causal(bs, causal):
+    sq = 3 * bs + bs // 2 + 3  # a tail block on both sides
+    for dtype in (torch.float32, torch.bfloat16):
+        check(make_case(bs, sq=sq, bs=bs, causal=causal, dtype=dtype, p=0.5))
+
+
+@pytest.mark.parametrize("skv_extra", [0, 5, 64, 100])
+def test_chunked_prefill(skv_extra):
+    """q shorter than kv: right-down causal (query t sees keys <= t + Skv - Sq)."""
+    sq = 90
+    check(make_case(7, sq=sq, skv=sq + skv_extra, bs=32))
+    check(make_case(8, sq=sq, skv=sq + skv_extra, bs=32, dtype=torch.bfloat16))
+
+
+def test_kv_shorter_than_q():
+    """kv_len < q_len: the first queries see no key and output 0."""
+    check(make_case(9, batch=2, sq=100, skv=100, bs=16, q_lens=[100, 80], kv_lens=[60, 30]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_batches(dtype):
+    case = make_case(3, batch=4, hq=4, hkv=2, sq=150, skv=170, bs=32, dtype=dtype,
+                     q_lens=[150, 0, 77, 40], kv_lens=[170, 90, 0, 101])
+    check(case)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padding_never_leaks(value, dtype):
+    case = make_case(11, batch=3, sq=130, skv=140, bs=32, dtype=dtype,
+                     q_lens=[130, 99, 45], kv_lens=[101, 140, 67])
+    for mode in BF16_MODES if dtype == torch.bfloat16 else ["auto"]:
+        clean_out = sa.sparse_attention(**case, bf16=mode)
+        dirty_out = check(plant(case, value), bf16=mode)
+        assert torch.equal(clean_out, dirty_out)
+
+
+def test_lists_without_diagonal():
+    """Query tokens whose listed blocks hold no visible key output exactly 0."""
+    check(make_case(5, sq=160, bs=32, diagonal=False, p=0.3))
+    check(make_case(6, sq=160, bs=32, diagonal=False, p=0.0, empty=0.0))
+
+
+def test_empty_rows_and_empty_lists():
+    check(make_case(12, sq=128, bs=32, empty=0.5))
+    case = make_case(13, sq=64, bs=32)
+    case["idx"] = case["idx"][..., :0]
+    case["lengths"] = torch.zeros_like(case["lengths"])
+    assert torch.equal(check(case), torch.zeros_like(case["q"]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_lists_span_steps(dtype):
+    """Lists longer than one online-softmax step (512 keys), in many pieces
+    (with AMX, also pieces across the packed 512-key chunks of K)."""
+    check(make_case(14, hq=2, hkv=1, sq=1200, bs=16, p=0.6, dim=32, dtype=dtype))
+    check(make_case(15, hq=2, hkv=1, sq=1200, bs=128, p=0.9, dim=32, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_larger_than_a_step(dtype):
+    check(make_case(20, hq=2, hkv=1, sq=1500, bs=640, dim=16, dtype=dtype, p=0.7))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_tails_and_negative_scale(dtype):
+    case = make_case(21, batch=2, sq=2 * 32 + 1, bs=32, dtype=dtype, q_lens=[65, 33])
+    check(case)
+    check({**case, "scale": -0.3})
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_instruction_sets(isa):
+    try:
+        out = check(make_case(16, sq=100, bs=16, dim=40), isa=isa)
+    except ValueError:
+        pytest.skip(f"{isa} does not run on this CPU")
+    assert torch.equal(out, sa.sparse_attention(**make_case(16, sq=100, bs=16, dim=40),
+                                                isa=isa))
+    for mode in BF16_MODES:
+        check(make_case(17, sq=100, bs=16, dim=40, dtype=torch.bfloat16), isa=isa, bf16=mode)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_thread_counts_agree(dtype):
+    case = make_case(18, batch=2, hq=4, hkv=2, sq=300, bs=32, dtype=dtype, q_lens=[300, 201])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = sa.sparse_attention(**case)
+        torch.set_num_threads(2)
+        two = sa.sparse_attention(**case)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_rejects_what_it_cannot_run():
+    case = make_case(19, sq=64, bs=32)
+    with pytest.raises(TypeError):
+        sa.sparse_attention(**{**case, "q": case["q"].double()})
+    with pytest.raises(ValueError):
+        sa.sparse_attention(**case, bf16="fast")
+    with pytest.raises(ValueError):
+        sa.sparse_attention(**{**case, "lengths": case["lengths"][..., :1]})
+    odd = make_case(22, sq=64, bs=32, dim=33, dtype=torch.bfloat16)
+    with pytest.raises(ValueError):
+        sa.sparse_attention(**odd, bf16="amx")
+    check(odd)  # "auto" widens
