@@ -200,17 +200,14 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
 
 def _native():
     """The native kernel's module, or None where it is not built."""
-    try:  # TODO(merge): the native kernel lands with ops/sparse_attention.py
-        from .ops import sparse_attention
-    except ImportError:
-        return None
+    from .ops import sparse_attention
     return sparse_attention if sparse_attention.available() else None
 
 
 def _backend(backend: str, q: torch.Tensor) -> str:
     if backend != "auto":
         return backend
-    if q.device.type == "cpu" and q.dtype != torch.float64 and _native() is not None:
+    if q.device.type == "cpu" and _native() is not None and q.dtype in _native().DTYPES:
         return "native"
     if q.device.type == "cuda" and flex.available():
         return "flex"
@@ -273,7 +270,7 @@ def _run(c: _Call, backend: str, want_lse: bool = False):
             fail("block_sparse_attention", "backend", "'native' is not available here "
                  f"({_native_status()})", "'native'")
         out, lse = native.sparse_attention(c.q, c.k, c.v, c.idx, c.lengths, c.qlen, c.kvlen,
-                                           c.bs, c.causal, c.scale, c.softcap)
+                                           c.bs, c.causal, c.scale, c.softcap, lse=True)
     elif backend == "flex":
         out, lse = _flex(c, want_lse)
     else:

@@ -45,9 +45,10 @@ from . import native
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 LIB = native.Library("sparse_attention", {
-    "stem_sparse_attention": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
-                                     _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int, ctypes.c_double,
-                                     _int, _int, _ptr, _int, _int]),
+    "stem_sparse_attention": (_int, [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
+                                     _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int,
+                                     ctypes.c_double, ctypes.c_double, _int, _int, _ptr, _int,
+                                     _int]),
 })
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -126,8 +127,9 @@ def _mode(dtype: torch.dtype, bf16: str, dim: int, block_size: int) -> int:
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
                      lengths: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor,
-                     block_size: int, causal: bool, scale: float, *, bf16: str = "auto",
-                     isa: str = "auto") -> torch.Tensor:
+                     block_size: int, causal: bool, scale: float, softcap: float | None = None,
+                     *, lse: bool = False, bf16: str = "auto",
+                     isa: str = "auto") -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention of q [B, Hq, Sq, D] on k, v [B, Hkv, Skv, D].
 
     Requires (checked here only where cheap; the caller checks the rest):
@@ -140,12 +142,15 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: tor
       ``[0, ceil(Skv / block_size))`` (entries past the length are ignored);
     * lengths: integer [B, Hq, ceil(Sq / block_size)], each in [0, W];
     * q_lens, kv_lens: integer [B], ``q_lens <= Sq``, ``kv_lens <= Skv``;
-    * scale: any finite number.
+    * scale: any finite number; softcap: None or > 0 (scaled scores become
+      ``softcap * tanh(score / softcap)`` before the softmax).
 
     ``bf16``: how bfloat16 is multiplied (``"amx"`` or ``"widen"``, see the
     module doc; ``"auto"`` picks by hardware). ``isa``: the instruction set of
     the softmax (``"auto"``, or one of ``ISAS`` to test the others on one
-    machine). Returns [B, Hq, Sq, D] in q's dtype.
+    machine). Returns [B, Hq, Sq, D] in q's dtype; with ``lse`` also the
+    float32 log-sum-exp [B, Hq, Sq] (natural log) of the scores each query
+    attended (-inf where it saw none, and at padded positions).
     """
     found = _torch_blas()[0]
     lib = native.load(LIB)
@@ -168,16 +173,18 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: tor
     idx, lengths, q_lens, kv_lens = (t.to(torch.int64).contiguous()
                                      for t in (idx, lengths, q_lens, kv_lens))
     out = torch.empty_like(q)
+    lse_out = torch.empty((batch, hq, sq), dtype=torch.float32) if lse else None
     table = (ctypes.c_void_p * 4)(found["sgemm_"], found[_CPUBLAS[0]], found[_CPUBLAS[1]],
                                   found["MKL_Set_Num_Threads_Local"])
     code = lib.stem_sparse_attention(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), batch, hq, hkv, sq, skv, dim,
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+        None if lse_out is None else lse_out.data_ptr(), batch, hq, hkv, sq, skv, dim,
         block_size, idx.data_ptr(), idx.shape[3], lengths.data_ptr(), q_lens.data_ptr(),
-        kv_lens.data_ptr(), int(bool(causal)), float(scale), DTYPES[q.dtype], mode, table,
-        ISAS[isa], torch.get_num_threads())
+        kv_lens.data_ptr(), int(bool(causal)), float(scale), float(softcap or 0.0),
+        DTYPES[q.dtype], mode, table, ISAS[isa], torch.get_num_threads())
     if code == _ERR_MEMORY:
         raise MemoryError("sparse_attention: no memory for the kernel's scratch")
     if code != 0:
         raise ValueError(f"sparse_attention: arguments refused by the kernel (isa={isa!r} "
                          f"may not run on this CPU; shapes {tuple(q.shape)}, {tuple(k.shape)})")
-    return out
+    return (out, lse_out) if lse else out

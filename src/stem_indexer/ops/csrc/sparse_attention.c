@@ -373,10 +373,12 @@ static int pick_rowops(int isa, struct rowops *ops)
 struct job {
     const void *q, *k, *v;
     void *out;
+    float *lse; /* [B, Hq, Sq] natural log-sum-exp of the attended scores, or NULL */
     int64_t batch, hq, hkv, sq, skv, dim, bs, qmax, width;
     const int64_t *idx, *lengths, *q_lens, *kv_lens;
     int causal, dtype, mode;
     float alpha;               /* scale * log2(e): scores in base-2 units */
+    float cap_in, cap_out;     /* soft-capping: s -> cap_out * tanh(s * cap_in); 0: none */
     int step_blocks, step_keys; /* per step; the K chunk of MODE_AMX */
     int ld_s, ld_p;            /* row strides of the score and bf16 P tiles */
     sgemm_t sgemm;
@@ -559,6 +561,9 @@ static void softmax_step(const struct job *jb, struct scratch *sc, const struct 
     for (int t = 0; t < rw->nq; t++) {
         float *s = sc->s + (size_t)t * jb->ld_s;
         int c = all ? rw->ncols : visible(sc, rw, t);
+        if (jb->cap_in != 0.0f) /* scale * s -> cap * tanh(scale * s / cap), in s units */
+            for (int j = 0; j < c; j++)
+                s[j] = jb->cap_out * tanhf(s[j] * jb->cap_in);
         float mx = c ? jb->ops.max(s, c, jb->alpha) : -INFINITY;
         float m_new = mx > sc->m[t] ? mx : sc->m[t];
         if (m_new == -INFINITY) { /* nothing visible yet: zero weights */
@@ -651,11 +656,17 @@ static void add_keys(struct scratch *sc, struct row *rw, int64_t a, int64_t e)
     rw->nblocks++;
 }
 
-/* Normalised output rows (zero where nothing was visible), zero padding rows. */
-static void write_out(const struct job *jb, const struct scratch *sc, void *out, int nq,
-                      int rows)
+/* Normalised output rows (zero where nothing was visible), zero padding rows;
+ * with jb->lse, each query's log-sum-exp (natural log, -inf where nothing was
+ * visible and on padding rows) at lse. */
+static void write_out(const struct job *jb, const struct scratch *sc, void *out, float *lse,
+                      int nq, int rows)
 {
     int64_t d = jb->dim;
+    if (lse != NULL)
+        for (int t = 0; t < rows; t++)
+            lse[t] = t < nq && sc->l[t] > 0.0f ? (sc->m[t] + log2f(sc->l[t])) * 0.69314718f
+                                               : -INFINITY;
     for (int t = 0; t < nq; t++) {
         float inv = sc->l[t] > 0.0f ? 1.0f / sc->l[t] : 0.0f;
         const float *o = sc->o + t * d;
@@ -706,9 +717,12 @@ static void attend_row(const struct job *jb, struct scratch *sc, int64_t row)
     int64_t i = row % jb->qmax, bh = row / jb->qmax, r0 = i * jb->bs, hi;
     int rows = (int)(jb->sq - r0 < jb->bs ? jb->sq - r0 : jb->bs);
     void *out = (char *)jb->out + (size_t)(bh * jb->sq + r0) * jb->dim * esize(jb);
+    float *lse = jb->lse != NULL ? jb->lse + bh * jb->sq + r0 : NULL;
     struct row rw;
     if (!row_init(jb, sc, row, &rw, &hi)) {
         memset(out, 0, (size_t)rows * jb->dim * esize(jb));
+        for (int t = 0; lse != NULL && t < rows; t++)
+            lse[t] = -INFINITY;
         return;
     }
     const int64_t *list = jb->idx + row * jb->width;
@@ -722,7 +736,7 @@ static void attend_row(const struct job *jb, struct scratch *sc, int64_t row)
     }
     if (rw.nblocks)
         step(jb, sc, &rw);
-    write_out(jb, sc, out, rw.nq, rows);
+    write_out(jb, sc, out, lse, rw.nq, rows);
 }
 
 /* --------------------------------------------------------------------------
@@ -809,20 +823,25 @@ static int run(const struct job *jb, threads_t threads, release_t release, int n
  * brgemm_release, MKL_Set_Num_Threads_Local}, the last may be NULL and the
  * brgemm pair when not MODE_AMX. isa: ISA_AUTO, or a set to force (tests).
  * Returns 0, ERR_MEMORY, or ERR_ARGS (bad sizes, missing GEMM, isa not here). */
-int stem_sparse_attention(const void *q, const void *k, const void *v, void *out, int64_t batch,
-                          int64_t hq, int64_t hkv, int64_t sq, int64_t skv, int64_t dim,
-                          int64_t bs, const int64_t *idx, int64_t width, const int64_t *lengths,
-                          const int64_t *q_lens, const int64_t *kv_lens, int causal, double scale,
-                          int dtype, int mode, void *const *blas, int isa, int nthreads)
+int stem_sparse_attention(const void *q, const void *k, const void *v, void *out, float *lse,
+                          int64_t batch, int64_t hq, int64_t hkv, int64_t sq, int64_t skv,
+                          int64_t dim, int64_t bs, const int64_t *idx, int64_t width,
+                          const int64_t *lengths, const int64_t *q_lens, const int64_t *kv_lens,
+                          int causal, double scale, double softcap, int dtype, int mode,
+                          void *const *blas, int isa, int nthreads)
 {
-    struct job jb = {.q = q, .k = k, .v = v, .out = out, .batch = batch, .hq = hq, .hkv = hkv,
+    struct job jb = {.q = q, .k = k, .v = v, .out = out, .lse = lse, .batch = batch, .hq = hq,
+                     .hkv = hkv,
                      .sq = sq, .skv = skv, .dim = dim, .bs = bs, .width = width, .idx = idx,
                      .lengths = lengths, .q_lens = q_lens, .kv_lens = kv_lens,
                      .causal = causal, .dtype = dtype, .mode = mode,
                      .alpha = (float)(scale * 1.4426950408889634),
+                     .cap_in = softcap > 0 ? (float)(scale / softcap) : 0.0f,
+                     .cap_out = softcap > 0 ? (float)(softcap / scale) : 0.0f,
                      .sgemm = (sgemm_t)blas[0], .brgemm = (brgemm_t)blas[1]};
     int amx = mode == MODE_AMX;
     if (batch < 0 || hq < 1 || hkv < 1 || hq % hkv || sq < 0 || skv < 0 || dim < 1 ||
+        softcap < 0 || (softcap > 0 && scale == 0) ||
         bs < 1 || width < 0 || dim > 65536 || bs > 65536 ||
         (dtype == F32) != (mode == MODE_SGEMM) || (dtype != F32 && dtype != BF16) ||
         (mode != MODE_SGEMM && mode != MODE_WIDEN && !amx) ||
