@@ -1,151 +1,142 @@
-"""Block-sparse attention on the indexer's selection vs dense SDPA.
+"""Stem attention against dense attention on CPU: the end-to-end sweep.
 
-For each dtype: build Q/K/V, run the indexer with its default parameters,
-check the sparse result (against dense attention restricted to the same
-blocks, on sampled rows; against full dense attention, everywhere), then time
-sparse attention and dense causal ``scaled_dot_product_attention`` alternately
-and report medians and their ratio.
+For each length and dtype (B=1, 8 query heads, 2 KV heads, D=128, causal,
+random Q/K/V), in one process and alternating, so that machine noise hits
+all alike:
 
-    .venv/bin/python benchmarks/attention_bench.py              # 32K tokens, fp32 and bf16
-    .venv/bin/python benchmarks/attention_bench.py --seq 8192 --reps 2
+* ``dense``: ``scaled_dot_product_attention(is_causal=True, enable_gqa=True)``;
+* ``stem``: ``stem_attention`` with its defaults (or ``--preset``), the whole
+  call: block representations, indexer, block-sparse attention;
+* ``sparse``: ``block_sparse_attention`` alone on the same selection.
 
-Random Q/K give near-uniform block scores; the budget (and so the density)
-depends only on the length, so timing on them is representative.
+Reported: density (kept / causally visible block pairs), E = dense x density
+/ sparse (1 means the kernel pays per kept pair what dense attention pays per
+visible pair), the speed-ups dense / stem and dense / sparse, the error of
+``stem`` against dense (what the sparsity changes) and against dense
+attention restricted to the same blocks (sampled rows, float64: exactness).
+
+    python benchmarks/attention_bench.py                       # 16K, fp32 and bf16
+    python benchmarks/attention_bench.py --seqs 16384,32768,65536 --record benchmarks/ATTENTION.md
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import platform
-import statistics
-import subprocess
-import time
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import stem_indexer
-from stem_indexer.attention import block_sparse_attention
+from common import git_sha, interleaved_ms, machine, write_atomic
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def machine() -> str:
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return name
-
-
 def restricted_error(q, k, v, out, idx, seq_len, bs, scale, rows, gen) -> float:
-    """Max |out - reference| on sampled rows; the reference is dense float64
-    attention over all keys with the row's listed blocks and the causal mask."""
+    """Max |out - reference| on sampled rows; the reference is float64 attention
+    over the row's listed blocks with the causal mask."""
     _, hq, sq, _ = q.shape
     group = hq // k.shape[1]
-    qmax = idx.shape[2]
     skv = k.shape[2]
     err = 0.0
     for _ in range(rows):
         h = int(torch.randint(hq, (1,), generator=gen))
-        i = int(torch.randint(qmax, (1,), generator=gen))
+        i = int(torch.randint(idx.shape[2], (1,), generator=gen))
         allowed = torch.zeros(skv, dtype=torch.bool)
         for j in idx[0, h, i, : int(seq_len[0, h, i])].tolist():
             allowed[j * bs:(j + 1) * bs] = True
         t = torch.arange(i * bs, min((i + 1) * bs, sq))
         mask = allowed[None, :] & (torch.arange(skv)[None, :] <= t[:, None] + skv - sq)
         s = (q[0, h, t].double() @ k[0, h // group].double().T) * scale
-        p = torch.softmax(s.masked_fill(~mask, -math.inf), dim=-1)
-        ref = p @ v[0, h // group].double()
+        ref = torch.softmax(s.masked_fill(~mask, -math.inf), dim=-1) @ v[0, h // group].double()
         err = max(err, (out[0, h, t].double() - ref).abs().max().item())
     return err
 
 
-def timed(fn):
-    t0 = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - t0, result
+def measure(seq: int, dtype: torch.dtype, heads: int, kv_heads: int, dim: int, reps: int,
+            preset: str) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, seq, dim, generator=gen).to(dtype)
+               for h in (heads, kv_heads, kv_heads))
+    scale = dim ** -0.5
+    inputs = stem_indexer.stem_inputs(q, k, v, scale=scale / 16)
+    idx, lens = stem_indexer.stem_indexer(*inputs, **stem_indexer.PRESETS[preset])
+
+    def dense():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                              enable_gqa=heads != kv_heads)
+
+    def stem():
+        return stem_indexer.stem_attention(q, k, v, scale=scale, preset=preset)
+
+    def sparse():
+        return stem_indexer.block_sparse_attention(q, k, v, idx, lens, block_size=128,
+                                                   scale=scale)
+
+    out, info = stem_indexer.stem_attention(q, k, v, scale=scale, preset=preset,
+                                            return_info=True)
+    ref = dense()
+    exact = restricted_error(q, k, v, out, idx, lens, 128, scale, 8, gen)
+    vs_dense = (out.float() - ref.float()).abs().max().item()
+    del ref
+    ms = interleaved_ms({"dense": dense, "stem": stem, "sparse": sparse}, reps=reps)
+    return {"seq": seq, "dtype": str(dtype).replace("torch.", ""), "density": info.density,
+            "path": info.path, "backend": info.backend, "E": ms["dense"] * info.density /
+            ms["sparse"], "dense": ms["dense"], "stem": ms["stem"], "sparse": ms["sparse"],
+            "exact": exact, "vs_dense": vs_dense}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seq", type=int, default=32768)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--dtypes", default="fp32,bf16")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--check-rows", type=int, default=16)
-    args = ap.parse_args()
+COLUMNS = ("tokens", "dtype", "density", "dense s", "stem_attention s", "dense / stem",
+           "block-sparse s", "E", "max err vs same blocks", "max err vs dense")
 
-    bs, seq, d = 128, args.seq, args.dim
-    scale = 1.0 / math.sqrt(d)
-    env = (f"machine: {machine()}, threads: {torch.get_num_threads()}, "
-           f"torch {torch.__version__}, git {git_sha()}")
-    print(f"B=1 Hq={args.heads} Hkv={args.kv_heads} S={seq} D={d} Bs={bs} Ts=16; {env}")
-    header = ("| dtype | density | indexer s | sparse attn s | dense SDPA s | dense / sparse "
-              "| max err vs same-mask dense | max err vs full dense | env |")
-    rows = []
-    for name in args.dtypes.split(","):
-        dtype = DTYPES[name]
-        gen = torch.Generator().manual_seed(0)
-        q = torch.randn(1, args.heads, seq, d, generator=gen).to(dtype)
-        k = torch.randn(1, args.kv_heads, seq, d, generator=gen).to(dtype)
-        v = torch.randn(1, args.kv_heads, seq, d, generator=gen).to(dtype)
 
-        def select():
-            inputs = stem_indexer.stem_inputs(q, k, v, block_size=bs, stride=16,
-                                              scale=scale / 16)
-            return stem_indexer.stem_indexer(inputs.qflat, inputs.kflat, inputs.vbias,
-                                             inputs.q_seq_lens, inputs.kv_seq_lens)
+def row(r: dict) -> str:
+    cells = [f"{r['seq'] // 1024}K", r["dtype"], f"{r['density']:.1%}", f"{r['dense'] / 1e3:.2f}",
+             f"{r['stem'] / 1e3:.2f}", f"{r['dense'] / r['stem']:.2f}x",
+             f"{r['sparse'] / 1e3:.2f}", f"{r['E']:.2f}", f"{r['exact']:.1e}",
+             f"{r['vs_dense']:.1e}"]
+    return "| " + " | ".join(cells) + " |"
 
-        t_index, (idx, seq_len) = timed(select)
-        qb = idx.shape[2]
-        causal_pairs = args.heads * qb * (qb + 1) // 2
-        density = int(seq_len.sum()) / causal_pairs
 
-        def sparse():
-            return block_sparse_attention(q, k, v, idx, seq_len, block_size=bs, causal=True)
-
-        def dense():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                  enable_gqa=args.heads != args.kv_heads)
-
-        # Correctness first, on the inputs that are timed.
-        t_s, out = timed(sparse)
-        err_same = restricted_error(q, k, v, out, idx, seq_len, bs, scale, args.check_rows, gen)
-        t_d, ref = timed(dense)
-        err_full = (out.float() - ref.float()).abs().max().item()
-        del ref
-        sparse_times, dense_times = [t_s], [t_d]
-        for _ in range(args.reps - 1):
-            sparse_times.append(timed(sparse)[0])
-            dense_times.append(timed(dense)[0])
-        ts, td = statistics.median(sparse_times), statistics.median(dense_times)
-        row = (f"| {name} | {density:.1%} | {t_index:.2f} | {ts:.2f} | {td:.2f} | {td / ts:.2f}x "
-               f"| {err_same:.2e} | {err_full:.2e} | {env} |")
-        print(row, flush=True)
-        rows.append(row)
-    print()
-    print(header)
-    print("|" + "---|" * 9)
-    for row in rows:
-        print(row)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", default="16384", help="comma-separated token counts")
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--preset", choices=tuple(stem_indexer.PRESETS), default="default")
+    parser.add_argument("--record", type=Path, help="append the table to this markdown file")
+    args = parser.parse_args(argv)
+    names = [d.strip() for d in args.dtypes.split(",")]
+    if any(n not in DTYPES for n in names):
+        parser.error(f"--dtypes: choose from {list(DTYPES)}")
+    if args.record is not None and not args.record.parent.is_dir():
+        parser.error(f"--record: directory {args.record.parent} does not exist")
+    seqs = [int(s) for s in args.seqs.split(",")]
+    header = [f"Machine: {machine()}; git {git_sha()}; B=1, Hq={args.heads}, "
+              f"Hkv={args.kv_heads}, D={args.dim}, causal, preset {args.preset}; medians of "
+              f"{args.reps}, the three calls alternating.", "",
+              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    print("\n".join(header), flush=True)
+    lines = []
+    for seq in seqs:
+        for name in names:
+            lines.append(row(measure(seq, DTYPES[name], args.heads, args.kv_heads, args.dim,
+                                     args.reps, args.preset)))
+            print(lines[-1], flush=True)
+    if args.record is not None:
+        command = "python benchmarks/attention_bench.py " + " ".join(
+            sys.argv[1:] if argv is None else argv)
+        write_atomic(args.record, "\n".join(["", f"Command: `{command}`", "", *header, *lines,
+                                             ""]), append=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
