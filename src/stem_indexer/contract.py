@@ -154,16 +154,16 @@ PARAM_NAMES = tuple(f.name for f in dataclasses.fields(IndexerParams))
 
 # Named budgets, as overrides of the schema defaults. ``default`` is the
 # operator's (the paper's and the NPU's): Ks = P below 56 prompt blocks,
-# 0.2 P + 30 below 160, 0.1 P + 30 beyond. The others keep fewer blocks:
-# ``balanced`` Ks = P/10 + 16 from 56 blocks on, ``tight`` Ks = P/8 (about the
-# default's share at 128K tokens, reached already at 7K). Their measured
-# density, speed and accuracy are in benchmarks/QUALITY.md.
+# 0.2 P + 30 below 160, 0.1 P + 30 beyond. The others keep fewer blocks at
+# every length from 56 blocks on: ``balanced`` Ks = P/10 + 16, ``tight``
+# Ks = P/16 + 8. Their measured density, speed and accuracy are in
+# benchmarks/QUALITY.md and benchmarks/ATTENTION.md.
 PRESETS: dict[str, dict] = {
     "default": {},
     "balanced": dict(k_block_num_rate_medium=0.1, k_block_num_bias_medium=16,
                      k_block_num_rate_large=0.1, k_block_num_bias_large=16),
-    "tight": dict(k_block_num_rate_medium=0.125, k_block_num_bias_medium=0,
-                  k_block_num_rate_large=0.125, k_block_num_bias_large=0),
+    "tight": dict(k_block_num_rate_medium=0.0625, k_block_num_bias_medium=8,
+                  k_block_num_rate_large=0.0625, k_block_num_bias_large=8),
 }
 
 
