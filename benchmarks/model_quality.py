@@ -49,11 +49,13 @@ CONFIGS = {  # name: stem_attention keyword arguments (None: dense SDPA)
     "default": dict(preset="default"),
     "balanced": dict(preset="balanced"),
     "tight": dict(preset="tight"),
-    "default, OAM off": dict(preset="default", oam=False),
-    "tight, OAM off": dict(preset="tight", oam=False),
-    "default, alpha 0.7": dict(preset="default", alpha=0.7),
-    "tight, alpha 0.7": dict(preset="tight", alpha=0.7),
+    # ablations, on request (--configs): the Output-Aware Metric off, a decaying budget
+    "default-no-oam": dict(preset="default", oam=False),
+    "tight-no-oam": dict(preset="tight", oam=False),
+    "default-alpha0.7": dict(preset="default", alpha=0.7),
+    "tight-alpha0.7": dict(preset="tight", alpha=0.7),
 }
+PRESET_CONFIGS = ("dense", "default", "balanced", "tight")
 INTRO = ("There is an important number hidden inside a lot of irrelevant text. Find it and "
          "memorize it. I will quiz you about it.\n")
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
@@ -256,9 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="2048,4096,6144,7680",
                         help="passkey prompt lengths (the model's window is 8192)")
     parser.add_argument("--long", action="store_true", help="also 16K and 32K, RoPE x4")
+    parser.add_argument("--long-only", action="store_true",
+                        help="only the 16K and 32K passkey of the RoPE-scaled model")
     parser.add_argument("--long-trials", type=int, default=10)
     parser.add_argument("--windows", type=int, default=2, help="perplexity windows")
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--configs", default=",".join(PRESET_CONFIGS),
+                        help=f"comma-separated, from {', '.join(CONFIGS)}")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--record", type=Path, help="write the tables to this markdown file")
@@ -278,13 +283,29 @@ def main(argv: list[str] | None = None) -> int:
     def echo(text: str) -> None:
         print(f"[{time.perf_counter() - started:6.0f} s] {text}", flush=True)
 
-    tok, model = load(dtype)
-    fns = register({n: CONFIGS[n] for n in names})
-    echo(f"loaded ({dtype}); {machine()}")
+    echo(f"{machine()}; model in {dtype}")
     command = " ".join(sys.argv[1:] if argv is None else argv)
     lines = [f"Command: `python benchmarks/model_quality.py {command}`",
              f"Machine: {machine()}; model in {str(dtype).replace('torch.', '')}; git {git_sha()}",
              ""]
+    if not args.long_only:
+        tok, model = load(dtype)
+        fns = register({n: CONFIGS[n] for n in names})
+        lines += short_context(model, tok, fns, names, lengths, args, echo)
+    if args.long or args.long_only:
+        lines += long_context(dtype, names, args.long_trials, args.seed, echo)
+    lines += ["", f"({time.perf_counter() - started:.0f} s in all, CPU {cpu_model()})"]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.record is not None:
+        write_atomic(args.record, text)
+    return 0
+
+
+def short_context(model, tok, fns, names, lengths, args, echo) -> list[str]:
+    """Passkey, density per layer, perplexity and time to first token within
+    the model's 8K window."""
+    lines = []
     hits = passkey(model, tok, fns, names, lengths, args.trials, args.seed, echo)
     lines += ["### Passkey retrieval (successes / trials [95% interval])", ""]
     lines += passkey_table(hits, names, lengths, args.trials, DENSE_BELOW)
@@ -320,14 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     echo("time to first token done")
 
-    if args.long:
-        lines += long_context(dtype, names, args.long_trials, args.seed, echo)
-    lines += ["", f"({time.perf_counter() - started:.0f} s in all, CPU {cpu_model()})"]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.record is not None:
-        write_atomic(args.record, text)
-    return 0
+    return lines
 
 
 def long_context(dtype, names, trials: int, seed: int, echo) -> list[str]:

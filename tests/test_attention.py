@@ -10,6 +10,8 @@ from stem_indexer import attention
 from stem_indexer.attention import block_sparse_attention, dense_attention, stem_attention
 from stem_indexer.ops import gather_attention
 
+from attention_inputs import SMALL, qkv
+
 
 def expanded_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, causal):
     """[B, Hq, Sq, Skv] token mask: listed blocks, valid tokens, right-down causal."""
@@ -235,21 +237,13 @@ def test_block_sparse_invalid_inputs(mutate, arg):
 # stem_attention
 # --------------------------------------------------------------------------- #
 
-SMALL = dict(stem_block_size=16, stem_stride=4)
-
-
-def _qkv(batch, hq, hkv, sq, skv, dim, seed, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(batch, hq, sq, dim, generator=gen).to(dtype),
-            torch.randn(batch, hkv, skv, dim, generator=gen).to(dtype),
-            torch.randn(batch, hkv, skv, dim, generator=gen).to(dtype))
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_stem_attention_is_the_indexer_selection(causal):
     """Long enough for the budget to drop blocks: the result is block-sparse
     attention over exactly the indexer's selection (with scale/stride folded)."""
-    q, k, v = _qkv(2, 4, 2, 1100, 1100, 8, 15)
+    q, k, v = qkv(2, 4, 2, 1100, 1100, 8, 15)
     lens = [1100, 900]
     out = stem_attention(q, k, v, causal=causal, q_lens=lens, kv_lens=lens, **SMALL)
     inputs = stem_indexer.stem_inputs(q, k, v, q_lens=lens, kv_lens=lens, scale=8 ** -0.5 / 4,
@@ -264,7 +258,7 @@ def test_stem_attention_is_the_indexer_selection(causal):
 
 
 def test_stem_attention_parameters_reach_the_indexer():
-    q, k, v = _qkv(1, 2, 2, 1100, 1100, 8, 16)
+    q, k, v = qkv(1, 2, 2, 1100, 1100, 8, 16)
     a = stem_attention(q, k, v, **SMALL)
     b = stem_attention(q, k, v, alpha=0.3, **SMALL)
     c = stem_attention(q, k, v, oam=False, **SMALL)
@@ -280,7 +274,7 @@ def test_stem_attention_parameters_reach_the_indexer():
 def test_stem_attention_dense_fallback(case, causal):
     batch, hq, hkv, sq, skv, dim = case["shape"]
     q_lens, kv_lens = case["lens"]
-    q, k, v = _qkv(batch, hq, hkv, sq, skv, dim, 17)
+    q, k, v = qkv(batch, hq, hkv, sq, skv, dim, 17)
     out = stem_attention(q, k, v, causal=causal, q_lens=q_lens, kv_lens=kv_lens, **SMALL)
     full = torch.ones(batch, hq, -(-sq // 16), -(-skv // 16), dtype=torch.int32)
     everything = torch.arange(full.shape[-1], dtype=torch.int32).expand_as(full)
@@ -289,7 +283,7 @@ def test_stem_attention_dense_fallback(case, causal):
 
 
 def test_stem_attention_dtype_scale_and_errors():
-    q, k, v = _qkv(1, 2, 1, 64, 64, 8, 18, torch.bfloat16)
+    q, k, v = qkv(1, 2, 1, 64, 64, 8, 18, torch.bfloat16)
     out = stem_attention(q, k, v, scale=0.2, **SMALL)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     every = torch.ones(1, 2, 4, 4, dtype=torch.bool)
@@ -318,7 +312,7 @@ _BAD_ARGS = [("causal", None), ("causal", "no"), ("backend", "xla"), ("oam", 1),
 def test_arguments_are_checked_whichever_path_runs(call, name, value):
     """Whether the call would run dense or sparse, a bad argument is refused."""
     seq = 1100 if call == "stem_attention" else 64  # 64 tokens: the dense path
-    q, k, v = _qkv(1, 2, 1, seq, seq, 8, 19)
+    q, k, v = qkv(1, 2, 1, seq, seq, 8, 19)
     with pytest.raises(stem_indexer.StemIndexerInputError, match=f"{call.split('-')[0]}: {name}"):
         if call == "block_sparse_attention":
             idx = torch.zeros(1, 2, 4, 1, dtype=torch.int32)
@@ -330,7 +324,7 @@ def test_arguments_are_checked_whichever_path_runs(call, name, value):
 
 @pytest.mark.parametrize("seq", [64, 1100], ids=["dense-path", "sparse-path"])
 def test_inference_only_the_same_on_every_path(seq):
-    q, k, v = _qkv(1, 2, 1, seq, seq, 8, 20)
+    q, k, v = qkv(1, 2, 1, seq, seq, 8, 20)
     q.requires_grad_()
     with pytest.raises(stem_indexer.StemIndexerInputError, match="inference-only"):
         stem_attention(q, k, v, **SMALL)
@@ -378,7 +372,7 @@ def test_block_mask_splits_full_and_partial_blocks():
 def test_stem_attention_flex_backend_equals_gather():
     """The one-call path through compiled FlexAttention on CPU (the CUDA
     default) gives the gather backend's result on the same selection."""
-    q, k, v = _qkv(2, 4, 2, 1100, 1100, 8, 22)
+    q, k, v = qkv(2, 4, 2, 1100, 1100, 8, 22)
     lens = [1100, 900]
     flex = stem_attention(q, k, v, q_lens=lens, kv_lens=lens, backend="flex", **SMALL)
     gather = stem_attention(q, k, v, q_lens=lens, kv_lens=lens, backend="gather", **SMALL)

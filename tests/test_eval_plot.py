@@ -119,7 +119,7 @@ def test_cli_plot(tmp_path, capsys, source):
     pytest.importorskip("matplotlib")
     out = tmp_path / "map.png"
     argv = ["plot", "--source", source, "--q-blocks", "24", "--kv-blocks", "24",
-            "--block-size", "16", "--stride", "4", "--head", "1", "--budget", "default",
+            "--block-size", "16", "--stride", "4", "--head", "1", "--preset", "default",
             "--out", str(out)]
     assert cli.main(argv) == 0
     assert out.read_bytes()[:8] == PNG_SIGNATURE
@@ -148,7 +148,7 @@ def test_plot_default_shows_a_sparse_selection(tmp_path, capsys):
     printed = capsys.readouterr().out
     kept, visible = (int(x) for x in re.search(r"kept (\d+) block pairs .* of (\d+) visible",
                                                printed).groups())
-    assert visible == 64 * 65 // 2 and kept < 0.5 * visible
+    assert visible == 128 * 129 // 2 and kept < 0.5 * visible
 
 
 # --------------------------------------------------------------------------- #

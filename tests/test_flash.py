@@ -12,14 +12,7 @@ import stem_indexer
 from stem_indexer import (PRESETS, StemIndexerInputError, stem_attention, stem_attn_func,
                           stem_attn_varlen_func)
 
-SMALL = dict(stem_block_size=16, stem_stride=4)
-
-
-def _qkv(batch, hq, hkv, sq, skv, dim, seed, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(batch, hq, sq, dim, generator=gen).to(dtype),
-            torch.randn(batch, hkv, skv, dim, generator=gen).to(dtype),
-            torch.randn(batch, hkv, skv, dim, generator=gen).to(dtype))
+from attention_inputs import SMALL, qkv
 
 
 def _reference(q, k, v, scale, causal=True, softcap=None, allowed=None):
@@ -48,7 +41,7 @@ def _reference(q, k, v, scale, causal=True, softcap=None, allowed=None):
 
 @pytest.mark.parametrize("seq", [64, 1100], ids=["dense-path", "sparse-path"])
 def test_flash_layout_equals_stem_attention(seq):
-    q, k, v = _qkv(2, 4, 2, seq, seq, 8, 1)
+    q, k, v = qkv(2, 4, 2, seq, seq, 8, 1)
     want, want_lse = stem_attention(q, k, v, return_lse=True, **SMALL)
     out, lse = stem_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                               return_lse=True, **SMALL)
@@ -58,7 +51,7 @@ def test_flash_layout_equals_stem_attention(seq):
 
 
 def test_lse_is_the_log_sum_exp_of_the_attended_scores():
-    q, k, v = _qkv(1, 2, 1, 64, 96, 8, 2)  # dense: 6 blocks of 16 for 4 query blocks
+    q, k, v = qkv(1, 2, 1, 64, 96, 8, 2)  # dense: 6 blocks of 16 for 4 query blocks
     scale = 8 ** -0.5
     out, lse = stem_attention(q, k, v, return_lse=True, **SMALL)
     ref, ref_lse = _reference(q, k, v, scale)
@@ -69,7 +62,7 @@ def test_lse_is_the_log_sum_exp_of_the_attended_scores():
 def test_partial_results_merge_exactly_by_lse():
     """Attention over all keys = the lse-weighted merge of attention over a
     prefix (non-causal, chunked prefill) and over the rest (causal)."""
-    q, k, v = _qkv(1, 2, 2, 64, 160, 8, 3)
+    q, k, v = qkv(1, 2, 2, 64, 160, 8, 3)
     full, lse = stem_attention(q, k, v, return_lse=True, **SMALL)
     a, lse_a = stem_attention(q, k[:, :, :96], v[:, :, :96], causal=False, return_lse=True,
                               **SMALL)
@@ -83,7 +76,7 @@ def test_partial_results_merge_exactly_by_lse():
 
 def test_sparse_path_lse_matches_its_selection():
     """On the sparse path the lse is over the listed blocks only."""
-    q, k, v = _qkv(1, 2, 1, 1100, 1100, 8, 4)
+    q, k, v = qkv(1, 2, 1, 1100, 1100, 8, 4)
     scale = 8 ** -0.5
     out, lse, info = stem_attention(q, k, v, return_lse=True, return_info=True, preset="tight",
                                     **SMALL)
@@ -137,7 +130,7 @@ def test_varlen_bad_arguments(call, match):
 
 
 def test_a_tensor_in_the_other_layout_is_refused():
-    q, k, v = _qkv(1, 8, 2, 2048, 2048, 8, 6)
+    q, k, v = qkv(1, 8, 2, 2048, 2048, 8, 6)
     with pytest.raises(StemIndexerInputError, match=r"is it \[B, S, H, D\]"):
         stem_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     with pytest.raises(StemIndexerInputError, match=r"is it \[B, H, S, D\]"):
@@ -155,7 +148,7 @@ def test_a_tensor_in_the_other_layout_is_refused():
 def test_softcap_on_the_dense_and_sparse_paths(backend):
     if backend == "native" and stem_indexer.attention._native() is None:
         pytest.skip("the native kernel is not built here")
-    q, k, v = _qkv(1, 2, 1, 64, 64, 8, 7)
+    q, k, v = qkv(1, 2, 1, 64, 64, 8, 7)
     q = q * 4  # large logits, where capping matters
     scale = 8 ** -0.5
     out = stem_attention(q, k, v, softcap=5.0, backend=backend, **SMALL)
@@ -163,7 +156,7 @@ def test_softcap_on_the_dense_and_sparse_paths(backend):
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     uncapped, _ = _reference(q, k, v, scale)
     assert (ref - uncapped).abs().max() > 1e-2  # the cap changed the result
-    q, k, v = _qkv(1, 2, 1, 1100, 1100, 8, 8)
+    q, k, v = qkv(1, 2, 1, 1100, 1100, 8, 8)
     capped = stem_attention(q * 4, k, v, softcap=5.0, backend=backend, **SMALL)
     plain = stem_attention(q * 4, k, v, backend=backend, **SMALL)
     assert (capped - plain).abs().max() > 1e-2
@@ -171,13 +164,13 @@ def test_softcap_on_the_dense_and_sparse_paths(backend):
 
 @pytest.mark.parametrize("value", [0.0, -1.0, math.inf, True, "5"])
 def test_softcap_must_be_positive(value):
-    q, k, v = _qkv(1, 2, 1, 64, 64, 8, 9)
+    q, k, v = qkv(1, 2, 1, 64, 64, 8, 9)
     with pytest.raises(StemIndexerInputError, match="stem_attention: softcap"):
         stem_attention(q, k, v, softcap=value)
 
 
 def test_presets_keep_fewer_blocks_in_order():
-    q, k, v = _qkv(1, 2, 1, 2048, 2048, 8, 10)  # 128 blocks of 16
+    q, k, v = qkv(1, 2, 1, 2048, 2048, 8, 10)  # 128 blocks of 16
     density = {name: stem_attention(q, k, v, preset=name, return_info=True, **SMALL)[1].density
                for name in PRESETS}
     assert density["default"] > density["balanced"] > density["tight"]
@@ -190,14 +183,14 @@ def test_presets_keep_fewer_blocks_in_order():
 
 
 def test_info_tells_which_path_ran():
-    q, k, v = _qkv(1, 2, 1, 300, 300, 8, 11)
+    q, k, v = qkv(1, 2, 1, 300, 300, 8, 11)
     _, info = stem_attention(q, k, v, return_info=True, **SMALL)  # 19 blocks: keeps all
     assert (info.path, info.reason, info.backend) == ("dense", "budget keeps every block",
                                                       "sdpa")
     assert info.density == 1.0 and info.kept_pairs == info.visible_pairs == 2 * 19 * 20 // 2
     _, info = stem_attention(q[:, :, :1], k, v, return_info=True, **SMALL)
     assert (info.path, info.reason) == ("dense", "decode")
-    q, k, v = _qkv(1, 2, 1, 1100, 1100, 8, 12)
+    q, k, v = qkv(1, 2, 1, 1100, 1100, 8, 12)
     _, info = stem_attention(q, k, v, return_info=True, preset="tight", **SMALL)
     assert info.path == "sparse" and info.reason == "" and 0 < info.density < 0.5
     assert info.visible_pairs == 2 * 69 * 70 // 2
@@ -210,7 +203,7 @@ def test_info_tells_which_path_ran():
 
 @pytest.mark.parametrize("seq", [64, 1100], ids=["dense-path", "sparse-path"])
 def test_stem_attention_under_fullgraph_compile_equals_eager(seq):
-    q, k, v = _qkv(2, 4, 2, seq, seq, 8, 13)
+    q, k, v = qkv(2, 4, 2, seq, seq, 8, 13)
     lens = torch.tensor([seq, seq - 37])
 
     def fn(q, k, v, lens):
@@ -223,7 +216,7 @@ def test_stem_attention_under_fullgraph_compile_equals_eager(seq):
 
 
 def test_block_sparse_attention_under_fullgraph_compile_equals_eager():
-    q, k, v = _qkv(1, 4, 2, 100, 100, 8, 14)
+    q, k, v = qkv(1, 4, 2, 100, 100, 8, 14)
     idx = torch.arange(7, dtype=torch.int32).expand(1, 4, 7, 7).contiguous()
     lens = torch.arange(1, 8, dtype=torch.int32).expand(1, 4, 7).contiguous()
 
@@ -235,7 +228,7 @@ def test_block_sparse_attention_under_fullgraph_compile_equals_eager():
 
 
 def test_return_info_is_refused_under_compile():
-    q, k, v = _qkv(1, 2, 1, 64, 64, 8, 15)
+    q, k, v = qkv(1, 2, 1, 64, 64, 8, 15)
     fn = torch.compile(lambda q: stem_attention(q, k, v, return_info=True, **SMALL),
                        fullgraph=True)
     with pytest.raises(Exception, match="return_info is not available under torch.compile"):

@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from .contract import PRESETS
+
 
 def _demo(args: argparse.Namespace) -> int:
     from . import contract, stem_indexer, stem_indexer_metadata
@@ -135,24 +137,21 @@ def _alpha(text: str) -> float:
     return value
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer; got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
-    return value
+def _int_at_least(lo: int):
+    """An argparse type: an integer >= ``lo``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer; got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}; got {value}")
+        return value
+    return parse
 
 
-def _nonnegative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer; got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0; got {value}")
-    return value
+_positive = _int_at_least(1)
+_nonnegative = _int_at_least(0)
 
 
 def _cases(args: argparse.Namespace) -> int:
@@ -169,7 +168,7 @@ def _plot(args: argparse.Namespace) -> int:
 
     counts = plot.plot_example(source=args.source, q_blocks=args.q_blocks,
                                kv_blocks=args.kv_blocks, block_size=args.block_size,
-                               stride=args.stride, alpha=args.alpha, budget=args.budget,
+                               stride=args.stride, alpha=args.alpha, preset=args.preset,
                                batch=args.batch, head=args.head, seed=args.seed, path=args.out)
     kept = counts["sink"] + counts["window"] + counts["topk"]
     print(f"wrote {args.out}: batch {args.batch}, head {args.head}, kept {kept} block pairs "
@@ -220,14 +219,14 @@ def _parser() -> argparse.ArgumentParser:
     picture.add_argument("--source", choices=("random", "synthetic"), default="synthetic",
                          help="Q/K/V with planted needles (default) or random block "
                               "representations in the article's example shape")
-    picture.add_argument("--q-blocks", type=_positive, default=64, help="query blocks")
-    picture.add_argument("--kv-blocks", type=_positive, default=64, help="key blocks")
+    picture.add_argument("--q-blocks", type=_positive, default=128, help="query blocks")
+    picture.add_argument("--kv-blocks", type=_positive, default=128, help="key blocks")
     picture.add_argument("--block-size", type=_positive, default=128)
     picture.add_argument("--stride", type=_positive, default=16)
     picture.add_argument("--alpha", type=_alpha, default=1.0, help="TPD decay end, in (0, 1]")
-    picture.add_argument("--budget", choices=("default", "tight"), default="tight",
-                         help="Ks = P/8 (default), or the operator's default budget (which "
-                              "keeps every block below 56 prompt blocks)")
+    picture.add_argument("--preset", choices=tuple(PRESETS), default="tight",
+                         help="the budget (stem_indexer.PRESETS; every preset keeps every "
+                              "block below 56 prompt blocks)")
     picture.add_argument("--batch", type=_nonnegative, default=0, help="batch to draw")
     picture.add_argument("--head", type=_nonnegative, default=0, help="query head to draw")
     picture.add_argument("--seed", type=int, default=0)

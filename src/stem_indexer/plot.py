@@ -212,8 +212,8 @@ def check_example(*, source: str, q_blocks: int, kv_blocks: int, block_size: int
 
 
 def plot_example(
-    *, source: str = "synthetic", q_blocks: int = 64, kv_blocks: int = 64,
-    block_size: int = 128, stride: int = 16, alpha: float = 1.0, budget: str = "tight",
+    *, source: str = "synthetic", q_blocks: int = 128, kv_blocks: int = 128,
+    block_size: int = 128, stride: int = 16, alpha: float = 1.0, preset: str = "tight",
     batch: int = 0, head: int = 0, seed: int = 0, path: str | Path = "stem_block_map.png",
 ) -> dict[str, int]:
     """Run the indexer on an example and draw one head's map (``stem-indexer plot``).
@@ -223,20 +223,18 @@ def plot_example(
     isolated top-k picks far from the diagonal), keeping the last
     ``q_blocks`` query blocks; ``"random"`` uses random block representations
     in the article's example shape (4 batches, 64 query heads, 8 KV heads,
-    Df = stride * 128). Both use 4 sink and 4 window blocks; ``budget`` is
-    ``"tight"`` (``Ks = P/8``, about the default budget's share at 128K
-    tokens) or ``"default"`` (the operator's, which keeps every block below
-    56 prompt blocks).
+    Df = stride * 128). Both use 4 sink and 4 window blocks; ``preset``
+    names the budget (``stem_indexer.PRESETS``; every preset keeps every
+    block below 56 prompt blocks).
 
     Returns:
         The ``block_kind_counts`` of the drawn map.
     """
     from .api import stem_indexer
-    from .testing.quality import DEFAULT_BUDGET, TIGHT_BUDGET
+    from .contract import PRESETS
 
-    budgets = {"default": DEFAULT_BUDGET, "tight": TIGHT_BUDGET}
-    if budget not in budgets:
-        raise ValueError(f"plot_example: budget must be 'default' or 'tight'; got {budget!r}")
+    if preset not in PRESETS:
+        raise ValueError(f"plot_example: preset must be one of {sorted(PRESETS)}; got {preset!r}")
     check_example(source=source, q_blocks=q_blocks, kv_blocks=kv_blocks, block_size=block_size,
                   stride=stride, batch=batch, head=head)
     q_len, kv_len = q_blocks * block_size, kv_blocks * block_size
@@ -262,8 +260,8 @@ def plot_example(
         what = "synthetic Q/K/V with needles"
     indices, seq_len = stem_indexer(qflat, kflat, vbias, q_lens, kv_lens, causal=True,
                                     stem_block_size=block_size, stem_stride=stride, alpha=alpha,
-                                    **budgets[budget].kwargs())
-    title = (f"Stem selection ({what}), batch {batch}, head {head}, {budget} budget, "
+                                    **PRESETS[preset])
+    title = (f"Stem selection ({what}), batch {batch}, head {head}, preset {preset}, "
              f"alpha {alpha:g}, blocks of {block_size} tokens")
     return plot_block_map(indices, seq_len, batch=batch, head=head, q_len=q_len, kv_len=kv_len,
                           block_size=block_size, path=path, title=title)
