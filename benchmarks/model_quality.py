@@ -160,10 +160,15 @@ def passkey(model, tok, fns, names, lengths, trials: int, seed: int, echo) -> di
     hits = {(name, length): 0 for name in names for length in lengths}
     for n, (length, depth, key) in enumerate(plan, 1):
         dense = passkey_trial(model, tok, "sdpa", length, depth, key)
-        for name in names:
-            hits[name, length] += (dense if name == "dense" or length < DENSE_BELOW
-                                   else passkey_trial(model, tok, _impl(fns, name), length,
-                                                      depth, key))
+        found = {name: (dense if name == "dense" or length < DENSE_BELOW
+                        else passkey_trial(model, tok, _impl(fns, name), length, depth, key))
+                 for name in names}
+        for name, hit in found.items():
+            hits[name, length] += hit
+        if len(set(found.values())) > 1:  # for benchmarks/passkey_diagnose.py
+            echo(f"differ: --length {length} --depth {depth:.4f} --key {key}: "
+                 + ", ".join(f"{name} {'found' if hit else 'missed'}"
+                             for name, hit in found.items()))
         if n % max(1, trials // 5) == 0:
             echo(f"passkey: {n}/{len(plan)} prompts")
     return hits
