@@ -1,6 +1,6 @@
 """The C block-sparse attention kernel (``ops/sparse_attention.py``) against dense SDPA.
 
-Efficiency, as the issue defines it:
+Efficiency (per kept block pair, against dense attention per visible pair):
 
     E = dense_time * density / sparse_time
 

@@ -1,4 +1,4 @@
-"""Small shared helpers for the semantics/property/check/registration tests.
+"""Small shared helpers for the tests.
 
 Nothing here computes an expected result: expected values are written by hand
 in the tests or come from ``stem_indexer_reference``. These helpers only build
@@ -180,3 +180,17 @@ def spec_row_facts(q_len: int, kv_len: int, prompt_len: int, i: int, params: Ind
         k_block_num_rate_large=params.k_block_num_rate_large,
         k_block_num_bias_large=params.k_block_num_bias_large)
     return s2, forced, s2 - len(forced), k
+
+
+# Attention tests (test_attention.py, test_flash.py): blocks small enough that
+# a few hundred tokens are past the budget's keep-everything range (56
+# blocks), so Stem really drops blocks.
+SMALL = dict(stem_block_size=16, stem_stride=4)
+
+
+def qkv(batch, hq, hkv, sq, skv, dim, seed, dtype=torch.float32):
+    """Random q [batch, hq, sq, dim], k and v [batch, hkv, skv, dim]."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, hq, sq, dim, generator=gen).to(dtype),
+            torch.randn(batch, hkv, skv, dim, generator=gen).to(dtype),
+            torch.randn(batch, hkv, skv, dim, generator=gen).to(dtype))

@@ -10,7 +10,7 @@ from stem_indexer import attention
 from stem_indexer.attention import block_sparse_attention, dense_attention, stem_attention
 from stem_indexer.ops import gather_attention
 
-from attention_inputs import SMALL, qkv
+from _helpers import SMALL, qkv
 
 
 def expanded_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, causal):

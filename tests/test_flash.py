@@ -12,7 +12,7 @@ import stem_indexer
 from stem_indexer import (PRESETS, StemIndexerInputError, stem_attention, stem_attn_func,
                           stem_attn_varlen_func)
 
-from attention_inputs import SMALL, qkv
+from _helpers import SMALL, qkv
 
 
 def _reference(q, k, v, scale, causal=True, softcap=None, allowed=None):
