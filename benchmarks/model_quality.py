@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated, from {', '.join(CONFIGS)}")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--record", type=Path, help="write the tables to this markdown file")
+    parser.add_argument("--record", type=Path, help="append the tables to this markdown file")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.configs.split(",")]
     unknown = [n for n in names if n not in CONFIGS]
@@ -290,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
 
     echo(f"{machine()}; model in {dtype}")
     command = " ".join(sys.argv[1:] if argv is None else argv)
-    lines = [f"Command: `python benchmarks/model_quality.py {command}`",
+    lines = ["", "## SmolLM2-135M-Instruct: dense attention against Stem", "",
+             f"Command: `python benchmarks/model_quality.py {command}`",
              f"Machine: {machine()}; model in {str(dtype).replace('torch.', '')}; git {git_sha()}",
              ""]
     if not args.long_only:
@@ -303,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.record is not None:
-        write_atomic(args.record, text)
+        write_atomic(args.record, text, append=True)
     return 0
 
 

@@ -3,7 +3,8 @@
 The measures and workloads are ``stem_indexer.testing.quality``'s; this script
 runs them over the default configurations (OAM on/off x alpha 1.0/0.7/0.5 at
 the P/8 budget, and the operator's default budget) and prints a markdown
-table, optionally recorded with the command, machine and git sha.
+table, optionally appended to a markdown file with the command, machine and
+git sha.
 
     python benchmarks/quality.py                       # 2K tokens, about a minute
     python benchmarks/quality.py --record benchmarks/QUALITY.md
@@ -57,7 +58,8 @@ def record_markdown(rows: Sequence[EvalRow], workloads: Sequence[Workload], path
     """Write the table with the command, the inputs, machine, versions and git sha."""
     shapes = "\n".join(f"- {w.description}; block {w.block_size}, stride {w.stride}"
                        for w in workloads)
-    text = f"""# Stem selection quality
+    text = f"""
+## Selection quality on synthetic attention
 
 Produced by `{command}` in {seconds:.0f} s.
 
@@ -81,7 +83,7 @@ recall = the share of each query's dense softmax mass inside its kept blocks
 against dense attention; needle recall = planted (query block, key block)
 pairs kept.
 """
-    write_atomic(path, text)
+    write_atomic(path, text, append=True)
 
 
 def run(*, seq_len: int = 2048, block_size: int = 32, stride: int = 8, seed: int = 0,
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-llama", action="store_true",
                         help="skip the tiny Llama workload (needs transformers)")
     parser.add_argument("--record", metavar="PATH", type=Path,
-                        help="also write the table, command, machine and git sha to PATH")
+                        help="also append the table, command, machine and git sha to PATH")
     args = parser.parse_args(argv)
     if args.block_size % args.stride:
         parser.error(f"--block-size ({args.block_size}) must be a multiple of --stride "

@@ -229,6 +229,7 @@ def test_llama_workload_captures_one_layer():
 
 def test_cli_eval_prints_and_records(tmp_path, capsys):
     record = tmp_path / "QUALITY.md"
+    record.write_text("# Written by hand\n")  # recording appends: this stays
     argv = ["--seq-len", "1024", "--block-size", "16", "--stride", "4", "--no-llama",
             "--record", str(record)]
     assert quality_bench.main(argv) == 0
@@ -239,6 +240,7 @@ def test_cli_eval_prints_and_records(tmp_path, capsys):
             "--no-llama") in text
     assert "torch " + torch.__version__ in text and "- git: " in text
     assert "| synthetic | default | on | 1 |" in text
+    assert text.startswith("# Written by hand\n\n## Selection quality on synthetic attention")
 
 
 def test_cli_eval_reports_bad_arguments(capsys):
