@@ -231,10 +231,11 @@ def plot_example(
         The ``block_kind_counts`` of the drawn map.
     """
     from .api import stem_indexer
-    from .contract import PRESETS
+    from .contract import PRESETS, fail
 
     if preset not in PRESETS:
-        raise ValueError(f"plot_example: preset must be one of {sorted(PRESETS)}; got {preset!r}")
+        fail("plot_example", "preset", f"must be one of {', '.join(map(repr, PRESETS))}",
+             repr(preset))
     check_example(source=source, q_blocks=q_blocks, kv_blocks=kv_blocks, block_size=block_size,
                   stride=stride, batch=batch, head=head)
     q_len, kv_len = q_blocks * block_size, kv_blocks * block_size
