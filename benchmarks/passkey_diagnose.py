@@ -61,7 +61,7 @@ def last_row_report(q, k, v, scale, blocks: list[int], kwargs: dict) -> tuple[in
     oam = kwargs.pop("oam", True)
     params = contract.IndexerParams.from_kwargs("passkey_diagnose", **kwargs)
     stride = params.stem_stride
-    inputs = stem_indexer.stem_inputs(q, k, v, block_size=BLOCK, stride=stride,
+    inputs = stem_indexer.stem_inputs(q, k, v, block_size=params.stem_block_size, stride=stride,
                                       scale=scale / stride, oam=oam,
                                       oam_lambda=DEFAULT_OAM_LAMBDA)
     overrides = {n: getattr(params, n) for n in contract.PARAM_NAMES}
@@ -76,14 +76,14 @@ def last_row_report(q, k, v, scale, blocks: list[int], kwargs: dict) -> tuple[in
                                                                    params.window_size))
     group = q.shape[1] // k.shape[1]
     kept, ranks = 0, []
-    r2 = float((BLOCK // stride) ** 2)
+    scale_1_r2 = contract.score_scale(params)
     for h in range(q.shape[1]):
         listed = set(idx[0, h, row, :int(lens[0, h, row])].tolist())
         if listed & set(blocks):
             kept += 1
             continue
         n = h // group
-        scores = (inputs.qflat[0, h, row].float() @ inputs.kflat[0, n].float().T) / r2
+        scores = (inputs.qflat[0, h, row].float() @ inputs.kflat[0, n].float().T) * scale_1_r2
         scores = scores + inputs.vbias[0, n]
         cand = scores[sink_end:cand_end]
         best = max(blocks, key=lambda b: float(scores[b]))
