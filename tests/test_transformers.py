@@ -109,6 +109,25 @@ def test_sparse_config_is_sparse_finite_and_close(model, registered):
     assert 1e-3 < rel < 0.25, rel
 
 
+def test_density_by_layer_counts_the_sparse_calls_and_resets(model, registered):
+    fn = registered[SPARSE]
+    ids = _ids(1, 1024, seed=5)
+    _logits(model, SPARSE, ids)
+    fn.reset_stats()
+    assert not fn.stats and fn.density_by_layer() == {} and fn.kept_pairs == 0
+    _logits(model, SPARSE, ids)
+    per_layer = fn.density_by_layer()
+    assert fn.stats["stem"] == 2 and set(per_layer) == {0, 1}
+    assert all(0 < d < 1 for d in per_layer.values()), per_layer
+    kept, visible = (sum(pairs[i] for pairs in fn.layer_pairs.values()) for i in (0, 1))
+    assert (kept, visible) == (fn.kept_pairs, fn.visible_pairs)
+    # 64 query blocks of 16 tokens, causal: 64 * 65 / 2 visible pairs per head and layer.
+    assert fn.visible_pairs == 2 * 4 * 64 * 65 // 2
+    _logits(model, SPARSE, ids)  # counts add up; the same calls keep the same density
+    assert fn.density_by_layer() == per_layer and fn.stats["stem"] == 4
+    assert fn.visible_pairs == 2 * 2 * 4 * 64 * 65 // 2
+
+
 @pytest.mark.parametrize("impl", [DENSE, SPARSE])
 def test_padded_rows_equal_unpadded_sequences(model, registered, impl):
     length = 1024 if impl == SPARSE else 300

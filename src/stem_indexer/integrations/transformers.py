@@ -240,6 +240,12 @@ class StemAttention:
         self.visible_pairs = 0
         self.layer_pairs: dict[int | None, list[int]] = collections.defaultdict(lambda: [0, 0])
 
+    def reset_stats(self) -> None:
+        """Forget the counts and pairs so far (``stats``, the pairs, per layer too)."""
+        self.stats.clear()
+        self.kept_pairs = self.visible_pairs = 0
+        self.layer_pairs.clear()
+
     def density_by_layer(self) -> dict[int | None, float]:
         """Kept / visible block pairs of the sparse calls, per layer index."""
         return {layer: kept / visible for layer, (kept, visible) in
