@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from stem_indexer import contract, stem_indexer
+from stem_indexer._threads import thread_count
 from stem_indexer.ops import native
 from stem_indexer.reference import stem_indexer_reference
 
@@ -128,14 +129,22 @@ def test_kernel_writes_a_strided_view_only_where_rows_go():
 def test_kernel_threads_agree(threads):
     tile = random_tile(11, "ties", nk=4, c=40, group=4, kmax=300)
     nk, c, group, s2, sink_end, cand_end, take, scores, ranked, lo = tile
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
+    with thread_count(torch.get_num_threads, torch.set_num_threads, threads):
         out = torch.full((nk * group, c, 300), -1, dtype=torch.int32)
         native.select_rows(*tile, 1, out)
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(out, expected_rows(*tile, 1, 300))
+
+
+def test_omp_threads_sets_the_count_and_gives_it_back_on_error():
+    lib = native._libgomp()
+    if lib is None:
+        pytest.skip("torch here does not use libgomp")
+    before = lib.omp_get_max_threads()
+    with pytest.raises(RuntimeError, match="inside"):
+        with native.omp_threads(before + 1):
+            assert lib.omp_get_max_threads() == before + 1
+            raise RuntimeError("inside")
+    assert lib.omp_get_max_threads() == before
 
 
 def test_kernel_builds_where_a_compiler_exists():

@@ -46,6 +46,7 @@ import torch
 
 from .. import _env
 from .._files import write_atomic
+from .._threads import thread_count
 
 CSRC = Path(__file__).parent / "csrc"
 CFLAGS = ("-O3", "-std=c11", "-shared", "-fPIC")
@@ -267,12 +268,8 @@ def omp_threads(n: int):
     if lib is None:
         yield
         return
-    before = lib.omp_get_max_threads()
-    lib.omp_set_num_threads(n)
-    try:
+    with thread_count(lib.omp_get_max_threads, lib.omp_set_num_threads, n):
         yield
-    finally:
-        lib.omp_set_num_threads(before)
 
 
 # --------------------------------------------------------------------------- #

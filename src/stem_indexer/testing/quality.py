@@ -37,6 +37,7 @@ from typing import Iterable, Sequence
 import torch
 
 from .. import contract
+from ..contract import IndexerParams
 from ..api import stem_indexer
 
 __all__ = [
@@ -62,21 +63,24 @@ __all__ = [
 # --------------------------------------------------------------------------- #
 
 
+_DEFAULTS = IndexerParams()
+_BUDGET_FIELDS = ("k_block_num_rate_medium", "k_block_num_bias_medium",
+                  "k_block_num_rate_large", "k_block_num_bias_large")
+
+
 @dataclass(frozen=True)
 class Budget:
-    """The top-k budget attributes of the indexer (section 4, "Budget")."""
+    """The top-k budget attributes of the indexer (section 4, "Budget");
+    unset ones take the operator's defaults."""
 
     name: str
-    k_block_num_rate_medium: float = 0.2
-    k_block_num_bias_medium: int = 30
-    k_block_num_rate_large: float = 0.1
-    k_block_num_bias_large: int = 30
+    k_block_num_rate_medium: float = _DEFAULTS.k_block_num_rate_medium
+    k_block_num_bias_medium: int = _DEFAULTS.k_block_num_bias_medium
+    k_block_num_rate_large: float = _DEFAULTS.k_block_num_rate_large
+    k_block_num_bias_large: int = _DEFAULTS.k_block_num_bias_large
 
     def kwargs(self) -> dict:
-        return dict(k_block_num_rate_medium=self.k_block_num_rate_medium,
-                    k_block_num_bias_medium=self.k_block_num_bias_medium,
-                    k_block_num_rate_large=self.k_block_num_rate_large,
-                    k_block_num_bias_large=self.k_block_num_bias_large)
+        return {name: getattr(self, name) for name in _BUDGET_FIELDS}
 
 
 DEFAULT_BUDGET = Budget("default")

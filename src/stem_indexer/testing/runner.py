@@ -27,7 +27,6 @@ identical to the golden, not just the section 5 tolerance.
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import dataclasses
 import io
@@ -44,6 +43,7 @@ import torch
 from . import compare as _compare
 from .cases import Case, select_cases
 from .._files import write_atomic
+from .._threads import thread_count
 from ..contract import IndexerParams
 from ..ops import library as _library  # noqa: F401  (registers the ops)
 from ..reference import stem_indexer_reference
@@ -132,18 +132,6 @@ _CACHE_TOTAL_ELEMENTS = 1 << 26
 _golden_cache: dict[Case, tuple[tuple[torch.Tensor, torch.Tensor], float]] = {}
 
 
-@contextlib.contextmanager
-def _torch_threads(n: int):
-    """Run with ``n`` intra-op threads. The golden's per-head matmuls are tiny;
-    a thread pool only adds overhead (and stalls badly on a loaded machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def golden_outputs(case: Case, inputs: dict | None = None, *, cache: bool = True
                    ) -> tuple[tuple[torch.Tensor, torch.Tensor], float]:
     """``((sparse_indices, sparse_seq_len), seconds)`` of the reference on CPU.
@@ -159,7 +147,9 @@ def golden_outputs(case: Case, inputs: dict | None = None, *, cache: bool = True
         inputs = case.make_inputs()
     cpu_inputs = {k: (v.cpu() if v is not None else None) for k, v in inputs.items()}
     start = time.perf_counter()
-    with _torch_threads(1):
+    # The golden's per-head matmuls are tiny: a thread pool only adds
+    # overhead (and stalls badly on a loaded machine).
+    with thread_count(torch.get_num_threads, torch.set_num_threads, 1):
         out = stem_indexer_reference(**cpu_inputs, **case.op_kwargs())
     seconds = time.perf_counter() - start
     if cache and out[0].numel() <= _CACHE_MAX_ELEMENTS:
