@@ -15,6 +15,9 @@
   with its torch fallback (device id ``cpu-torch``).
 * ``selection`` fixture (CPU-only tests): "native" or "torch", the same two.
 
+Under pytest-xdist (``-n 2`` in the project's pytest options) each worker
+takes its share of the cores for torch's threads.
+
 Nothing here initialises CUDA: ``torch.cuda.is_available()`` only counts
 devices, so the suite collects on any machine.
 """
@@ -50,19 +53,37 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:  # an xdist worker: the cores are shared
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // workers))
     config.addinivalue_line("markers", "selections: run the CPU variant with both selections")
     # Emitted by torch's own compile stack (not by this package) on first compile.
     config.addinivalue_line(
         "filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 
+# The costliest modules of the default run, costliest first: with two xdist
+# workers taking one module at a time, starting them first keeps the two
+# workers busy to the end (the rest keep their order).
+COSTLIEST_FIRST = ("test_triton.py", "test_cases_single.py", "test_reliability.py",
+                   "test_triton_aot.py", "test_properties.py", "test_readme.py",
+                   "test_attention.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Deselect the tiers not asked for (reported as deselected, not skipped)."""
+    """Deselect the tiers not asked for (deselected, not skipped: ``-n 0``
+    reports their count), then put the costliest modules first."""
     tiers = [t for t in ("large", "slow", "model") if not config.getoption(f"--run-{t}")]
-    dropped = [item for item in items if any(item.get_closest_marker(t) for t in tiers)]
+    dropped, kept = [], []
+    for item in items:
+        (dropped if any(item.get_closest_marker(t) for t in tiers) else kept).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-        items[:] = [item for item in items if item not in dropped]
+    items[:] = kept
+    rank = {name: n for n, name in enumerate(COSTLIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 def pytest_generate_tests(metafunc):
@@ -98,3 +119,13 @@ def selection(request, monkeypatch) -> str:
     elif native.kernel() is None:
         pytest.skip(native.status())  # tests/test_native.py fails where a compiler exists
     return request.param
+
+
+@pytest.fixture
+def fresh_native(monkeypatch, tmp_path):
+    """``ops.native``'s state forgotten (and again after), its cache in tmp_path."""
+    from stem_indexer.ops import native
+    monkeypatch.setenv("STEM_INDEXER_CACHE_DIR", str(tmp_path))
+    native.reset()
+    yield tmp_path
+    native.reset()

@@ -154,15 +154,6 @@ def test_kernel_builds_where_a_compiler_exists():
     assert native.status().startswith("native:")
 
 
-@pytest.fixture
-def fresh_native(monkeypatch, tmp_path):
-    """native's state forgotten (and restored after), its cache in tmp_path."""
-    monkeypatch.setenv("STEM_INDEXER_CACHE_DIR", str(tmp_path))
-    native.reset()
-    yield tmp_path
-    native.reset()
-
-
 def _op_case():
     gen = torch.Generator().manual_seed(5)
     q = torch.randint(-3, 4, (1, 4, 12, 8), generator=gen).to(torch.bfloat16)

@@ -1,9 +1,11 @@
 """No crash, no silent wrong answer, no foreign code loaded, whatever the input or machine state.
 
 * The native kernel cache, damaged, replaced, foreign, shared with other
-  users or built by several processes at once: each case runs in a child
-  process (a crash is a failed test, not the end of the run) and the op's
-  output must still equal the reference.
+  users or built by several processes at once: the op's output must still
+  equal the reference. A truncated library (which once ended the process)
+  and concurrent builds run in child processes, so that a crash is a failed
+  test, not the end of the run; the other cases run here on a fresh
+  ``native`` state.
 * Environment switches, lengths past int32, NaN and inf in values and in
   padding, bad arguments through the op, ``torch.compile`` and ``torch.export``.
 * Many Python threads at once: the same results, scratch memory bounded.
@@ -52,6 +54,18 @@ CHILD = textwrap.dedent("""
 """)
 
 
+def run_here(cache: Path, monkeypatch, capsys) -> str:
+    """CHILD's job in this process, on ``cache`` with a fresh native state:
+    the last line it prints (native's status)."""
+    monkeypatch.setenv("STEM_INDEXER_CACHE_DIR", str(cache))
+    native.reset()
+    try:
+        exec(CHILD, {})
+    finally:
+        native.reset()
+    return capsys.readouterr().out.strip().splitlines()[-1]
+
+
 def run_child(cache: Path, code: str = CHILD, **env) -> subprocess.CompletedProcess:
     full = {**os.environ, "STEM_INDEXER_CACHE_DIR": str(cache), **env}
     full["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), full.get("PYTHONPATH", "")])
@@ -82,11 +96,17 @@ def compile_c(source: str, out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def built_cache(tmp_path_factory) -> Path:
-    """A cache holding a good build, made by a child."""
+    """A cache holding a good build."""
     if shutil.which("cc") is None:
         pytest.skip("no C compiler here")
     cache = tmp_path_factory.mktemp("cache")
-    assert ok(run_child(cache)).startswith("native: ")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("STEM_INDEXER_CACHE_DIR", str(cache))
+        native.reset()
+        try:
+            assert native.kernel() is not None, native.status()
+        finally:
+            native.reset()
     return cache
 
 
@@ -114,34 +134,37 @@ def test_truncated_library_is_rebuilt_not_loaded(cache):
 
 @needs_cc
 @pytest.mark.slow
-def test_library_without_the_kernel_is_rebuilt(cache):
+def test_library_without_the_kernel_is_rebuilt(cache, monkeypatch, capsys):
     compile_c("int something_else(void) { return 0; }\n", built_library(cache))
-    _assert_rebuilt(cache, ok(run_child(cache)))
+    _assert_rebuilt(cache, run_here(cache, monkeypatch, capsys))
 
 
 @needs_cc
-def test_stub_library_that_does_nothing_is_never_run(cache):
+def test_stub_library_that_does_nothing_is_never_run(cache, monkeypatch, capsys):
     """A planted library with the right symbol but no work: its digest differs
     from the recorded one, so it is replaced, and the output is right."""
     compile_c("#include <stdint.h>\nint stem_select_rows() { return 0; }\n",
               built_library(cache))
-    _assert_rebuilt(cache, ok(run_child(cache)))
+    _assert_rebuilt(cache, run_here(cache, monkeypatch, capsys))
 
 
 @needs_cc
 @pytest.mark.parametrize("mode", [0o777, pytest.param(0o770, marks=pytest.mark.slow)],
                          ids=["world-writable", "group-writable"])
-def test_cache_others_can_write_is_refused(cache, mode):
+def test_cache_others_can_write_is_refused(cache, mode, monkeypatch, capsys):
     """Code others could plant is not loaded: one warning, the torch selection,
     the right output, and the planted library untouched."""
     so = built_library(cache)
     compile_c("int stem_select_rows() { return 0; }\n", so)
-    so.with_suffix(".sha256").write_text(hashlib.sha256(so.read_bytes()).hexdigest())
+    planted = so.read_bytes()
+    so.with_suffix(".sha256").write_text(hashlib.sha256(planted).hexdigest())
     cache.chmod(mode)
-    proc = run_child(cache)
-    assert ok(proc).startswith("torch fallback: cache directory refused")
-    assert proc.stderr.count("RuntimeWarning") == 1 and str(cache) in proc.stderr
-    assert "writable by group or others" in proc.stderr
+    with pytest.warns(RuntimeWarning) as warned:
+        status = run_here(cache, monkeypatch, capsys)
+    assert status.startswith("torch fallback: cache directory refused")
+    assert len(warned) == 1 and str(cache) in str(warned[0].message)
+    assert "writable by group or others" in str(warned[0].message)
+    assert so.read_bytes() == planted
 
 
 @needs_cc
@@ -163,23 +186,15 @@ def test_concurrent_builds_agree(tmp_path):
 
 @needs_cc
 @pytest.mark.slow
-def test_cache_directory_is_private_when_created(tmp_path):
+def test_cache_directory_is_private_when_created(tmp_path, monkeypatch, capsys):
     cache = tmp_path / "new" / "cache"
-    ok(run_child(cache))
+    assert run_here(cache, monkeypatch, capsys).startswith("native: ")
     assert stat.S_IMODE(cache.stat().st_mode) & 0o077 == 0
 
 
 # --------------------------------------------------------------------------- #
 # Environment switches
 # --------------------------------------------------------------------------- #
-
-
-@pytest.fixture
-def fresh_native(monkeypatch, tmp_path):
-    monkeypatch.setenv("STEM_INDEXER_CACHE_DIR", str(tmp_path))
-    native.reset()
-    yield
-    native.reset()
 
 
 @pytest.mark.parametrize("value", ["0", "false", "FALSE", "off", "no", " No "])

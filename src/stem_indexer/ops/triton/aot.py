@@ -2,6 +2,7 @@
 an NVIDIA target without a GPU, with its register and spill figures.
 
     python -m stem_indexer.ops.triton.aot --arch 90 --arch 80 [--json]
+    python -m stem_indexer.ops.triton.aot --arch 90 --shape prefill --df 2048 --jobs 1
 
 For each benchmark shape (``SHAPES``), Df and precision, the launcher's own
 ``default_config`` and ``kernel_launches`` produce the launches on ``meta``
@@ -14,8 +15,11 @@ and in the SASS the local-memory spill stores/loads (STL/LDL) and the
 tensor-core MMA instructions (HMMA, or HGMMA on sm_90). Identical compiles
 are made once; ``shape`` lists every case each one serves.
 
-Triton's cache goes to a temporary directory removed afterwards. The kernels
-must be jitted for the GPU: run this without TRITON_INTERPRET=1.
+Compiles go through Triton's own cache (``TRITON_CACHE_DIR``, by default
+under ``~/.triton``), whose key covers the kernel's source, constants,
+options, target and Triton's version: a changed kernel is compiled anew, an
+unchanged one is read back. ``--shape`` and ``--df`` narrow the report. The
+kernels must be jitted for the GPU: run this without TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -109,11 +113,9 @@ def _resource_usage(cubin: bytes, workdir: str) -> dict:
     with open(path, "wb") as f:
         f.write(cubin)
     tool = triton.knobs.nvidia.cuobjdump.path
-    usage = subprocess.run([tool, "-res-usage", path], check=True, capture_output=True,
-                           text=True).stdout
-    sass = subprocess.run([tool, "-sass", path], check=True, capture_output=True,
-                          text=True).stdout
-    figures = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    sass = subprocess.run([tool, "-res-usage", "-sass", path], check=True,  # one pass: both
+                          capture_output=True, text=True).stdout
+    figures = re.search(r"REG:(\d+) STACK:(\d+)", sass)
     return {
         "regs": int(figures.group(1)),
         "stack_bytes": int(figures.group(2)),
@@ -130,20 +132,24 @@ def compile_entry(entry: dict) -> dict:
     names = list(entry["signature"])
     source = ASTSource(fn, entry["signature"], entry["constexprs"],
                        {(names.index(k),): v for k, v in entry["attrs"].items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", entry["arch"], 32),
+                              options=entry["options"])
     with tempfile.TemporaryDirectory() as tmp:
-        triton.knobs.cache.dir = tmp
-        compiled = triton.compile(source, target=GPUTarget("cuda", entry["arch"], 32),
-                                  options=entry["options"])
         return dict(entry, shared_bytes=compiled.metadata.shared,
                     **_resource_usage(compiled.asm["cubin"], tmp))
 
 
-def report_entries(archs) -> list[dict]:
+def shape_key(shape: Shape) -> str:
+    """The short name ``--shape`` takes: the first word of the shape's name."""
+    return shape.name.split()[0]
+
+
+def report_entries(archs, shapes=SHAPES, dfs=DFS) -> list[dict]:
     """The uncompiled report: one entry per distinct compile, with its shapes."""
     entries: dict[str, dict] = {}
     for arch in archs:
-        for shape in SHAPES:
-            for df in DFS:
+        for shape in shapes:
+            for df in dfs:
                 for precision in PRECISIONS:
                     case = f"{shape.name} Df{df} p{precision}"
                     for run in _launches(shape, df, precision, arch):
@@ -153,14 +159,16 @@ def report_entries(archs) -> list[dict]:
     return list(entries.values())
 
 
-def build_report(archs, jobs: int | None = None) -> list[dict]:
-    """Every distinct compile of the benchmark shapes for ``archs``, with figures."""
+def build_report(archs, jobs: int | None = None, shapes=SHAPES, dfs=DFS) -> list[dict]:
+    """Every distinct compile of ``shapes`` x ``dfs`` for ``archs``, with figures."""
     if launch.INTERPRETED:
         raise SystemExit("aot: the kernels are interpreted (TRITON_INTERPRET=1); unset it")
-    entries = report_entries(archs)
-    # Compiles run in fresh processes (spawned: forking a process that has
-    # imported torch is not safe), each with its own Triton cache directory.
+    entries = report_entries(archs, shapes, dfs)
     workers = jobs or min(len(entries), os.cpu_count() or 1)
+    if workers <= 1:
+        return [compile_entry(entry) for entry in entries]
+    # More than one: fresh processes (spawned: forking a process that has
+    # imported torch is not safe).
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         return list(pool.map(compile_entry, entries))
 
@@ -185,9 +193,17 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", type=int, action="append", choices=sorted(REFERENCE_SMS),
                         help="target compute capability (repeatable; default: 90 and 80)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--jobs", type=int, default=None, help="compile processes")
+    parser.add_argument("--shape", action="append", choices=[shape_key(s) for s in SHAPES],
+                        help="benchmark shape (repeatable; default: all)")
+    parser.add_argument("--df", type=int, action="append", choices=DFS,
+                        help="Df (repeatable; default: all)")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="compile processes (1: compile in this process)")
     args = parser.parse_args(argv)
-    report = build_report(args.arch or (90, 80), args.jobs)
+    if args.jobs is not None and args.jobs < 1:
+        parser.error(f"--jobs must be >= 1; got {args.jobs}")
+    shapes = [s for s in SHAPES if args.shape is None or shape_key(s) in args.shape]
+    report = build_report(args.arch or (90, 80), args.jobs, shapes, args.df or DFS)
     print(json.dumps(report, indent=1) if args.json else format_table(report))
     return 0
 
