@@ -10,6 +10,9 @@ the needle block's rank among the row's top-k candidates (sink and window
 blocks are forced, not ranked) against the row's budget K.
 
     python benchmarks/passkey_diagnose.py --config default --length 7680 --depth 0.7143 --key 48213
+
+Prompts past the model's 8K window run on the model with its RoPE scaled x4,
+as in ``model_quality.py --long``.
 """
 
 from __future__ import annotations
@@ -99,8 +102,12 @@ def main(argv=None) -> int:
     parser.add_argument("--length", type=int, default=7680)
     parser.add_argument("--depth", type=float, required=True)
     parser.add_argument("--key", type=int, required=True)
+    parser.add_argument("--rope", choices=("yarn", "linear"), default="yarn",
+                        help="RoPE scaling x4 for prompts past the model's 8K window, as "
+                             "model_quality.py --long runs them")
     args = parser.parse_args(argv)
-    tok, model = mq.load(mq.default_dtype())
+    factor = 4.0 if args.length > 8192 else None
+    tok, model = mq.load(mq.default_dtype(), rope_factor=factor, rope=args.rope)
     fn = mq.register({args.config: mq.CONFIGS[args.config]})[args.config]
     blocks = needle_blocks(tok, args.length, args.depth, args.key)
     found, seen = capture(model, tok, fn, args.length, args.depth, args.key)
