@@ -12,12 +12,17 @@ blocks are forced, not ranked) against the row's budget K.
     python benchmarks/passkey_diagnose.py --config default --length 7680 --depth 0.7143 --key 48213
 
 Prompts past the model's 8K window run on the model with its RoPE scaled x4,
-as in ``model_quality.py --long``.
+as in ``model_quality.py --long``. ``--set NAME=VALUE`` changes one of the
+configuration's attributes (a larger budget, say) to see what it takes:
+
+    python benchmarks/passkey_diagnose.py --length 16384 --depth 0.6 --key 43432 \
+        --set k_block_num_bias_medium=50
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import statistics
 import sys
 
@@ -102,24 +107,38 @@ def main(argv=None) -> int:
     parser.add_argument("--length", type=int, default=7680)
     parser.add_argument("--depth", type=float, required=True)
     parser.add_argument("--key", type=int, required=True)
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="override one of the configuration's attributes, e.g. "
+                             "k_block_num_bias_medium=50 (repeatable)")
     parser.add_argument("--rope", choices=("yarn", "linear"), default="yarn",
                         help="RoPE scaling x4 for prompts past the model's 8K window, as "
                              "model_quality.py --long runs them")
     args = parser.parse_args(argv)
+    config = dict(mq.CONFIGS[args.config])
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if name not in contract.PARAM_NAMES or not value:
+            parser.error(f"--set: NAME=VALUE with NAME one of {', '.join(contract.PARAM_NAMES)}; "
+                         f"got {item!r}")
+        try:
+            config[name] = ast.literal_eval(value)  # checked by the package when used
+        except (ValueError, SyntaxError):
+            parser.error(f"--set {name}: {value!r} is not a number or True/False")
     factor = 4.0 if args.length > 8192 else None
     tok, model = mq.load(mq.default_dtype(), rope_factor=factor, rope=args.rope)
-    fn = mq.register({args.config: mq.CONFIGS[args.config]})[args.config]
+    fn = mq.register({args.config: config})[args.config]
     blocks = needle_blocks(tok, args.length, args.depth, args.key)
     found, seen = capture(model, tok, fn, args.length, args.depth, args.key)
     dense = mq.passkey_trial(model, tok, "sdpa", args.length, args.depth, args.key)
-    print(f"{args.config}, {args.length} tokens, depth {args.depth}, key {args.key}: needle in "
+    label = " ".join([args.config, *args.set])
+    print(f"{label}, {args.length} tokens, depth {args.depth}, key {args.key}: needle in "
           f"key block(s) {blocks} of {-(-args.length // BLOCK)}; Stem "
           f"{'found' if found else 'missed'} it, dense {'found' if dense else 'missed'} it")
     print("\n| layer | query heads keeping the needle (last row) | needle rank where dropped "
           "(median, min) | row budget K |\n|---|---|---|---|")
     for layer in sorted(seen):
         q, k, v, scale = seen[layer]
-        kept, ranks, budget = last_row_report(q, k, v, scale, blocks, mq.CONFIGS[args.config])
+        kept, ranks, budget = last_row_report(q, k, v, scale, blocks, config)
         where = f"{statistics.median(ranks):g}, {min(ranks)}" if ranks else "-"
         print(f"| {layer} | {kept}/{q.shape[1]} | {where} | {budget} |")
     return 0
