@@ -1,4 +1,4 @@
-"""Why did a Stem configuration miss a passkey that dense attention found?
+r"""Why did a Stem configuration miss a passkey that dense attention found?
 
 Runs one passkey prompt (the ``differ:`` lines of ``model_quality.py`` give
 the arguments) through SmolLM2 with a Stem configuration, captures every
