@@ -313,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
                              "scaling without fine-tuning ruins this model)")
     parser.add_argument("--long-trials", type=int, default=10,
                         help="passkey trials per length of the long runs (0: none)")
+    parser.add_argument("--long-lengths", default="16384,32768",
+                        help="prompt lengths of the long runs (up to 32768, the scaled window)")
     parser.add_argument("--long-reps", type=int, default=1,
                         help="timed rounds of the long runs' time to first token (0: none)")
     parser.add_argument("--windows", type=int, default=2, help="perplexity windows")
@@ -332,7 +334,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--long-trials and --long-reps must be >= 0")
     if args.record is not None and not args.record.parent.is_dir():
         parser.error(f"--record: directory {args.record.parent} does not exist")
-    lengths = [int(x) for x in args.lengths.split(",")]
+    try:
+        lengths = [int(x) for x in args.lengths.split(",")]
+        args.long_lengths = [int(x) for x in args.long_lengths.split(",")]
+    except ValueError:
+        parser.error("--lengths and --long-lengths: comma-separated integers")
+    if not all(1024 <= n <= 8192 for n in lengths):
+        parser.error("--lengths: each from 1024 to 8192 tokens (the model's window)")
+    if not all(1024 <= n <= 32768 for n in args.long_lengths):
+        parser.error("--long-lengths: each from 1024 to 32768 tokens (the scaled window)")
     dtype = default_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
     started = time.perf_counter()
 
@@ -406,13 +416,16 @@ def long_context(dtype, names, args, echo) -> list[str]:
     against Stem on the same scaled model."""
     tok, model = load(dtype, rope_factor=4.0, rope=args.rope)
     fns = register({n: CONFIGS[n] for n in names})
-    lengths = [16384, 32768]
-    lines = ["", f"### Beyond the 8K window: RoPE scaled x4 ({args.rope}), 16K and 32K tokens",
+    lengths = args.long_lengths
+    head = ["| configuration | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |",
+            "|---|" + "---|" * len(lengths)]
+    lines = ["", f"### Beyond the 8K window: RoPE scaled x4 ({args.rope}), "
+             + ", ".join(f"{n // 1024}K" for n in lengths) + " tokens",
              "", "A relative comparison on one scaled model: what Stem loses against dense "
              "attention on the same model, not the scaled model's own quality.", "",
              "Perplexity of the Python documentation, one window per length (change "
              "against dense; share of positions whose greedy next token is dense's):", "",
-             "| configuration | 16K | 32K |", "|---|---|---|"]
+             *head]
     ppl, density = {}, {}
     for n in lengths:
         for fn in fns.values():
@@ -422,7 +435,7 @@ def long_context(dtype, names, args, echo) -> list[str]:
         echo(f"long perplexity {n} done")
     lines += perplexity_rows(ppl, names)
     lines += ["", "Density per layer of those calls (mean, min to max over the 30 layers):", "",
-              "| configuration | 16K | 32K |", "|---|---|---|"]
+              *head]
     for name in fns:
         cells = [f"{sum(d.values()) / len(d):.1%} ({min(d.values()):.1%} to {max(d.values()):.1%})"
                  if (d := density[n][name]) else "-" for n in lengths]
@@ -431,7 +444,7 @@ def long_context(dtype, names, args, echo) -> list[str]:
         times = {n: ttft(model, fns, names, n, args.long_reps) for n in lengths}
         lines += ["", f"Time to first token (whole model, s, median of {args.long_reps} after "
                   "a warm-up round; configurations in turns):", "",
-                  "| configuration | 16K | 32K |", "|---|---|---|"]
+                  *head]
         for name in names:
             cells = [f"{times[n][name]:.1f} ({times[n]['dense'] / times[n][name]:.2f}x)"
                      for n in lengths]

@@ -384,3 +384,16 @@ def test_cli_bad_mode_variable_is_a_usage_error(capsys, monkeypatch):
 def test_quality_benchmark_bad_arguments_are_usage_errors(argv, wanted, capsys):
     import quality
     _usage_error(quality.main, argv, wanted, capsys)
+
+
+@pytest.mark.parametrize("argv, wanted", [
+    (["--configs", "default"], "dense included"),
+    (["--lengths", "2048,16384"], "--lengths: each from 1024 to 8192"),
+    (["--long-lengths", "65536"], "--long-lengths: each from 1024 to 32768"),
+    (["--long-lengths", "16K"], "comma-separated integers"),
+    (["--long-trials", "-1"], "--long-trials and --long-reps must be >= 0"),
+])
+def test_model_quality_bad_arguments_are_usage_errors(argv, wanted, capsys):
+    """Refused before the model is looked for or loaded."""
+    import model_quality
+    _usage_error(model_quality.main, argv, wanted, capsys)
