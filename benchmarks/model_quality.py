@@ -434,7 +434,7 @@ def long_context(dtype, names, args, echo) -> list[str]:
         density[n] = {name: fn.density_by_layer() for name, fn in fns.items()}
         echo(f"long perplexity {n} done")
     lines += perplexity_rows(ppl, names)
-    lines += ["", "Density per layer of those calls (mean, min to max over the 30 layers):", "",
+    lines += ["", "Density per layer of those calls (mean, min to max over the layers):", "",
               *head]
     for name in fns:
         cells = [f"{sum(d.values()) / len(d):.1%} ({min(d.values()):.1%} to {max(d.values()):.1%})"

@@ -33,16 +33,20 @@ import stem_indexer
 from stem_indexer import contract
 from stem_indexer.prepare import DEFAULT_OAM_LAMBDA
 
-BLOCK = 128
+def split_config(config: dict) -> tuple[contract.IndexerParams, bool]:
+    """A configuration of ``model_quality.CONFIGS`` as (indexer attributes, oam)."""
+    kwargs = dict(config)
+    oam = kwargs.pop("oam", True)
+    return contract.IndexerParams.from_kwargs("passkey_diagnose", **kwargs), oam
 
 
-def needle_blocks(tok, length: int, depth: float, key: int) -> list[int]:
+def needle_blocks(tok, length: int, depth: float, key: int, block: int) -> list[int]:
     """The key blocks holding the needle sentence's tokens."""
     ids = mq.passkey_prompt(tok, length, depth, key)[0].tolist()
     needle = tok(mq.NEEDLE.format(key=key), add_special_tokens=False).input_ids
     for at in range(len(ids) - len(needle) + 1):
         if ids[at:at + len(needle)] == needle:
-            return sorted({p // BLOCK for p in range(at, at + len(needle))})
+            return sorted({p // block for p in range(at, at + len(needle))})
     raise SystemExit("the needle is not in the prompt")
 
 
@@ -63,11 +67,9 @@ def capture(model, tok, fn, length: int, depth: float, key: int):
     return found, seen
 
 
-def last_row_report(q, k, v, scale, blocks: list[int], kwargs: dict) -> tuple[int, list, int]:
+def last_row_report(q, k, v, scale, blocks: list[int], params: contract.IndexerParams,
+                    oam: bool) -> tuple[int, list, int]:
     """(heads keeping a needle block, ranks of the needle where missed, K)."""
-    kwargs = dict(kwargs)
-    oam = kwargs.pop("oam", True)
-    params = contract.IndexerParams.from_kwargs("passkey_diagnose", **kwargs)
     stride = params.stem_stride
     inputs = stem_indexer.stem_inputs(q, k, v, block_size=params.stem_block_size, stride=stride,
                                       scale=scale / stride, oam=oam,
@@ -121,24 +123,29 @@ def main(argv=None) -> int:
             parser.error(f"--set: NAME=VALUE with NAME one of {', '.join(contract.PARAM_NAMES)}; "
                          f"got {item!r}")
         try:
-            config[name] = ast.literal_eval(value)  # checked by the package when used
+            config[name] = ast.literal_eval(value)  # its range: split_config below
         except (ValueError, SyntaxError):
             parser.error(f"--set {name}: {value!r} is not a number or True/False")
+    try:
+        params, oam = split_config(config)
+    except stem_indexer.StemIndexerInputError as err:
+        parser.error(str(err))
     factor = 4.0 if args.length > 8192 else None
     tok, model = mq.load(mq.default_dtype(), rope_factor=factor, rope=args.rope)
     fn = mq.register({args.config: config})[args.config]
-    blocks = needle_blocks(tok, args.length, args.depth, args.key)
+    block = params.stem_block_size
+    blocks = needle_blocks(tok, args.length, args.depth, args.key, block)
     found, seen = capture(model, tok, fn, args.length, args.depth, args.key)
     dense = mq.passkey_trial(model, tok, "sdpa", args.length, args.depth, args.key)
     label = " ".join([args.config, *args.set])
     print(f"{label}, {args.length} tokens, depth {args.depth}, key {args.key}: needle in "
-          f"key block(s) {blocks} of {-(-args.length // BLOCK)}; Stem "
+          f"key block(s) {blocks} of {-(-args.length // block)}; Stem "
           f"{'found' if found else 'missed'} it, dense {'found' if dense else 'missed'} it")
     print("\n| layer | query heads keeping the needle (last row) | needle rank where dropped "
           "(median, min) | row budget K |\n|---|---|---|---|")
     for layer in sorted(seen):
         q, k, v, scale = seen[layer]
-        kept, ranks, budget = last_row_report(q, k, v, scale, blocks, config)
+        kept, ranks, budget = last_row_report(q, k, v, scale, blocks, params, oam)
         where = f"{statistics.median(ranks):g}, {min(ranks)}" if ranks else "-"
         print(f"| {layer} | {kept}/{q.shape[1]} | {where} | {budget} |")
     return 0

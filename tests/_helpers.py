@@ -7,7 +7,9 @@ inputs, call the entry points and pad hand-written rows.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 
 import torch
 
@@ -194,3 +196,21 @@ def qkv(batch, hq, hkv, sq, skv, dim, seed, dtype=torch.float32):
     return (torch.randn(batch, hq, sq, dim, generator=gen).to(dtype),
             torch.randn(batch, hkv, skv, dim, generator=gen).to(dtype),
             torch.randn(batch, hkv, skv, dim, generator=gen).to(dtype))
+
+
+@contextlib.contextmanager
+def native_on_cache(cache):
+    """``ops.native`` with its state forgotten and its cache in ``cache`` for
+    the block; the environment and a fresh state again after."""
+    from stem_indexer.ops import native
+    before = os.environ.get("STEM_INDEXER_CACHE_DIR")
+    os.environ["STEM_INDEXER_CACHE_DIR"] = str(cache)
+    native.reset()
+    try:
+        yield native
+    finally:
+        if before is None:
+            os.environ.pop("STEM_INDEXER_CACHE_DIR", None)
+        else:
+            os.environ["STEM_INDEXER_CACHE_DIR"] = before
+        native.reset()

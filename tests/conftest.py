@@ -122,10 +122,8 @@ def selection(request, monkeypatch) -> str:
 
 
 @pytest.fixture
-def fresh_native(monkeypatch, tmp_path):
+def fresh_native(tmp_path):
     """``ops.native``'s state forgotten (and again after), its cache in tmp_path."""
-    from stem_indexer.ops import native
-    monkeypatch.setenv("STEM_INDEXER_CACHE_DIR", str(tmp_path))
-    native.reset()
-    yield tmp_path
-    native.reset()
+    from _helpers import native_on_cache
+    with native_on_cache(tmp_path):
+        yield tmp_path

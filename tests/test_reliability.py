@@ -31,6 +31,8 @@ import stem_indexer
 from stem_indexer import StemIndexerInputError, cli
 from stem_indexer.ops import cpu, native
 
+from _helpers import native_on_cache
+
 ROOT = Path(__file__).resolve().parent.parent
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
 
@@ -54,15 +56,11 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def run_here(cache: Path, monkeypatch, capsys) -> str:
+def run_here(cache: Path, capsys) -> str:
     """CHILD's job in this process, on ``cache`` with a fresh native state:
     the last line it prints (native's status)."""
-    monkeypatch.setenv("STEM_INDEXER_CACHE_DIR", str(cache))
-    native.reset()
-    try:
+    with native_on_cache(cache):
         exec(CHILD, {})
-    finally:
-        native.reset()
     return capsys.readouterr().out.strip().splitlines()[-1]
 
 
@@ -100,13 +98,8 @@ def built_cache(tmp_path_factory) -> Path:
     if shutil.which("cc") is None:
         pytest.skip("no C compiler here")
     cache = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("STEM_INDEXER_CACHE_DIR", str(cache))
-        native.reset()
-        try:
-            assert native.kernel() is not None, native.status()
-        finally:
-            native.reset()
+    with native_on_cache(cache):
+        assert native.kernel() is not None, native.status()
     return cache
 
 
@@ -134,24 +127,24 @@ def test_truncated_library_is_rebuilt_not_loaded(cache):
 
 @needs_cc
 @pytest.mark.slow
-def test_library_without_the_kernel_is_rebuilt(cache, monkeypatch, capsys):
+def test_library_without_the_kernel_is_rebuilt(cache, capsys):
     compile_c("int something_else(void) { return 0; }\n", built_library(cache))
-    _assert_rebuilt(cache, run_here(cache, monkeypatch, capsys))
+    _assert_rebuilt(cache, run_here(cache, capsys))
 
 
 @needs_cc
-def test_stub_library_that_does_nothing_is_never_run(cache, monkeypatch, capsys):
+def test_stub_library_that_does_nothing_is_never_run(cache, capsys):
     """A planted library with the right symbol but no work: its digest differs
     from the recorded one, so it is replaced, and the output is right."""
     compile_c("#include <stdint.h>\nint stem_select_rows() { return 0; }\n",
               built_library(cache))
-    _assert_rebuilt(cache, run_here(cache, monkeypatch, capsys))
+    _assert_rebuilt(cache, run_here(cache, capsys))
 
 
 @needs_cc
 @pytest.mark.parametrize("mode", [0o777, pytest.param(0o770, marks=pytest.mark.slow)],
                          ids=["world-writable", "group-writable"])
-def test_cache_others_can_write_is_refused(cache, mode, monkeypatch, capsys):
+def test_cache_others_can_write_is_refused(cache, mode, capsys):
     """Code others could plant is not loaded: one warning, the torch selection,
     the right output, and the planted library untouched."""
     so = built_library(cache)
@@ -160,7 +153,7 @@ def test_cache_others_can_write_is_refused(cache, mode, monkeypatch, capsys):
     so.with_suffix(".sha256").write_text(hashlib.sha256(planted).hexdigest())
     cache.chmod(mode)
     with pytest.warns(RuntimeWarning) as warned:
-        status = run_here(cache, monkeypatch, capsys)
+        status = run_here(cache, capsys)
     assert status.startswith("torch fallback: cache directory refused")
     assert len(warned) == 1 and str(cache) in str(warned[0].message)
     assert "writable by group or others" in str(warned[0].message)
@@ -186,9 +179,9 @@ def test_concurrent_builds_agree(tmp_path):
 
 @needs_cc
 @pytest.mark.slow
-def test_cache_directory_is_private_when_created(tmp_path, monkeypatch, capsys):
+def test_cache_directory_is_private_when_created(tmp_path, capsys):
     cache = tmp_path / "new" / "cache"
-    assert run_here(cache, monkeypatch, capsys).startswith("native: ")
+    assert run_here(cache, capsys).startswith("native: ")
     assert stat.S_IMODE(cache.stat().st_mode) & 0o077 == 0
 
 
