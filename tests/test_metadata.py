@@ -434,3 +434,25 @@ def test_kept_workspace_carries_nothing_between_calls():
     assert_out_equal(first, run_ref(a, **params), "reference")
     cpu.release_workspace()
     assert cpu.kept_bytes() == 0
+
+
+@pytest.mark.usefixtures("selection")
+@pytest.mark.parametrize("first_mode", ["inference_mode", "no_grad"])
+def test_kept_workspace_serves_calls_in_and_out_of_inference_mode(first_mode):
+    """A workspace kept by a call under ``torch.inference_mode()`` serves a
+    call outside it, and the other way round (inference tensors cannot be
+    written outside inference mode)."""
+    gen = torch.Generator().manual_seed(12)
+    inp = random_inputs(gen, batch=1, nq=4, nk=2, qmax=24, kmax=96, df=8, q_lens=[24 * 16],
+                        kv_lens=[96 * 16], integer=True)
+    params = dict(stem_block_size=16, stem_stride=16)
+    expected = run_ref(inp, **params)
+    modes = [torch.inference_mode, torch.no_grad]
+    if first_mode == "no_grad":
+        modes.reverse()
+    cpu.release_workspace()
+    for mode in modes:
+        with mode():
+            assert_out_equal(run_op(inp, **params), expected, mode.__name__)
+        assert cpu.kept_bytes() > 0
+    cpu.release_workspace()

@@ -176,7 +176,12 @@ def _write_unranked(tiles, qb_all, kb_all, p_all, ks_all, params: IndexerParams,
 
 
 class _Workspace:
-    """Scratch buffers, reused (and grown when needed) by name."""
+    """Scratch buffers, reused (and grown when needed) by name.
+
+    The buffers are ordinary tensors even when a call under
+    ``torch.inference_mode()`` allocates them: an inference tensor cannot be
+    written outside that mode, and the next call may run outside it.
+    """
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -187,7 +192,8 @@ class _Workspace:
         buf = self._buffers.get(name)
         if buf is None or buf.dtype != dtype or buf.numel() < size:
             self._buffers.pop(name, None)  # free the old one first
-            buf = self._buffers[name] = torch.empty(size, dtype=dtype, device=self.device)
+            with torch.inference_mode(False):
+                buf = self._buffers[name] = torch.empty(size, dtype=dtype, device=self.device)
         return buf[:size].view(shape)
 
     def nbytes(self) -> int:
