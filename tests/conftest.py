@@ -19,7 +19,9 @@ Under pytest-xdist (``-n 2`` in the project's pytest options) each worker
 takes its share of the cores for torch's threads.
 
 Nothing here initialises CUDA: ``torch.cuda.is_available()`` only counts
-devices, so the suite collects on any machine.
+devices, so the suite collects on any machine. Nor does anything here import
+torch at module level: the xdist controller, which runs no tests, starts the
+workers without waiting for it.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 _DEVICES = ("cpu", "cuda")
 
 
 def _devices() -> list[str]:
+    import torch
+
     wanted = os.environ.get("STEM_INDEXER_DEVICE", "").strip().lower()
     if wanted and wanted not in _DEVICES:
         raise pytest.UsageError(f"STEM_INDEXER_DEVICE must be cpu or cuda; got {wanted!r}")
@@ -55,6 +58,8 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
     if workers > 1:  # an xdist worker: the cores are shared
+        import torch
+
         cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                  else os.cpu_count() or 1)
         torch.set_num_threads(max(1, cores // workers))
