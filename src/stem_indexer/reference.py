@@ -14,7 +14,6 @@ it needs, and it does not use metadata.
 from __future__ import annotations
 
 import ctypes
-import heapq
 import math
 
 import torch
@@ -73,9 +72,12 @@ def reference_row_selection(
     forced |= set(range(max(s2_valid - window_size, 0), s2_valid))
     candidates = [j for j in range(s2_valid) if j not in forced]
     take = min(budget, len(candidates))
-    # Highest score first; among equal scores, the lower block index first.
-    top = heapq.nsmallest(take, candidates, key=lambda j: (-_rank_value(scores[j]), j))
-    return sorted(forced | set(top))
+    # Highest score first; among equal scores, the lower block index first
+    # (Python's sort is stable, with reverse=True too: equal keys keep their
+    # ascending order).
+    values = [_rank_value(scores[j]) for j in candidates]
+    ranked = sorted(range(len(candidates)), key=values.__getitem__, reverse=True)
+    return sorted(forced | {candidates[k] for k in ranked[:take]})
 
 
 def stem_indexer_reference(
