@@ -162,13 +162,14 @@ def test_cache_others_can_write_is_refused(cache, mode, capsys):
 
 @needs_cc
 def test_concurrent_builds_agree(tmp_path):
-    """Three processes build into one empty cache at once: all right, one
-    library and its digest left, no temporary file."""
+    """Two processes build into one empty cache at once (the build publishes
+    by atomic rename; no lock to hand on): both right, one library and its
+    digest left, no temporary file."""
     cache = tmp_path / "cache"
     env = {**os.environ, "STEM_INDEXER_CACHE_DIR": str(cache),
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, "-c", CHILD], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
     for p in procs:
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
