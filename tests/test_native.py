@@ -172,8 +172,6 @@ def _op_case():
 ])
 def test_without_the_kernel_the_op_falls_back_to_torch(fresh_native, monkeypatch, env, why):
     inputs, params = _op_case()
-    with_kernel = stem_indexer(**inputs, **params) if native.kernel() is not None else None
-    native.reset()
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert native.kernel() is None
@@ -182,8 +180,6 @@ def test_without_the_kernel_the_op_falls_back_to_torch(fresh_native, monkeypatch
     want = stem_indexer_reference(**inputs, **params)
     assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
     assert bool((out[1] < out[1].amax()).any())  # the budget binds: rows were ranked
-    if with_kernel is not None:
-        assert torch.equal(with_kernel[0], out[0])
 
 
 @needs_kernel
