@@ -33,13 +33,16 @@ def expanded_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, causal):
     return mask
 
 
-def reference(q, k, v, mask, scale=None):
-    """Dense SDPA (float64) with an expanded mask; rows without a visible key -> 0."""
+def reference(q, k, v, mask, scale=None, softcap=None):
+    """Dense attention (float64) with an expanded mask, scores capped as
+    ``softcap * tanh(score / softcap)`` when given; rows without a visible key -> 0."""
     group = q.shape[1] // k.shape[1]
     kr = k.double().repeat_interleave(group, dim=1)
     vr = v.double().repeat_interleave(group, dim=1)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.double(), kr, vr, attn_mask=mask, scale=scale)
+    scores = q.double() @ kr.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    out = scores.masked_fill(~mask, -torch.inf).softmax(-1).nan_to_num(0.0) @ vr
     return torch.where(mask.any(-1, keepdim=True), out, 0.0)
 
 
@@ -104,6 +107,23 @@ def test_block_sparse_matches_masked_dense(shape, causal, backend):
     mask = expanded_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, causal)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", [b for b in ("gather", "native", "flex")
+                                     if b != "native" or attention._native() is not None])
+def test_block_sparse_softcap_matches_capped_masked_dense(backend):
+    """Soft-capped scores (Gemma 2) on each backend: FlexAttention takes the
+    cap as a score_mod, the others cap in their own softmax."""
+    shape = SHAPES[1]
+    batch, hq, hkv, sq, skv, dim, bs, _, _ = shape
+    q, k, v, idx, seq_len = _random_case(shape, 23)
+    q = q * 4  # large logits, where the cap matters
+    out = block_sparse_attention(q, k, v, idx, seq_len, block_size=bs, softcap=2.0,
+                                 backend=backend)
+    mask = expanded_mask(idx, seq_len, bs, sq, skv, None, None, True)
+    capped = reference(q, k, v, mask, softcap=2.0)
+    torch.testing.assert_close(out.double(), capped, rtol=1e-5, atol=1e-5)
+    assert (capped - reference(q, k, v, mask)).abs().max() > 1e-2  # the cap changed it
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
