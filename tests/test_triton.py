@@ -48,8 +48,10 @@ from _helpers import (  # noqa: E402
 POISON = 0x5EEDBEEF
 # Tiles small enough that every row with more than 16 candidates takes the
 # chunked (radix) selection, and items span several row blocks; pointer loads.
+# Four query rows per selection program (fewer programs for the interpreter to
+# run); the GPU configurations' one and two run in the ``gpu`` cases.
 TINY = launch.Config(block_m=16, block_n=16, block_k=16, tma=False, nprog=2, score_warps=4,
-                     score_stages=1, score_maxnreg=None, rows=2, block_c=16, block_w=16,
+                     score_stages=1, score_maxnreg=None, rows=4, block_c=16, block_w=16,
                      select_warps=4)
 # Configurations a test runs with: TINY, and what the launcher picks for a GPU
 # (sm_90 and sm_80 get the same tiles; the interpreter's own default, TMA
