@@ -150,19 +150,27 @@ def test_cache_others_can_write_is_refused(cache, mode, capsys):
 
 
 @needs_cc
-def test_concurrent_builds_agree(tmp_path):
-    """Two processes build into one empty cache at once (the build publishes
-    by atomic rename; no lock to hand on): both right, one library and its
-    digest left, no temporary file."""
+def test_concurrent_builds_agree(tmp_path, capsys):
+    """A child process and this one build into one empty cache at once (the
+    child imports first, then both start on a signal; the build publishes by
+    atomic rename, no lock to hand on): both right, one library and its digest
+    left, no temporary file."""
     cache = tmp_path / "cache"
     env = {**os.environ, "STEM_INDEXER_CACHE_DIR": str(cache),
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    for p in procs:
-        out, err = p.communicate(timeout=300)
-        assert p.returncode == 0, f"exit {p.returncode}\n{out}\n{err}"
-        assert out.strip().splitlines()[-1].startswith("native: "), out
+    racer = "import sys, torch, stem_indexer\nprint('ready', flush=True)\nsys.stdin.readline()\n"
+    child = subprocess.Popen([sys.executable, "-c", racer + CHILD], env=env, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    try:
+        if child.stdout.readline().strip() == "ready":
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            assert run_here(cache, capsys).startswith("native: ")
+    finally:
+        out, err = child.communicate(timeout=300)
+    assert child.returncode == 0, f"exit {child.returncode}\n{out}\n{err}"
+    assert out.strip().splitlines()[-1].startswith("native: "), out
     so = built_library(cache)
     assert sorted(f.name for f in cache.iterdir()) == sorted([so.name, so.stem + ".sha256"])
 
