@@ -59,11 +59,6 @@ def reference_budget(
     return min(max(k, 0), 256)
 
 
-def _rank_value(x: float) -> float:
-    """The value a score is ranked by: NaN ranks as -inf; -0.0 equals +0.0."""
-    return -math.inf if math.isnan(x) else x
-
-
 def reference_row_selection(
     scores: list[float], s2_valid: int, budget: int, initial_blocks: int, window_size: int
 ) -> list[int]:
@@ -72,10 +67,12 @@ def reference_row_selection(
     forced |= set(range(max(s2_valid - window_size, 0), s2_valid))
     candidates = [j for j in range(s2_valid) if j not in forced]
     take = min(budget, len(candidates))
+    # The value a score is ranked by: NaN (the one float unequal to itself)
+    # ranks as -inf; -0.0 equals +0.0 as Python compares them.
+    values = [x if x == x else -math.inf for x in map(scores.__getitem__, candidates)]
     # Highest score first; among equal scores, the lower block index first
     # (Python's sort is stable, with reverse=True too: equal keys keep their
     # ascending order).
-    values = [_rank_value(scores[j]) for j in candidates]
     ranked = sorted(range(len(candidates)), key=values.__getitem__, reverse=True)
     return sorted(forced | {candidates[k] for k in ranked[:take]})
 
@@ -114,6 +111,8 @@ def stem_indexer_reference(
         if qb == 0 or kb == 0:
             continue
         p = _ceil_div(prompts[b], stem_block_size)
+        # The budget depends on the row's position only, not on the head.
+        budgets = [reference_budget(p, i + kb - qb, **budget_args) for i in range(qb)]
         for h in range(nq):
             n = h // group
             # Float32 scores of every (query block, key block) pair of this head.
@@ -122,13 +121,15 @@ def stem_indexer_reference(
             if topk_score_precision == 2:
                 scores = scores.to(torch.bfloat16).float()
             scores = scores.tolist()
+            lengths = [0] * qb
             for i in range(qb):
                 s2 = min(max(kb - qb + i + 1, 0), kb) if causal else kb
                 if s2 == 0:
                     continue
-                budget = reference_budget(p, i + kb - qb, **budget_args)
-                row = reference_row_selection(scores[i], s2, budget, initial_blocks, window_size)
-                seq_len[b, h, i] = len(row)
+                row = reference_row_selection(scores[i], s2, budgets[i], initial_blocks,
+                                              window_size)
+                lengths[i] = len(row)
                 if row:
                     indices[b, h, i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+            seq_len[b, h, :qb] = torch.tensor(lengths, dtype=torch.int32)
     return indices, seq_len
