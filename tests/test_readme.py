@@ -32,6 +32,8 @@ for n, code in enumerate(json.load(sys.stdin)):
     except BaseException:
         result = traceback.format_exc()
     print("\\nREADME-BLOCK " + json.dumps([n, result]), flush=True)
+import gc
+gc.freeze()  # exit without a last collection over the blocks' objects
 """
 
 

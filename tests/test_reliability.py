@@ -159,8 +159,9 @@ def test_concurrent_builds_agree(tmp_path, capsys):
     env = {**os.environ, "STEM_INDEXER_CACHE_DIR": str(cache),
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     racer = "import sys, torch, stem_indexer\nprint('ready', flush=True)\nsys.stdin.readline()\n"
-    child = subprocess.Popen([sys.executable, "-c", racer + CHILD], env=env, text=True,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    exit_fast = "import gc\ngc.freeze()\n"  # no last collection over torch's objects
+    child = subprocess.Popen([sys.executable, "-c", racer + CHILD + exit_fast], env=env,
+                             text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE)
     try:
         if child.stdout.readline().strip() == "ready":
