@@ -3,7 +3,7 @@ and the roofline, CUDA-graph capture. One H200, under four minutes.
 
 1. Correctness: a subset of the case table (128K and 1M-token kv included)
    on the GPU against the op's CPU path on the same inputs, judged like the
-   runner (SPEC section 5; integer-data cases must be identical).
+   runner (docs/CONTRACT.md section 5; integer-data cases must be identical).
 2. CUDA graphs: ``torch.compile(mode="reduce-overhead")`` of the op replays
    with results identical to eager.
 3. Speed, each the median of CUDA-event measurements after warm-up: the op
@@ -242,7 +242,7 @@ def _config(bench: Bench, device: str, **changes):
 
 def check_correctness(device: str, case_ids, lines: list[str]) -> bool:
     ok_all = True
-    lines += ["", "## Correctness (GPU vs the CPU path, SPEC section 5)", "",
+    lines += ["", "## Correctness (GPU vs the CPU path, docs/CONTRACT.md section 5)", "",
               "| case | result | seconds |", "|---|---|---|"]
     for cid in case_ids:
         case = cases.get_case(cid)

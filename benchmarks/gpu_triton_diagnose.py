@@ -56,7 +56,7 @@ def _diagnose(bench, integer: bool, lines: list[str]) -> None:
 
 def main() -> int:
     lines = [f"# Triton vs CPU path ({machine('cuda')}, git {git_sha()})", "",
-             "| shape | data | configuration | outputs | SPEC 5 comparison |",
+             "| shape | data | configuration | outputs | CONTRACT.md section 5 comparison |",
              "|---|---|---|---|---|"]
     for bench in reversed(BENCHES):  # the 1M-token chunk first: it disagreed most
         for integer in (False, True):

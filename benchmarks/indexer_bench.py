@@ -227,7 +227,7 @@ def _nbytes(*tensors) -> int:
 
 def _check(shape: Shape, inputs: dict, params: IndexerParams, out) -> tuple[bool, float]:
     """Compare the op's output with the reference or the plain baseline
-    (SPEC section 5); returns (identical, seconds)."""
+    (docs/CONTRACT.md section 5); returns (identical, seconds)."""
     start = time.perf_counter()
     if shape.check == "reference":
         from stem_indexer.reference import stem_indexer_reference
@@ -282,7 +282,7 @@ COLUMNS = ("shape", "threads", "op ms", "gemm ms", "op/gemm", "plain ms", "plain
 
 
 def format_row(r: dict) -> list[str]:
-    check = f"{r['check']} {'identical' if r['check_exact'] else 'equal within SPEC 5'}"
+    check = f"{r['check']} {'identical' if r['check_exact'] else 'within CONTRACT.md section 5'}"
     peak = "n/a" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.0f}"
     ratio = "n/a" if r["mem_ratio"] is None else f"{r['mem_ratio']:.2f}"
     return [r["shape"], str(r["threads"]), f"{r['op_ms']:.1f}", f"{r['gemm_ms']:.1f}",

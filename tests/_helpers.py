@@ -122,7 +122,7 @@ def run_ref(inp: Inputs, **params):
 def expected_tensors(rows, kmax: int):
     """Pad hand-written rows ``rows[b][h][i] = [valid indices]`` with -1.
 
-    ``sparse_seq_len`` is the length of each hand-written row (SPEC section 4:
+    ``sparse_seq_len`` is the length of each hand-written row (docs/CONTRACT.md section 3:
     seq_len = L = number of selected blocks).
     """
     batch, nq, qmax = len(rows), len(rows[0]), len(rows[0][0])
@@ -197,7 +197,7 @@ def random_inputs(gen: torch.Generator, *, batch, nq, nk, qmax, kmax, df, q_lens
 
 
 def spec_row_facts(q_len: int, kv_len: int, prompt_len: int, i: int, params: IndexerParams):
-    """(s2, forced set, candidate count, K) of row i, restated from SPEC section 4
+    """(s2, forced set, candidate count, K) of row i, restated from docs/CONTRACT.md section 3
     in plain Python (independent of ``contract``; K from the scalar golden)."""
     bs = params.stem_block_size
     qb, kb, p = -(-q_len // bs), -(-kv_len // bs), -(-prompt_len // bs)

@@ -1,4 +1,4 @@
-"""The top-k budget (Token Position-Decay), SPEC section 4 "Budget (TPD)".
+"""The top-k budget (Token Position-Decay), docs/CONTRACT.md section 3 "Budget".
 
 Three layers:
 

@@ -1,9 +1,9 @@
-"""The case table covers every point of SPEC section 9 -- checked, not just claimed.
+"""The case table covers every point it claims (``covers``) -- checked, not just claimed.
 
 Each test recomputes, from the case definitions alone, the per-row facts that
 a coverage claim rests on (visible blocks, forced set, candidates, budget) and
 asserts that some case really has such rows. Row facts are restated here from
-SPEC section 4 in scalar Python; the budget comes from the scalar golden
+docs/CONTRACT.md section 3 in scalar Python; the budget comes from the scalar golden
 (``reference_budget``). Nothing runs the op; test_cases_*.py do that.
 """
 
@@ -66,7 +66,7 @@ def _f32(x: float) -> float:
 
 
 def _ks(p: int, pr: IndexerParams) -> int:
-    """Ks, the branch budget before the 256 cap (SPEC section 4, float32 as specified)."""
+    """Ks, the branch budget before the 256 cap (docs/CONTRACT.md section 3, in float32)."""
     if p < 56:
         return p
     if p < 160:
@@ -186,7 +186,7 @@ def test_graph_subset_is_representative():
 
 
 # --------------------------------------------------------------------------- #
-# SPEC section 9, point by point
+# The coverage claims, point by point
 # --------------------------------------------------------------------------- #
 
 

@@ -12,8 +12,8 @@ as ``tests/run.sh`` does), and the
 representative ``cases.GRAPH_SUBSET`` also runs in graph mode (torch.compile),
 so the default suite exercises compilation too.
 
-Each test compares the op with ``stem_indexer_reference`` under the SPEC
-section 5 rules, as the runner does; cases with ``data="integer"`` have exact
+Each test compares the op with ``stem_indexer_reference`` under the
+docs/CONTRACT.md section 5 rules, as the runner does; cases with ``data="integer"`` have exact
 scores, so they must also match the reference bit for bit. ``test_case_torch_selection`` runs a
 quarter of the table (and the representative subset) on the CPU path's torch
 selection, its fallback where no C compiler exists.
@@ -27,15 +27,15 @@ import pytest
 
 from stem_indexer.testing import cases, runner
 
-_SPEC = os.environ.get(runner.ENV_CASE_ID, "").strip()
+_SELECTED_IDS = os.environ.get(runner.ENV_CASE_ID, "").strip()
 _MODE_GIVEN = bool(os.environ.get(runner.ENV_MODE, "").strip())
 
 
 def _params(subset=None) -> list:
     mode = runner.env_mode()
-    named = bool(_SPEC)
+    named = bool(_SELECTED_IDS)
     out = []
-    for case in cases.select_cases(_SPEC, include_large=True):
+    for case in cases.select_cases(_SELECTED_IDS, include_large=True):
         if subset is not None and not subset(case):
             continue
         marks = [pytest.mark.large] if case.large and not named else []
@@ -61,7 +61,7 @@ def _slow_mirror(case: cases.Case) -> bool:
 
 
 def _check(case: cases.Case, mode: str, device: str) -> None:
-    # The runner's verdict: SPEC section 5, and for data="integer" (exact
+    # The runner's verdict: docs/CONTRACT.md section 5, and for data="integer" (exact
     # scores) outputs identical to the golden (tests/test_runner.py pins that rule).
     result = runner.run_case(case, device=device, mode=mode)
     assert result.ok, f"{case.id} [{case.covers}] {mode}/{device}: {result.summary}"

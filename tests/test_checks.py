@@ -1,4 +1,4 @@
-"""SPEC section 7: every input check, one readable case each.
+"""docs/CONTRACT.md section 4: every input check, one readable case each.
 
 Each invalid input must raise ``StemIndexerInputError`` (a ValueError) whose
 message names the offending argument, through the raw op
@@ -231,7 +231,7 @@ def test_metadata_none_is_rejected_by_the_op_naming_metadata():
 
 
 # --------------------------------------------------------------------------- #
-# Metadata built for other inputs (SPEC section 6)
+# Metadata built for other inputs (docs/CONTRACT.md section 6)
 # --------------------------------------------------------------------------- #
 
 
@@ -271,7 +271,7 @@ def test_metadata_built_for_other_inputs_is_rejected(over, match, entry):
     dict(stem_stride=1), dict(k_block_num_rate_large=0.5, k_block_num_bias_medium=0),
 ], ids=["initial_blocks", "alpha", "precision", "stem_stride", "rates-biases"])
 def test_metadata_is_reusable_across_attributes_it_does_not_record(change):
-    # SPEC section 6 lists what metadata must match (lengths, Nq, Nk, causal,
+    # docs/CONTRACT.md section 6 lists what metadata must match (lengths, Nq, Nk, causal,
     # Bs, Df, window_size); other attributes and num_prompt_tokens may differ.
     args = base_args()
     args["params"].update(change)
@@ -362,7 +362,7 @@ def test_metadata_op_accepts_the_batch_limits():
 
 
 # --------------------------------------------------------------------------- #
-# Generalised parameters (SPEC section 7, "general here")
+# Generalised parameters (docs/CONTRACT.md section 4, "here any values")
 # --------------------------------------------------------------------------- #
 
 GENERAL = [
@@ -448,7 +448,7 @@ def test_window_size_int32_max_works():
                                 dict(dim_qkflat=2**31)],
                          ids=["window_size", "stem_block_size", "dim_qkflat"])
 def test_metadata_op_large_int_attributes_are_recorded_saturated(kw):
-    # Values past int32 are valid (SPEC section 7) and plan alike: the header
+    # Values past int32 are valid (docs/CONTRACT.md section 4) and plan alike: the header
     # records them saturated at INT32_MAX (the window test above runs the main op).
     meta = torch.ops.custom.npu_stem_indexer_metadata(*LENS, 4, 2, **kw)
     header = md.Header.from_tensor(meta)

@@ -1,4 +1,4 @@
-"""Metadata (SPEC section 6) and the fast path's memory/visibility claims.
+"""Metadata (docs/CONTRACT.md section 6) and the fast path's memory/visibility claims.
 
 * size formula M = AlignUp(16 + B*kv_heads*(36+72)*16, 4096), hand-computed;
 * the header and lengths record what the metadata was built for;
@@ -106,7 +106,7 @@ def _check_plan(q_lens, kv_lens, q_heads, kv_heads, causal, bs, df=8, budget_rul
     for b, i0, i1, kend in _tiles(meta, len(q_lens)):
         qb, kb = -(-q_lens[b] // bs), -(-kv_lens[b] // bs)
         assert 0 <= i0 < i1 <= qb, (b, i0, i1, qb)
-        # key blocks visible to the tile's last row (SPEC section 4)
+        # key blocks visible to the tile's last row (docs/CONTRACT.md section 3)
         s2_last = min(max(kb - qb + i1, 0), kb) if causal else kb
         assert kend == s2_last
         rows = i1 - i0
@@ -148,8 +148,8 @@ def plan_configs(draw):
 def test_plan_covers_each_visible_row_once_within_tile_budget(cfg):
     q_lens, kv_lens, q_heads, kv_heads, causal, bs, df = cfg
     # The budget rules are promised while the plan fits the metadata even at
-    # one row per tile: total query blocks <= tile slots of M (SPEC size
-    # formula, metadata.py layout). Beyond that see the tests below.
+    # one row per tile: total query blocks <= tile slots of M (docs/CONTRACT.md section 6
+    # size formula, metadata.py layout). Beyond that see the tests below.
     batch = len(q_lens)
     slots = (md.metadata_size(batch, kv_heads) - md.HEADER_SIZE - 2 * batch) // md.TILE_FIELDS
     fits = sum(-(-q // bs) for q in q_lens) <= slots
@@ -320,7 +320,7 @@ def test_score_temporaries_bounded_by_tile_budget(bmm_shapes, workspace_sizes, m
     assert all(rows == 1 or rows * width <= cpu.SURVIVOR_ELEMENTS for rows, width in slices)
     assert 4 * max(sizes.get("keys", 0), sizes.get("key_cache", 0)) <= cpu.KEY_CACHE_BYTES
     assert max(s[-1] for s in bmm_shapes) <= cpu.GEMM_KEYS_MAX
-    # seq_len (SPEC section 4): sink 4 + window 4 forced when s2 >= 8, all of
+    # seq_len (docs/CONTRACT.md section 3): sink 4 + window 4 forced when s2 >= 8, all of
     # the row when s2 < 8; alpha = 1 so K = Ks (P = Kb): L = min(s2, 8 + K).
     k = reference_budget(kb, kb - 1)
     assert k == 256  # capped: floor(0.1 * Kb) + 30 > 256

@@ -9,7 +9,7 @@
   variants would otherwise skip quietly); without one, or when disabled, the
   op falls back to torch selection with the same results.
 
-The whole case table, the hand cases of SPEC 4 and the integer property tests
+The whole case table, the hand cases of docs/CONTRACT.md section 3 and the integer property tests
 run on both selections too (the ``selection`` fixture of conftest.py).
 """
 

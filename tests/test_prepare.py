@@ -1,4 +1,7 @@
-"""prepare.py: qflat / kflat / vbias against per-token scalar references (SPEC section 8)."""
+"""prepare.py: qflat / kflat / vbias against per-token scalar references.
+
+The inputs are defined in docs/CONTRACT.md section 7.
+"""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
   two) make every score exact in float32 whatever the summation order, so the
   op must equal the reference bit for bit, ties included.
 * Random float inputs: structural invariants of every row (restated from
-  SPEC section 4 in the test) and ``compare.compare`` against the reference.
+  docs/CONTRACT.md section 3 in the test) and ``compare.compare`` against the reference.
 * Random invalid inputs always raise ``StemIndexerInputError``.
 """
 
@@ -210,7 +210,7 @@ def _meta(args, **over):
         **kw)
 
 
-_MUTATIONS: dict = {}  # kind -> a function that breaks one rule of SPEC section 7
+_MUTATIONS: dict = {}  # kind -> a function that breaks one rule of docs/CONTRACT.md section 4
 
 
 def _mutation(fn):
@@ -412,7 +412,7 @@ def _bad_meta_missing(draw, args, p, b) -> str:
 
 
 def _mutate(draw, args) -> str:
-    """Break one rule of SPEC section 7 in ``args``; return a label."""
+    """Break one rule of docs/CONTRACT.md section 4 in ``args``; return a label."""
     kind = draw(st.sampled_from(sorted(_MUTATIONS)))
     b = draw(st.integers(0, args["qflat"].shape[0] - 1))
     return _MUTATIONS[kind](draw, args, args["params"], b)

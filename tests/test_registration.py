@@ -1,4 +1,4 @@
-"""Registration of the two ops (SPEC section 2): schemas, opcheck, fake
+"""Registration of the two ops (docs/CONTRACT.md section 1): schemas, opcheck, fake
 kernels, torch.compile, torch.export, package attributes, and the article's
 example call."""
 
@@ -14,7 +14,7 @@ from stem_indexer.contract import IndexerParams
 
 from _helpers import random_inputs
 
-# SPEC section 2, verbatim.
+# docs/CONTRACT.md section 1, verbatim.
 SPEC_SCHEMAS = {
     "npu_stem_indexer": """
 custom::npu_stem_indexer(Tensor qflat, Tensor kflat, Tensor vbias, Tensor q_seq_lens,

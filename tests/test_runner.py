@@ -44,7 +44,7 @@ def test_run_case_fails_on_a_wrong_golden():
 
 def _tie_swapped_golden(case: Case):
     """The golden with one dynamic pick swapped for an unselected candidate of
-    exactly the same score: within the section 5 tolerance, yet not identical."""
+    exactly the same score: within the docs/CONTRACT.md section 5 tolerance, yet not identical."""
     idx, lens = _golden(case)
     inputs = case.make_inputs()
     p = case.params
@@ -74,7 +74,7 @@ def _tie_swapped_golden(case: Case):
 
 def test_integer_cases_require_identical_outputs():
     result = runner.run_case(EXACT, golden=_tie_swapped_golden(EXACT))
-    # The section 5 tolerance alone accepts the swap (equal scores, 2 indices) ...
+    # The docs/CONTRACT.md section 5 tolerance alone accepts the swap (equal scores, 2 indices) ...
     assert ", 2 indices within score tolerance, 0 beyond" in result.summary
     # ... but exact scores leave no excuse for a different tie-break.
     assert not result.ok and not result.identical

@@ -1,6 +1,6 @@
-"""Tiny hand-computed cases that pin SPEC section 4 (semantics of one row).
+"""Tiny hand-computed cases that pin docs/CONTRACT.md section 3 (semantics of one row).
 
-Every expected row below was derived by hand from SPEC section 4; the
+Every expected row below was derived by hand from docs/CONTRACT.md section 3; the
 derivation is in the comment next to it. Each case runs through
 ``stem_indexer.stem_indexer``, the raw ``torch.ops.custom.npu_stem_indexer``
 (with metadata from the metadata op), both on the ``device`` of the

@@ -10,7 +10,7 @@ reports its own child result (failure text included). With
 Interpreted kernels are slow: the cases here are tiny, hand-computed first
 (ties, NaN, -0.0, the selection's edges), then exact-score (integer) random
 cases that must be bit-identical to the reference and to the CPU path, then a
-few small cases of the table compared as the runner does (SPEC section 5,
+few small cases of the table compared as the runner does (docs/CONTRACT.md section 5,
 plus identity for integer data). Each runs with tiny tiles and with the GPU
 configuration itself (``default_config``: the same tiles for sm_90 and
 sm_80). Outputs are poisoned first so that an element no kernel writes

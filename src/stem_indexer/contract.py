@@ -5,10 +5,10 @@ many* lives here: the visible range (causal, right-down aligned), the forced
 sink/window blocks, the position-decayed top-k budget (TPD), the ranking key
 (tie-break to the lower block index) and the input checks. Backends call these
 functions; they never re-derive them. ``reference.py`` is the one deliberate
-exception: it re-states section 4 of the contract row by row, so that tests have
+exception: it re-states docs/CONTRACT.md section 3 row by row, so that tests have
 an independent oracle to compare against.
 
-Section numbers refer to SPEC.md, the operator contract.
+Section numbers refer to docs/CONTRACT.md, the operator contract.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ __all__ = [
     "check_lengths",
 ]
 
-# Section 4: the budget branch edges (in prompt blocks) and the cap on K.
+# docs/CONTRACT.md section 3: the budget branch edges (in prompt blocks) and the cap on K.
 BRANCH_MEDIUM = 56
 BRANCH_LARGE = 160
 TOPK_CAP = 256
@@ -46,7 +46,7 @@ MAX_BATCH = 65536
 
 
 class StemIndexerInputError(ValueError):
-    """Raised for any input that breaks the contract (section 7).
+    """Raised for any input that breaks the contract (docs/CONTRACT.md section 4).
 
     The message always names the offending argument and the rule it breaks.
     """
@@ -111,7 +111,7 @@ class IndexerParams:
         return self.stem_block_size // self.stem_stride
 
     def check(self, who: str = "stem_indexer") -> None:
-        """Section 7 rules on the scalar attributes; errors name ``who``."""
+        """docs/CONTRACT.md section 4 rules on the scalar attributes; errors name ``who``."""
         check_bool(who, "causal", self.causal)
         check_int(who, "stem_block_size", self.stem_block_size, 1)
         check_int(who, "stem_stride", self.stem_stride, 1)
@@ -174,7 +174,7 @@ def score_scale(params: IndexerParams) -> float:
 
 
 # --------------------------------------------------------------------------- #
-# Visibility, forced blocks, candidates (section 4)
+# Visibility, forced blocks, candidates (docs/CONTRACT.md section 3)
 # --------------------------------------------------------------------------- #
 
 
@@ -208,7 +208,7 @@ def candidate_range(s2: torch.Tensor, initial_blocks: int, window_size: int):
 
 
 # --------------------------------------------------------------------------- #
-# Budget: Token Position-Decay (section 4)
+# Budget: Token Position-Decay (docs/CONTRACT.md section 3)
 # --------------------------------------------------------------------------- #
 
 # Any Ks at or above this is equivalent: then Ks >= P, so the budget is Ks and
@@ -263,7 +263,7 @@ def row_budget(
 
 
 # --------------------------------------------------------------------------- #
-# Ranking (section 4, "Selection")
+# Ranking (docs/CONTRACT.md section 3, "Selection")
 # --------------------------------------------------------------------------- #
 
 _LOW32 = 0xFFFFFFFF
@@ -302,7 +302,7 @@ def block_of_key(keys: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- #
-# Input checks (section 7)
+# Input checks (docs/CONTRACT.md section 4)
 # --------------------------------------------------------------------------- #
 
 

@@ -1,6 +1,6 @@
 """Metadata: the work plan the metadata op builds and the main op consumes.
 
-Size (section 6 of the contract, kept from the NPU operator)::
+Size (docs/CONTRACT.md section 6, kept from the NPU operator)::
 
     M = AlignUp(16 + B * kv_heads * (36 + 72) * 16, 4096)   int32 elements
 

@@ -1,4 +1,4 @@
-"""Upstream of the indexer: Q/K/V -> ``qflat``, ``kflat``, ``vbias`` (SPEC section 8).
+"""Upstream of the indexer: Q/K/V -> ``qflat``, ``kflat``, ``vbias`` (docs/CONTRACT.md section 7).
 
 All functions are vectorised torch code (no per-token Python loops) and run on
 whatever device the inputs live on.

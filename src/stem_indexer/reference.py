@@ -1,4 +1,4 @@
-"""The golden: section 4 of the contract, one row at a time.
+"""The golden: docs/CONTRACT.md section 3, one row at a time.
 
 Written to be obviously correct rather than fast. It deliberately does not
 use ``contract.py``'s vectorised helpers: the visible range, the forced set,
@@ -35,7 +35,7 @@ def reference_budget(
     k_block_num_rate_medium: float = 0.2, k_block_num_bias_medium: int = 30,
     k_block_num_rate_large: float = 0.1, k_block_num_bias_large: int = 30,
 ) -> int:
-    """K for a row at right-down aligned position ``pos`` (contract section 4)."""
+    """K for a row at right-down aligned position ``pos`` (docs/CONTRACT.md section 3)."""
     p = prompt_blocks
     if p < 56:
         ks = p

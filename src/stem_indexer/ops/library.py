@@ -46,7 +46,7 @@ _lib.define(METADATA_SCHEMA)
 
 def _checked(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens, metadata,
              attrs) -> IndexerParams:
-    """SPEC section 7 checks on shapes, dtypes and attributes (static: fakes too)."""
+    """docs/CONTRACT.md section 4 checks on shapes, dtypes and attributes (static: fakes too)."""
     params = IndexerParams(**attrs)
     contract.check_indexer_inputs(qflat, kflat, vbias, q_seq_lens, kv_seq_lens,
                                   num_prompt_tokens, metadata, params)
@@ -55,7 +55,7 @@ def _checked(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens, me
 
 def _host_values(qflat, kflat, q_seq_lens, kv_seq_lens, num_prompt_tokens, metadata,
                  params: IndexerParams):
-    """SPEC section 7 checks on the values (lengths in range, prompt >= kv,
+    """docs/CONTRACT.md section 4 checks on the values (lengths in range, prompt >= kv,
     metadata built for these inputs), on host copies of the lengths.
 
     Returns ``(q_lens, kv_lens, prompt_lens, tiles)`` on the host.

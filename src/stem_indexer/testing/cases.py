@@ -456,7 +456,7 @@ _BASE: list[Case] = [
          q_lens=(80 * 64,), kv_lens=(70 * 64,), prompt_lens=(100 * 64,), dim=16, data="integer",
          params=_p(causal=False, stem_block_size=64, stem_stride=4)),
 
-    # ---- generalised attributes (section 7) -------------------------------- #
+    # ---- generalised attributes (CONTRACT.md section 4) ---------------------------- #
     Case(84, "initial_blocks=0, window_size=0: no forced blocks, causal q=kv=P=100, alpha=0.5",
          q_lens=(100 * _BS,), kv_lens=(100 * _BS,),
          params=_p(initial_blocks=0, window_size=0, alpha=0.5)),

@@ -1,6 +1,6 @@
 """Comparing two indexer outputs the way the reference test framework does.
 
-Contract section 5. Top-k boundaries are sensitive to float summation order,
+docs/CONTRACT.md section 5. Top-k boundaries are sensitive to float summation order,
 so two correct implementations may pick different blocks where scores are
 (nearly) equal. The comparison is:
 

@@ -70,7 +70,7 @@ _BUDGET_FIELDS = ("k_block_num_rate_medium", "k_block_num_bias_medium",
 
 @dataclass(frozen=True)
 class Budget:
-    """The top-k budget attributes of the indexer (section 4, "Budget");
+    """The top-k budget attributes of the indexer (docs/CONTRACT.md section 3, "Budget");
     unset ones take the operator's defaults."""
 
     name: str

@@ -1,11 +1,11 @@
 """Running the case table against the golden: single and batch modes.
 
 Used by the tests (``tests/test_cases_*.py``) and by ``stem-indexer verify``.
-It mirrors the reference test framework (contract section 9):
+It mirrors the reference operator's test framework (README.md, "Tests"):
 
 * single mode: ``run_case`` builds a case's inputs, takes the golden from
   ``stem_indexer_reference`` (CPU), runs the op on a device in "eager" or
-  "graph" mode and compares the two with ``compare.compare`` (section 5);
+  "graph" mode and compares the two with ``compare.compare`` (docs/CONTRACT.md section 5);
 * batch mode: a CSV of cases (``write_cases_csv`` / ``read_cases_csv``) ->
   one ``<case_id>.pt`` per case holding the inputs and golden outputs
   (``prepare_batch``) -> ``run_batch`` runs and compares them all and writes
@@ -22,7 +22,7 @@ Environment: ``STEM_INDEXER_CASE_ID`` (comma-separated ids, default all),
 
 Cases with ``data="integer"`` have exact scores (independent of summation
 order), so for them ``run_case`` and ``run_batch`` also require outputs
-identical to the golden, not just the section 5 tolerance.
+identical to the golden, not just the docs/CONTRACT.md section 5 tolerance.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ so the whole call can be captured in a CUDA graph):
    ``contract.candidate_range``, ``contract.prompt_budget`` and
    ``contract.row_budget`` evaluated as torch operations on the device (the
    very code the CPU path runs, float32 roundings included). Rows past a
-   batch's query blocks get s2 = 0 (SPEC section 3). Block counts are clamped
+   batch's query blocks get s2 = 0 (docs/CONTRACT.md section 2). Block counts are clamped
    to Qmax/Kmax, which changes nothing for valid lengths and keeps every
    kernel in bounds for any lengths.
 2. **Work items from the metadata's plan.** The plan's tiles (batch, query
@@ -30,7 +30,7 @@ so the whole call can be captured in a CUDA graph):
    index, ascending scatter; then forced blocks, -1 padding and the length.
 
 Exactness: scores are float32 sums of exact bf16 products (order may differ
-from the CPU path's matmul: SPEC section 5 covers that; for integer-valued
+from the CPU path's matmul: docs/CONTRACT.md section 5 covers that; for integer-valued
 inputs every order gives the same float32 and outputs are bit-identical),
 scaled by ``contract.score_scale`` then biased, in two float32 roundings
 (fp fusion is off so no FMA merges them); keys reproduce
