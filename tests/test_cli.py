@@ -63,3 +63,60 @@ def test_unknown_command_is_a_usage_error():
     with pytest.raises(SystemExit) as err:
         cli.main(["frobnicate"])
     assert err.value.code == 2
+
+
+def _no_case_may_run(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a case ran before --out was checked")
+    monkeypatch.setattr(runner, "run_case", refuse)
+
+
+@pytest.mark.parametrize("where", ["dot", "directory", "trailing_slash", "under_a_file",
+                                   "missing_directory", "device", "empty"])
+def test_verify_out_that_cannot_be_written_is_a_usage_error(where, tmp_path, monkeypatch,
+                                                             capsys):
+    # Each of these used to reach the write (after every case had run) and end
+    # in a traceback; now it is a usage error before any case runs.
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    monkeypatch.chdir(tmp_path)
+    out = {"dot": ".", "directory": str(tmp_path), "trailing_slash": "new_dir/",
+           "under_a_file": str(a_file / "result.csv"),
+           "missing_directory": str(tmp_path / "missing" / "result.csv"),
+           "device": "/dev/null", "empty": ""}[where]
+    _no_case_may_run(monkeypatch)
+    with pytest.raises(SystemExit) as err:
+        cli.main(["verify", "--cases", "SI_WB_002", "--out", out])
+    assert err.value.code == 2
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "--out" in errors[0], captured.err
+    assert "Traceback" not in captured.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing left behind
+
+
+def test_verify_out_in_a_directory_without_room_for_a_file_is_a_usage_error(
+        tmp_path, monkeypatch, capsys):
+    # Permission bits do not stop root, so make creating the file fail the way
+    # a read-only file system does.
+    import tempfile
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    _no_case_may_run(monkeypatch)
+    with pytest.raises(SystemExit) as err:
+        cli.main(["verify", "--cases", "SI_WB_002", "--out", str(tmp_path / "result.csv")])
+    assert err.value.code == 2
+    assert "not writable (Read-only file system)" in capsys.readouterr().err
+
+
+def test_verify_reports_a_failed_write_in_one_line(tmp_path, monkeypatch, capsys):
+    # A path that was fine when checked but cannot be written at the end.
+    def full_disk(results, path):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(runner, "write_results_csv", full_disk)
+    assert cli.main(["verify", "--cases", "SI_WB_002",
+                     "--out", str(tmp_path / "result.csv")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write" in err and "No space left on device" in err

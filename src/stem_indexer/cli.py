@@ -15,6 +15,7 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -98,7 +99,12 @@ def _verify(args: argparse.Namespace) -> int:
             failed += 1
             sys.stderr.write(f"\nFAIL {result.label}: {result.summary}\n")
         _progress(n, len(args.selection), failed, case.label)
-    runner.write_results_csv(results, args.out)
+    try:
+        runner.write_results_csv(results, args.out)
+    except OSError as exc:  # the path was checked before; it changed or the disk is full
+        sys.stderr.write(f"stem-indexer verify: cannot write {args.out}: "
+                         f"{exc.strerror or exc}\n")
+        return 2
     print(f"{len(results) - failed} passed, {failed} failed  (results in {args.out})")
     return 1 if failed else 0
 
@@ -119,12 +125,28 @@ def _check_verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 
 def _check_writable(parser: argparse.ArgumentParser, option: str, path: str) -> None:
+    """``path`` must name a file that can be (re)written: not a directory, not a
+    device or other special file, in an existing directory where a file can be
+    created (the results are written through a temporary file there)."""
+    if not path:
+        parser.error(f"{option}: empty path; give a file name")
+    if os.path.isdir(path) or path.endswith(("/", os.sep)):
+        parser.error(f"{option} {path}: is a directory; give a file name")
+    if os.path.exists(path) and not os.path.isfile(path):
+        parser.error(f"{option} {path}: not a regular file")
     directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
+    if not os.path.exists(directory):
         parser.error(f"{option} {path}: directory {directory} does not exist")
-    if not os.access(directory, os.W_OK) or (os.path.exists(path)
-                                             and not os.access(path, os.W_OK)):
+    if not os.path.isdir(directory):
+        parser.error(f"{option} {path}: {directory} is not a directory")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
         parser.error(f"{option} {path}: not writable")
+    try:  # what the write itself will need: a new file in that directory
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".stem-indexer-probe.")
+    except OSError as exc:
+        parser.error(f"{option} {path}: not writable ({exc.strerror or exc})")
+    os.close(fd)
+    os.unlink(probe)
 
 
 def _alpha(text: str) -> float:
