@@ -23,6 +23,7 @@ from transformers.masking_utils import (  # noqa: E402
 )
 
 import stem_indexer.integrations.transformers as stem_hf  # noqa: E402
+from stem_indexer import StemIndexerInputError  # noqa: E402
 from stem_indexer.attention import stem_attention  # noqa: E402
 
 BLOCKING = dict(stem_block_size=16, stem_stride=4)
@@ -297,14 +298,35 @@ def test_mask_function_is_compact_only_for_plain_causal_masks():
     assert got.dim() == 4
 
 
-def test_register_checks_its_arguments():
-    with pytest.raises(TypeError, match="no argument 'blocksize'"):
-        stem_hf.register("stem-test-bad", blocksize=16)
-    with pytest.raises(TypeError, match="'scale' is supplied by the model"):
-        stem_hf.register("stem-test-bad", scale=0.1)
-    with pytest.raises(ValueError, match="min_prefill_tokens must be an int >= 1"):
-        stem_hf.register("stem-test-bad", min_prefill_tokens=0)
-    with pytest.raises(ValueError, match="name must be a non-empty str"):
+@pytest.mark.parametrize("kwargs, arg", [
+    (dict(blocksize=16), "blocksize is not an argument of stem_attention"),
+    (dict(scale=0.1), "scale is supplied by the model"),
+    (dict(softcap=5.0), "softcap is supplied by the model"),
+    (dict(num_prompt_tokens=[4096]), "num_prompt_tokens is per batch"),
+    (dict(return_info=True), "return_info is set by the integration"),
+    (dict(return_lse=True), "return_lse is set by the integration"),
+    (dict(preset="fast"), "preset must be one of"),
+    (dict(stem_block_size=12, stem_stride=8), "stem_block_size must be a multiple of stem_stride"),
+    (dict(stem_block_size=0), "stem_block_size must be >= 1"),
+    (dict(alpha=2.0), "alpha must be"),
+    (dict(window_size=-1), "window_size must be >= 0"),
+    (dict(topk_score_precision=3), "topk_score_precision must be"),
+    (dict(oam="yes"), "oam must be True or False"),
+    (dict(oam_lambda=float("nan")), "oam_lambda must be a finite number"),
+    (dict(indexer_scale="0.1"), "indexer_scale must be a finite number"),
+    (dict(min_q_blocks=-1), "min_q_blocks must be >= 0"),
+    (dict(backend="fast"), "backend must be one of"),
+    (dict(min_prefill_tokens=0), "min_prefill_tokens must be >= 1"),
+    (dict(min_prefill_tokens=True), "min_prefill_tokens must be an int"),
+])
+def test_register_checks_every_argument_when_called(kwargs, arg):
+    """Each argument stem_attention would refuse at the model's first call
+    (deep inside generate()) is refused by register() itself, with the
+    package's one-line error, and nothing is registered."""
+    with pytest.raises(StemIndexerInputError, match="^register: " + arg):
+        stem_hf.register("stem-test-bad", **kwargs)
+    assert "stem-test-bad" not in transformers.AttentionInterface._global_mapping
+    with pytest.raises(StemIndexerInputError, match="^register: name must be a non-empty str"):
         stem_hf.register("")
 
 

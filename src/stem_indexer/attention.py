@@ -511,17 +511,15 @@ def stem_attention(
     who = "stem_attention"
     batch, hq, hkv, sq, skv, dim = check_qkv(q, k, v, who, same_dtype=True)
     _check_layout(who, q, k, "[B, H, S, D]")
-    params = IndexerParams.from_kwargs(who, preset=preset, causal=causal, **indexer_params)
+    params, indexer_scale = check_stem_options(
+        who, causal=causal, preset=preset, oam=oam, oam_lambda=oam_lambda,
+        indexer_scale=indexer_scale, min_q_blocks=min_q_blocks, backend=backend,
+        **indexer_params)
     scale = _check_scale(who, "scale", scale, dim)
     softcap = _check_softcap(who, softcap)
-    for name, flag in (("oam", oam), ("return_lse", return_lse), ("return_info", return_info)):
+    for name, flag in (("return_lse", return_lse), ("return_info", return_info)):
         check_bool(who, name, flag)
-    check_oam_lambda(oam_lambda, who)
-    check_int(who, "min_q_blocks", min_q_blocks, 0)
-    _check_backend(who, backend)
     _check_inference(who, q, k, v)
-    if indexer_scale is not None:
-        indexer_scale = _check_scale(who, "indexer_scale", indexer_scale, dim)
     if return_info and torch.compiler.is_compiling():
         fail(who, "return_info", "is not available under torch.compile (it reads the "
              "selection on the host); count with the transformers integration's stats instead",
@@ -536,6 +534,26 @@ def stem_attention(
         return_lse)
     extra = ((lse,) if return_lse else ()) + ((StemInfo.decode(info),) if return_info else ())
     return (out, *extra) if extra else out
+
+
+def check_stem_options(who: str, *, causal: bool = True, preset: str = "default",
+                       oam: bool = True, oam_lambda: float = DEFAULT_OAM_LAMBDA,
+                       indexer_scale: float | None = None, min_q_blocks: int = 2,
+                       backend: str = "auto",
+                       **indexer_params) -> tuple[IndexerParams, float | None]:
+    """The checks of ``stem_attention``'s options that need no tensor (the
+    indexer's parameters and preset, the OAM, the dense threshold, the
+    backend), in one place for every caller that fixes them ahead of the
+    call (``integrations.transformers.register``). Returns the indexer's
+    parameters and ``indexer_scale`` as a float (or None)."""
+    params = IndexerParams.from_kwargs(who, preset=preset, causal=causal, **indexer_params)
+    check_bool(who, "oam", oam)
+    check_oam_lambda(oam_lambda, who)
+    check_int(who, "min_q_blocks", min_q_blocks, 0)
+    _check_backend(who, backend)
+    if indexer_scale is not None:
+        indexer_scale = _check_scale(who, "indexer_scale", indexer_scale, 1)
+    return params, indexer_scale
 
 
 def _check_layout(who: str, q, k, layout: str) -> None:

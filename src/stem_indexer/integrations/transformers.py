@@ -79,13 +79,22 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
         "'hf' extra: pip install 'stem-indexer[hf]'"
     ) from exc
 
-from ..attention import stem_attention
-from ..contract import IndexerParams
+from ..attention import check_stem_options, stem_attention
+from ..contract import IndexerParams, check_int, fail
 
 __all__ = ["register", "unregister", "StemAttention", "stem_mask"]
 
-# Arguments of stem_attention that the integration fills in from the model.
-_RESERVED = ("q", "k", "v", "causal", "scale", "q_lens", "kv_lens")
+# Arguments of stem_attention that register() cannot fix, and why: the
+# integration fills them in from the model, or sets them itself (it counts
+# each call's info and returns the plain output).
+_FROM_MODEL = "is supplied by the model for every call"
+_RESERVED = {
+    **dict.fromkeys(("q", "k", "v", "causal", "scale", "softcap", "q_lens", "kv_lens"),
+                    _FROM_MODEL),
+    "num_prompt_tokens": "is per batch and per call (the model's lengths)",
+    "return_info": "is set by the integration (it counts each call's path in stats)",
+    "return_lse": "is set by the integration (the model takes the output alone)",
+}
 
 # Attention-function keyword arguments this integration cannot honour with
 # Stem. Each one, when set, sends the call to dense SDPA (which either honours
@@ -380,34 +389,36 @@ def register(name: str = "stem", *, min_prefill_tokens: int | None = None,
         min_prefill_tokens: calls with fewer query tokens (decode) use dense
             SDPA; default one Stem block (``stem_block_size``).
         **stem_kwargs: keyword arguments for every ``stem_attention`` call
-            (``stem_block_size``, ``stem_stride``, ``alpha``, ``initial_blocks``,
-            ``window_size``, ``oam``, ``oam_lambda``, budget rates, ...). The
-            model supplies q/k/v, ``causal``, ``scale`` and the lengths.
+            (``preset``, ``stem_block_size``, ``stem_stride``, ``alpha``,
+            ``initial_blocks``, ``window_size``, ``oam``, ``oam_lambda``,
+            budget rates, ``backend``, ...). The model supplies q/k/v,
+            ``causal``, ``scale``, ``softcap`` and the lengths; the
+            integration asks for the info it counts.
 
     Returns:
         The registered attention function; its ``stats`` count the paths taken.
 
     Raises:
-        TypeError: for a keyword ``stem_attention`` does not take, or one the
-            model supplies.
-        ValueError: for an empty name or a ``min_prefill_tokens`` below 1.
+        StemIndexerInputError (a ValueError) naming the argument and the
+        rule, for any argument ``stem_attention`` would refuse (checked here,
+        not at the model's first call), a keyword it does not take or one the
+        model or the integration supplies, an empty name, or a
+        ``min_prefill_tokens`` below 1.
     """
+    who = "register"
     if not isinstance(name, str) or not name:
-        raise ValueError(f"register: name must be a non-empty str; got {name!r}")
+        fail(who, "name", "must be a non-empty str", repr(name))
     allowed = _stem_arguments()
-    for key in stem_kwargs:
+    for key, value in stem_kwargs.items():
         if key in _RESERVED:
-            raise TypeError(f"register: {key!r} is supplied by the model for every call; "
-                            "it cannot be fixed at registration")
+            fail(who, key, f"{_RESERVED[key]}; it cannot be fixed at registration", repr(value))
         if key not in allowed:
-            raise TypeError(f"register: stem_attention has no argument {key!r}; "
-                            f"it takes {', '.join(allowed)}")
+            fail(who, key, f"is not an argument of stem_attention (those that can be fixed: "
+                 f"{', '.join(allowed)})", repr(value))
+    check_stem_options(who, **stem_kwargs)
     if min_prefill_tokens is None:
         min_prefill_tokens = stem_kwargs.get("stem_block_size", IndexerParams.stem_block_size)
-    if isinstance(min_prefill_tokens, bool) or not isinstance(min_prefill_tokens, int) \
-            or min_prefill_tokens < 1:
-        raise ValueError(f"register: min_prefill_tokens must be an int >= 1; "
-                         f"got {min_prefill_tokens!r}")
+    check_int(who, "min_prefill_tokens", min_prefill_tokens, 1)
     fn = StemAttention(name, min_prefill_tokens, stem_kwargs)
     AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, stem_mask)
