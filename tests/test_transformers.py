@@ -338,3 +338,26 @@ def test_register_and_unregister_names():
     stem_hf.unregister("stem-test-tmp")
     assert "stem-test-tmp" not in transformers.AttentionInterface._global_mapping
     assert "stem-test-tmp" not in transformers.masking_utils.AttentionMaskInterface._global_mapping
+
+
+def test_declared_transformers_floor_is_the_one_the_code_checks():
+    """Every extra of pyproject.toml declares the floor the module enforces,
+    the installed transformers meets it, and a transformers whose mask
+    functions still take cache_position (before 5.4) is refused at import
+    with that floor named (not deep inside a model's mask creation)."""
+    import pathlib
+    import re
+
+    from packaging.version import Version
+
+    text = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
+    floors = set(re.findall(r'"transformers>=([0-9.]+)"', text))
+    assert floors == {stem_hf.MIN_TRANSFORMERS}
+    assert Version(transformers.__version__) >= Version(stem_hf.MIN_TRANSFORMERS)
+
+    def old_sdpa_mask(batch_size, cache_position, kv_length, kv_offset=0, **kwargs):
+        """transformers 5.3's signature."""
+
+    with pytest.raises(ImportError, match=r"needs transformers>=5\.4 .*found"):
+        stem_hf._check_mask_signature(old_sdpa_mask)
+    stem_hf._check_mask_signature(sdpa_mask)  # the installed one is accepted

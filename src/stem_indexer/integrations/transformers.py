@@ -82,6 +82,26 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 from ..attention import check_stem_options, stem_attention
 from ..contract import IndexerParams, check_int, fail
 
+# The first release whose mask functions are called with (q_length, q_offset)
+# rather than cache_position: the signature stem_mask takes. pyproject.toml's
+# extras declare the same floor.
+MIN_TRANSFORMERS = "5.4"
+
+
+def _check_mask_signature(mask_fn: Callable) -> None:
+    """Refuse a transformers whose mask functions take cache_position (before
+    5.4): stem_mask would be called with arguments it does not know."""
+    if "q_length" not in inspect.signature(mask_fn).parameters:
+        import transformers
+
+        raise ImportError(
+            f"stem_indexer.integrations.transformers needs transformers>={MIN_TRANSFORMERS} "
+            f"(mask functions called with q_length and q_offset); found "
+            f"{transformers.__version__}: pip install 'stem-indexer[hf]'")
+
+
+_check_mask_signature(sdpa_mask)
+
 __all__ = ["register", "unregister", "StemAttention", "stem_mask"]
 
 # Arguments of stem_attention that register() cannot fix, and why: the
