@@ -8,6 +8,7 @@ the file it names must be in the repository.
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,10 +31,22 @@ def contract_sections() -> set[int]:
             re.finditer(r"^## (\d+)\. ", CONTRACT.read_text(), re.MULTILINE)}
 
 
+def _tracked(top: str) -> list[Path] | None:
+    """The repository's files under ``top`` (work in progress that is not yet
+    part of it is judged when it is added); None without git."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--", top], cwd=ROOT, check=True,
+                             capture_output=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [ROOT / name for name in out.decode().split("\0") if name]
+
+
 def cited_files() -> list[Path]:
     files = [ROOT / "README.md", CONTRACT]
     for top in ("src", "tests", "benchmarks", "docs"):
-        for path in sorted((ROOT / top).rglob("*")):
+        listed = _tracked(top)
+        for path in sorted((ROOT / top).rglob("*") if listed is None else listed):
             if (path.is_file() and path.suffix in TEXT_SUFFIXES
                     and not SKIP_PARTS & set(path.relative_to(ROOT).parts)
                     and not any(p.endswith(".egg-info") for p in path.parts)):
