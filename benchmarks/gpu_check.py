@@ -253,7 +253,8 @@ def check_correctness(device: str, case_ids, lines: list[str]) -> bool:
         t0 = time.perf_counter()
         try:
             out = tuple(t.cpu() for t in run_op(dev, md.to(device), case.params))
-            result = compare.compare(out, expected, raw, case.params)
+            # Our own backend: no pick may differ beyond rounding (allowance 0).
+            result = compare.compare(out, expected, raw, case.params, allowance=0.0)
             ok, text = result.ok, result.summary()
             if case.data == "integer" and not all(torch.equal(a, e) for a, e in zip(out, expected)):
                 ok, text = False, text + "; FAIL: integer data must be identical"
@@ -344,7 +345,7 @@ def run_benches(device: str, benches, lines: list[str], reps: int) -> bool:
         part_cpu = {k: v.cpu() for k, v in part.items()}
         part_md = _metadata(part_cpu, g, 1, params, bench.dim)
         cpu_path = run_cpu_path({**part_cpu, "num_prompt_tokens": None}, part_md, params)
-        versus_cpu = compare.compare(mine, cpu_path, part_cpu, params)
+        versus_cpu = compare.compare(mine, cpu_path, part_cpu, params, allowance=0.0)
         eager = median_ms(lambda: run_op(inputs, md, params), device=device, reps=reps)
         if device == "cuda":
             graph = torch.cuda.CUDAGraph()

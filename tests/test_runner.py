@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from stem_indexer.testing import cases, runner
+from stem_indexer.testing import cases, compare, runner
 from stem_indexer.testing.cases import Case
 from stem_indexer.contract import IndexerParams
 
@@ -79,6 +79,77 @@ def test_integer_cases_require_identical_outputs():
     # ... but exact scores leave no excuse for a different tie-break.
     assert not result.ok and not result.identical
     assert "requires identical outputs" in result.summary
+
+
+def _far_swapped_golden(case: Case):
+    """The golden with one dynamic pick of one row swapped for the visible
+    candidate of the lowest score: a valid row (forced blocks kept, ascending),
+    the added one far beyond rounding of the row's threshold."""
+    idx, lens = _golden(case)
+    inputs = case.make_inputs()
+    p = case.params
+    bs = p.stem_block_size
+    for b, h, i in (lens > p.initial_blocks + p.window_size).nonzero().tolist():
+        qb, kb = -(-case.q_lens[b] // bs), -(-case.kv_lens[b] // bs)
+        s2 = min(max(kb - qb + i + 1, 0), kb) if p.causal else kb
+        n = h // (case.q_heads // case.kv_heads)
+        scores = (inputs["kflat"][b, n, :kb].float() @ inputs["qflat"][b, h, i].float()) \
+            / p.ratio ** 2 + inputs["vbias"][b, n, :kb]
+        row = idx[b, h, i, : lens[b, h, i]].tolist()
+        forced = set(range(min(p.initial_blocks, s2))) | set(range(max(s2 - p.window_size, 0), s2))
+        picks = [j for j in row if j not in forced]
+        others = [j for j in range(s2) if j not in row]
+        if not picks or not others:
+            continue
+        threshold = min(float(scores[j]) for j in picks)
+        worst = min(others, key=lambda j: float(scores[j]))
+        if threshold - float(scores[worst]) < 0.5 * abs(threshold) + 0.01:
+            continue  # not far enough below the threshold to be beyond rounding
+        low = min(picks, key=lambda j: float(scores[j]))
+        new_row = sorted((set(row) - {low}) | {worst})
+        swapped = idx.clone()
+        swapped[b, h, i, : len(new_row)] = torch.tensor(new_row, dtype=torch.int32)
+        return swapped, lens
+    raise AssertionError(f"{case.id} has no row with a candidate far below its threshold")
+
+
+LARGE_FLOAT = cases.get_case("SI_WB_001")  # randn, about 200K kept entries
+
+
+def test_own_backends_get_no_allowance_for_picks_beyond_rounding():
+    golden = _far_swapped_golden(LARGE_FLOAT)
+    valid = int(golden[1].sum())
+    # One index beyond rounding in ~200K entries: well inside the 0.5% a foreign
+    # implementation is allowed ...
+    assert 1 <= compare.FOREIGN_ALLOWANCE * valid
+    # ... yet a failure for this package's op (the runner's default, and 0 named).
+    for result in (runner.run_case(LARGE_FLOAT, golden=golden),
+                   runner.run_case(LARGE_FLOAT, golden=golden, allowance=0.0)):
+        assert not result.ok
+        assert ", 1 beyond" in result.summary and "allowed none" in result.summary
+
+
+def test_foreign_outputs_get_the_reference_frameworks_allowance():
+    golden = _far_swapped_golden(LARGE_FLOAT)
+    inputs = LARGE_FLOAT.make_inputs()
+    true_golden = _golden(LARGE_FLOAT)
+    # The swapped output judged as another implementation's, against the true golden.
+    strict = compare.compare(golden, true_golden, inputs, LARGE_FLOAT.params)
+    foreign = compare.compare(golden, true_golden, inputs, LARGE_FLOAT.params,
+                              allowance=compare.FOREIGN_ALLOWANCE)
+    assert not strict.ok and strict.bad_indices == 1  # the removed pick is at the threshold
+    assert foreign.ok and foreign.bad_indices == 1, foreign.summary()
+    assert "(up to 0.5% allowed)" in foreign.summary()
+    # The allowance is a fraction: more wrong picks than it covers fail.
+    assert not compare.compare(golden, true_golden, inputs, LARGE_FLOAT.params,
+                               allowance=0.5 / int(golden[1].sum())).ok
+
+
+@pytest.mark.parametrize("allowance", [-0.1, 1.5, float("nan"), True, "0"])
+def test_compare_rejects_an_allowance_that_is_not_a_fraction(allowance):
+    out = _golden(SMALL)
+    with pytest.raises(ValueError, match="allowance"):
+        compare.compare(out, out, SMALL.make_inputs(), SMALL.params, allowance=allowance)
 
 
 def test_op_errors_become_failed_results():

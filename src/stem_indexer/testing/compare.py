@@ -12,8 +12,15 @@ so two correct implementations may pick different blocks where scores are
 * differing dynamic picks are tolerated where each differing index's score
   (in the ranking precision) is within relative 1e-3 (absolute 2.5e-5 near
   zero) of the lowest expected dynamic score of the row;
-* differing indices beyond that tolerance may be at most 0.5% of all valid
-  entries of the case.
+* differing indices beyond that tolerance: none (``allowance=0``, the
+  default), or at most ``allowance`` of all valid entries of the case.
+
+This package's backends are held to the default: with the same inputs every
+score they rank differs from the reference's only by summation order, so a
+differing pick whose score is not within that rounding of the row's threshold
+is a bug, however rare. ``FOREIGN_ALLOWANCE`` (0.5%, the reference test
+framework's own figure) is for judging another implementation's output, e.g.
+the NPU operator's saved results, whose scores may be computed differently.
 """
 
 from __future__ import annotations
@@ -27,7 +34,10 @@ from ..contract import IndexerParams, ceil_div
 
 RTOL = 1e-3
 ATOL = 2.5e-5
-MAX_BAD_FRACTION = 0.005
+FOREIGN_ALLOWANCE = 0.005
+"""Fraction of differing picks beyond score tolerance that the reference test
+framework tolerates in another implementation's output; never for this
+package's own backends."""
 
 
 @dataclass
@@ -40,6 +50,7 @@ class Comparison:
     differing_rows: int = 0
     tolerated_indices: int = 0
     bad_indices: int = 0
+    allowance: float = 0.0
     errors: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -47,6 +58,8 @@ class Comparison:
         text = (f"{state}: {self.rows} rows, {self.valid_entries} valid entries, "
                 f"{self.differing_rows} rows differ, {self.tolerated_indices} indices "
                 f"within score tolerance, {self.bad_indices} beyond")
+        if self.allowance:
+            text += f" (up to {self.allowance:.1%} allowed)"
         if self.errors:
             text += "; " + "; ".join(self.errors[:5])
             if len(self.errors) > 5:
@@ -70,20 +83,27 @@ def _close(x: float, ref: float) -> bool:
 
 
 def compare(actual: tuple[torch.Tensor, torch.Tensor], expected: tuple[torch.Tensor, torch.Tensor],
-            inputs: dict, params: IndexerParams, *, require_sorted: bool = True) -> Comparison:
+            inputs: dict, params: IndexerParams, *, require_sorted: bool = True,
+            allowance: float = 0.0) -> Comparison:
     """Compare ``actual`` (indices, seq_len) against trusted ``expected``.
 
     ``inputs`` holds the op's tensors (``qflat``, ``kflat``, ``vbias``,
     ``q_seq_lens``, ``kv_seq_lens``); scores of differing rows are recomputed
-    from them.
+    from them. ``allowance`` is the fraction of valid entries that may differ
+    beyond score tolerance: 0 for this package's backends (the default),
+    ``FOREIGN_ALLOWANCE`` for another implementation's output.
     """
+    if not (isinstance(allowance, (int, float)) and not isinstance(allowance, bool)
+            and 0.0 <= allowance <= 1.0):
+        raise ValueError(f"compare: allowance must be a fraction in [0, 1]; got {allowance!r}")
     a_idx, a_len = (t.cpu() for t in actual)
     e_idx, e_len = (t.cpu() for t in expected)
     if a_idx.shape != e_idx.shape or a_len.shape != e_len.shape:
         return Comparison(False, errors=[
             f"shape mismatch: actual {tuple(a_idx.shape)}/{tuple(a_len.shape)}, "
             f"expected {tuple(e_idx.shape)}/{tuple(e_len.shape)}"])
-    result = Comparison(True, rows=e_len.numel(), valid_entries=int(e_len.sum()))
+    result = Comparison(True, rows=e_len.numel(), valid_entries=int(e_len.sum()),
+                        allowance=float(allowance))
 
     if not torch.equal(a_len, e_len):
         where = (a_len != e_len).nonzero()[0].tolist()
@@ -139,8 +159,10 @@ def compare(actual: tuple[torch.Tensor, torch.Tensor], expected: tuple[torch.Ten
                     result.bad_indices += 1
             continue
         result.ok = False
-    if result.bad_indices > MAX_BAD_FRACTION * max(result.valid_entries, 1):
+    if result.bad_indices > allowance * result.valid_entries:
         result.ok = False
+        allowed = (f"allowed {allowance:.1%} of {result.valid_entries}" if allowance
+                   else "allowed none")
         result.errors.append(f"{result.bad_indices} differing indices beyond score tolerance "
-                             f"(allowed {MAX_BAD_FRACTION:.1%} of {result.valid_entries})")
+                             f"({allowed})")
     return result
