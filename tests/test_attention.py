@@ -397,3 +397,36 @@ def test_stem_attention_flex_backend_equals_gather():
     flex = stem_attention(q, k, v, q_lens=lens, kv_lens=lens, backend="flex", **SMALL)
     gather = stem_attention(q, k, v, q_lens=lens, kv_lens=lens, backend="gather", **SMALL)
     torch.testing.assert_close(flex, gather, rtol=1e-5, atol=1e-5)
+
+
+def test_native_backend_refuses_other_devices_and_dtypes():
+    """backend="native" reads CPU memory as float32 or bfloat16: a CUDA
+    tensor (its device pointer would crash the kernel) or float16 is refused
+    before the kernel, naming the backend and the device or dtype. The rule
+    is checked for a CUDA device directly, and through both public functions
+    on meta tensors (which stand for any non-CPU device) and float16."""
+    with pytest.raises(stem_indexer.StemIndexerInputError,
+                       match=r"^f: backend 'native' runs on CPU tensors only \(q is on cuda:0\)"):
+        attention.check_backend_fits("f", "native", torch.device("cuda:0"), torch.float32)
+    attention.check_backend_fits("f", "gather", torch.device("cuda:0"), torch.float16)
+    gen = torch.Generator().manual_seed(24)
+    q, k, v = (torch.randn(1, 2, 24, 4, generator=gen) for _ in range(3))
+    idx = torch.tensor([0, 1, -1]).expand(1, 2, 3, 3).clone().int()
+    seq_len = torch.full((1, 2, 3), 2, dtype=torch.int32)
+    for device, dtype, named in (("meta", torch.float32, "CPU tensors only .q is on meta"),
+                                 ("cpu", torch.float16, "float32 and bfloat16 only .q is "
+                                                        "torch.float16")):
+        args = [x.to(device, dtype) for x in (q, k, v)]
+        with pytest.raises(stem_indexer.StemIndexerInputError,
+                           match=f"^block_sparse_attention: backend 'native' runs on {named}"):
+            block_sparse_attention(*args, idx.to(device), seq_len.to(device), block_size=8,
+                                   backend="native")
+        with pytest.raises(stem_indexer.StemIndexerInputError,
+                           match=f"^stem_attention: backend 'native' runs on {named}"):
+            stem_attention(*args, backend="native", **SMALL)
+    # float16 on CPU: "auto" takes the torch path, and gives the masked result.
+    half = [x.half() for x in (q, k, v)]
+    out = block_sparse_attention(*half, idx, seq_len, block_size=8)
+    mask = expanded_mask(idx, seq_len, 8, 24, 24, None, None, True)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.double(), reference(*half, mask), rtol=2e-3, atol=2e-3)

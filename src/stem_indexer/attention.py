@@ -16,15 +16,16 @@ positions never influence a valid output, whatever they hold (NaN included).
 
 Backends (``backend=``):
 
-* ``"native"``: the C kernel of ``ops/sparse_attention.py`` (CPU; float32,
-  bfloat16, float16): blocked matrix products on the listed K/V blocks where
-  they lie, online softmax, no score matrix in memory;
+* ``"native"``: the C kernel of ``ops/sparse_attention.py`` (CPU tensors;
+  float32 and bfloat16 only: other devices and dtypes are refused, naming
+  them): blocked matrix products on the listed K/V blocks where they lie,
+  online softmax, no score matrix in memory;
 * ``"flex"``: compiled FlexAttention with ``ops.flex_attention.block_mask``
   (CUDA; on CPU through inductor's C++ template);
 * ``"gather"``: torch operations on gathered blocks (``ops/gather_attention.py``),
   any device and float64;
-* ``"auto"`` (default): ``"native"`` on CPU where it is built, ``"flex"`` on
-  CUDA, else ``"gather"``.
+* ``"auto"`` (default): ``"native"`` on CPU where it is built (float32 and
+  bfloat16), ``"flex"`` on CUDA, else ``"gather"`` (float16 and float64 on CPU).
 
 Both functions are inference-only: called with autograd recording on a tensor
 that requires grad, they raise (use ``torch.no_grad()`` or
@@ -77,6 +78,21 @@ def _check_scale(who: str, name: str, scale, dim: int) -> float:
 def _check_backend(who: str, backend) -> None:
     if backend not in BACKENDS:
         fail(who, "backend", f"must be one of {', '.join(map(repr, BACKENDS))}", repr(backend))
+
+
+def check_backend_fits(who: str, backend: str, device: torch.device, dtype: torch.dtype) -> None:
+    """A backend asked for by name runs on q's device and dtype: the native
+    kernel reads CPU memory (a CUDA tensor's pointer would crash it) and
+    multiplies float32 or bfloat16 only. (Static: fine while tracing.)"""
+    if backend != "native":
+        return
+    if torch.device(device).type != "cpu":
+        fail(who, "backend", f"'native' runs on CPU tensors only (q is on {device}); use "
+             "'auto', 'flex' or 'gather'", "'native'")
+    from .ops.sparse_attention import DTYPES
+    if dtype not in DTYPES:
+        fail(who, "backend", f"'native' runs on float32 and bfloat16 only (q is {dtype}); use "
+             "'auto' or 'gather'", "'native'")
 
 
 def _check_inference(who: str, *tensors: torch.Tensor) -> None:
@@ -265,6 +281,7 @@ def _run(c: _Call, backend: str, want_lse: bool = False):
     """``(out, lse)`` of a checked call (lse None unless ``want_lse``); padded
     query positions zero (and -inf)."""
     if backend == "native":
+        check_backend_fits("block_sparse_attention", backend, c.q.device, c.q.dtype)
         native = _native()
         if native is None:
             fail("block_sparse_attention", "backend", "'native' is not available here "
@@ -339,6 +356,7 @@ def block_sparse_attention(
     scale = _check_scale(who, "scale", scale, dim)
     softcap = _check_softcap(who, softcap)
     _check_backend(who, backend)
+    check_backend_fits(who, backend, q.device, q.dtype)
     _check_inference(who, q, k, v)
     _check_selection(who, sparse_indices, sparse_seq_len, batch, hq, ceil_div(sq, block_size),
                      q.device)
@@ -515,6 +533,7 @@ def stem_attention(
         who, causal=causal, preset=preset, oam=oam, oam_lambda=oam_lambda,
         indexer_scale=indexer_scale, min_q_blocks=min_q_blocks, backend=backend,
         **indexer_params)
+    check_backend_fits(who, backend, q.device, q.dtype)
     scale = _check_scale(who, "scale", scale, dim)
     softcap = _check_softcap(who, softcap)
     for name, flag in (("return_lse", return_lse), ("return_info", return_info)):

@@ -20,12 +20,12 @@ Both ops on Meta / fake tensors
     The shape-only fakes of ``library.py`` (``torch.compile``, ``torch.export``).
 
 ``block_sparse_attention`` (``attention.py`` chooses)
-    * CPU, float32 / bfloat16 / float16: ``sparse_attention.py``, the native C
+    * CPU, float32 / bfloat16: ``sparse_attention.py``, the native C
       kernel ``csrc/sparse_attention.c``;
     * CUDA: ``flex_attention.py``, compiled FlexAttention with a ``BlockMask``
       built from the lists;
-    * float64, no native kernel, other devices: ``gather_attention.py``,
-      torch operations.
+    * float16 and float64 on CPU, no native kernel, other devices:
+      ``gather_attention.py``, torch operations.
 
 Every kernel receives inputs already checked by ``contract.py`` (shapes,
 dtypes, attributes) and, outside a CUDA-graph capture, by
