@@ -240,3 +240,107 @@ def test_rejects_what_it_cannot_run():
     with pytest.raises(ValueError):
         sa.sparse_attention(**odd, bf16="amx")
     check(odd)  # "auto" widens
+
+
+# --------------------------------------------------------------------------- #
+# NaN and inf in what the queries see
+# --------------------------------------------------------------------------- #
+
+
+def dense_nonfinite(q, k, v, vis, scale):
+    """float64 softmax attention of each query over its visible keys only, NaN
+    and inf kept: (out, lse). Queries that see no key give 0 and -inf; a key
+    a query does not see takes no part in its output (not even as 0 * NaN)."""
+    group = q.shape[1] // k.shape[1]
+    kd = k.double().repeat_interleave(group, 1)
+    vd = v.double().repeat_interleave(group, 1)
+    s = (scale * q.double() @ kd.transpose(-1, -2)).masked_fill(~vis, -math.inf)
+    p = torch.softmax(s, -1)  # NaN rows: a NaN or +inf score, or nothing but -inf
+    terms = torch.where(vis[..., None], p[..., None] * vd[:, :, None], 0.0)  # [B,H,Sq,Skv,D]
+    seen = vis.any(-1)
+    out = torch.where(seen[..., None], terms.sum(-2), 0.0)
+    lse = torch.where(seen, torch.logsumexp(s, -1), -math.inf)
+    return out, lse
+
+
+def plant_specials(case, seed):
+    """Copies of q, k, v with NaN, +inf and -inf at random valid positions
+    (whole query and key tokens and single elements), and in the last block's
+    keys, which the earlier queries of that block do not see."""
+    gen = torch.Generator().manual_seed(seed)
+    out = dict(case)
+    for name, lens in (("q", case["q_lens"]), ("k", case["kv_lens"]), ("v", case["kv_lens"])):
+        x = case[name].float().clone()
+        batch, heads, seq, dim = x.shape
+        for value in (math.nan, math.inf, -math.inf):
+            for _ in range(3):
+                b = int(torch.randint(0, batch, (1,), generator=gen))
+                if int(lens[b]) == 0:
+                    continue
+                h = int(torch.randint(0, heads, (1,), generator=gen))
+                t = int(torch.randint(0, int(lens[b]), (1,), generator=gen))
+                d = int(torch.randint(0, dim, (1,), generator=gen))
+                x[b, h, t, d] = value
+            b = int(torch.randint(0, batch, (1,), generator=gen))
+            if int(lens[b]) > 0:  # near the end: inside the causal diagonal
+                x[b, :, int(lens[b]) - 1 - int(torch.randint(0, 3, (1,), generator=gen)),
+                  int(torch.randint(0, dim, (1,), generator=gen))] = value
+        if name == "q":  # one whole NaN query token
+            x[0, 0, int(torch.randint(0, max(int(lens[0]), 1), (1,), generator=gen))] = math.nan
+        out[name] = x.to(case[name].dtype)
+    return out
+
+
+def same_nonfinite(got, want, tol):
+    """NaN where want is NaN, inf of the same sign where it is inf, close elsewhere."""
+    got = got.double()
+    assert torch.equal(got.isnan(), want.isnan()), "NaN positions differ"
+    inf = want.isinf()
+    assert torch.equal(got.isinf(), inf) and torch.equal(got[inf], want[inf]), "inf differs"
+    fin = want.isfinite()
+    if bool(fin.any()):
+        err = (got[fin] - want[fin]).abs().max().item()
+        assert err <= tol * max(1.0, want[fin].abs().max().item()), err
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_nonfinite_values_act_as_in_dense_attention(isa, dtype, causal):
+    """NaN and inf in valid q, k, v reach the outputs (and the log-sum-exp)
+    exactly where dense softmax attention over each query's visible keys puts
+    them, on every instruction set of the softmax; padding still leaks
+    nothing (it holds NaN here)."""
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    for seed in range(3):
+        case = make_case(30 + seed, batch=2, hq=4, hkv=2, sq=70, skv=90, dim=24, bs=16,
+                         causal=causal, dtype=dtype, q_lens=[70, 41], kv_lens=[90, 53], p=0.6)
+        case = plant(plant_specials(case, seed), math.nan)
+        for mode in BF16_MODES if dtype == torch.bfloat16 else ["auto"]:
+            try:
+                out, lse = sa.sparse_attention(**case, lse=True, isa=isa, bf16=mode)
+            except ValueError:
+                pytest.skip(f"{isa} does not run on this CPU")
+            q, k, v = (clean(case[n], case[ln]) for n, ln in (
+                ("q", "q_lens"), ("k", "kv_lens"), ("v", "kv_lens")))
+            vis = visibility(case["idx"], case["lengths"], case["q_lens"], case["kv_lens"],
+                             q.shape[2], k.shape[2], case["block_size"], case["causal"])
+            want, want_lse = dense_nonfinite(q, k, v, vis, case["scale"])
+            assert bool(want.isnan().any()) and bool(want.isinf().any())
+            assert bool((want.isnan().all(-1) != want.isnan().any(-1)).any())  # a partial row
+            same_nonfinite(out, want, tol)
+            same_nonfinite(lse, want_lse, 1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_a_query_does_not_see_never_reach_it(dtype):
+    """NaN in the V (and K) rows of valid keys past a query's causal bound, in
+    the block it shares with later queries: its output stays finite."""
+    case = make_case(40, hq=2, hkv=1, sq=64, dim=16, bs=32, dtype=dtype, p=1.0, empty=0.0)
+    for name in ("k", "v"):
+        x = case[name].clone()
+        x[:, :, 40] = math.nan  # key 40: seen by queries 40.. only
+        case[name] = x
+    out = sa.sparse_attention(**case)
+    assert bool(out[:, :, :40].isfinite().all())
+    assert bool(out[:, :, 40:].isnan().all())

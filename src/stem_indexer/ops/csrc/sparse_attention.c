@@ -16,7 +16,16 @@
  * query row exponentiates that prefix and zeros the rest of its row of P.
  * Keys at or past kv_len and query rows at or past q_len are never read into
  * a product with a valid output (cut from the GEMMs, or packed as zeros), so
- * NaN or inf in padding cannot reach a valid output.
+ * NaN or inf in padding cannot reach a valid output. Nor can a valid key a
+ * query does not see (past its causal bound in the step): where such a key's
+ * V row holds NaN or inf, which a GEMM would multiply by the weight 0, the
+ * step's P V runs query by query over each query's own prefix (pv_exact).
+ *
+ * NaN and inf in what a query sees act as in dense softmax attention over
+ * its visible keys, on every instruction set: a NaN or +inf score, or scores
+ * all -inf, make the query's whole output NaN (-inf scores weigh 0
+ * otherwise); NaN and inf in V reach the dimensions they are in (inf * 0 is
+ * NaN there, as in a dense P V). Queries that see no key output 0.
  *
  * Three ways to multiply, chosen by the caller (GEMMs come from torch's
  * libtorch_cpu.so and are passed in as function pointers):
@@ -88,6 +97,8 @@ typedef int (*threads_t)(int);
  *                            degree-4 polynomial there (relative error 3e-6,
  *                            a thousandth of bfloat16's rounding step).
  * Exponents at or below -126 give 0 (a weight under 2^-126 of the largest).
+ * NaN propagates on every instruction set: max is NaN if any s[j] * a is,
+ * and a NaN exponent gives a NaN weight (+inf - +inf is one).
  * -------------------------------------------------------------------------- */
 
 struct rowops {
@@ -96,10 +107,14 @@ struct rowops {
     float (*exp_bf16)(const float *s, int c, int n, float a, float m, uint16_t *p);
 };
 
+/* Nearest even; NaN stays NaN (truncated, quiet: adding to a NaN's payload
+ * could carry into the sign or turn it into inf). */
 static inline uint16_t bf16_round(float x)
 {
     uint32_t b;
     memcpy(&b, &x, 4);
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u)
+        return (uint16_t)((b >> 16) | 0x40u);
     return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
 
@@ -113,15 +128,19 @@ static inline float bf16_float(uint16_t h)
 
 static inline float exp2_clip(float x)
 {
-    return x > -126.0f ? exp2f(x) : 0.0f;
+    return x <= -126.0f ? 0.0f : exp2f(x); /* NaN stays NaN */
 }
 
 static float max_scalar(const float *s, int c, float a)
 {
     float m = -INFINITY;
-    for (int j = 0; j < c; j++)
-        m = s[j] * a > m ? s[j] * a : m;
-    return m;
+    int nan = 0;
+    for (int j = 0; j < c; j++) {
+        float x = s[j] * a;
+        nan |= x != x;
+        m = x > m ? x : m;
+    }
+    return nan ? NAN : m;
 }
 
 static float exp_f32_scalar(float *s, int c, int n, float a, float m)
@@ -148,7 +167,7 @@ static float exp_bf16_scalar(const float *s, int c, int n, float a, float m, uin
 #ifdef HAVE_X86
 /* 2^x on [-1/2, 1/2] after rounding x: the Cephes exp2f polynomial (degree
  * 6, relative error below 2e-7), or degree 4 (`low`, 3e-6). Lanes with
- * x <= -126 (and NaN) give 0. */
+ * x <= -126 give 0, NaN lanes NaN. */
 AVX512 static inline __m512 exp2_512(__m512 x, int low)
 {
     __mmask16 ok = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GT_OQ);
@@ -169,7 +188,8 @@ AVX512 static inline __m512 exp2_512(__m512 x, int low)
         p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
         p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     }
-    return _mm512_maskz_scalef_ps(ok, p, n);
+    __m512 r = _mm512_maskz_scalef_ps(ok, p, n);
+    return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
 }
 
 /* Lanes j .. j+15 that lie below c. */
@@ -187,19 +207,30 @@ AVX512 static inline __m512 exp_lanes_512(const float *s, int j, int c, __m512 a
     return _mm512_maskz_mov_ps(head_mask(j, c), exp2_512(x, low));
 }
 
-/* Four accumulators: one chain of vmaxps would wait on its 4-cycle latency. */
+/* Four accumulators: one chain of vmaxps would wait on its 4-cycle latency.
+ * vmaxps returns its second operand when either is NaN, so NaN lanes are
+ * collected apart (the max is NaN if any). */
 AVX512 static float max_512(const float *s, int c, float a)
 {
     __m512 av = _mm512_set1_ps(a), acc[4];
+    __mmask16 nan = 0;
     for (int l = 0; l < 4; l++)
         acc[l] = _mm512_set1_ps(-INFINITY);
     int j = 0;
     for (; j + 64 <= c; j += 64)
-        for (int l = 0; l < 4; l++)
-            acc[l] = _mm512_max_ps(acc[l], _mm512_mul_ps(_mm512_loadu_ps(s + j + 16 * l), av));
-    for (; j < c; j += 16)
-        acc[0] = _mm512_mask_max_ps(acc[0], head_mask(j, c), acc[0],
-                                    _mm512_mul_ps(_mm512_loadu_ps(s + j), av));
+        for (int l = 0; l < 4; l++) {
+            __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + j + 16 * l), av);
+            nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+            acc[l] = _mm512_max_ps(acc[l], x);
+        }
+    for (; j < c; j += 16) {
+        __mmask16 live = head_mask(j, c);
+        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + j), av);
+        nan |= _mm512_mask_cmp_ps_mask(live, x, x, _CMP_UNORD_Q);
+        acc[0] = _mm512_mask_max_ps(acc[0], live, acc[0], x);
+    }
+    if (nan)
+        return NAN;
     return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(acc[0], acc[1]),
                                               _mm512_max_ps(acc[2], acc[3])));
 }
@@ -219,12 +250,15 @@ AVX512 static float exp_bf16_512(const float *s, int c, int n, float a, float m,
 {
     __m512 acc = _mm512_setzero_ps(), av = _mm512_set1_ps(a), mv = _mm512_set1_ps(m);
     const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+    const __m512i quiet = _mm512_set1_epi32(0x40);
     for (int j = 0; j < n; j += 16) {
         __m512 e = exp_lanes_512(s, j, c, av, mv, 1);
-        __m512i b = _mm512_castps_si512(e); /* nearest even; e >= 0 and finite */
-        b = _mm512_add_epi32(b, _mm512_add_epi32(half, _mm512_and_si512(
-                                                           _mm512_srli_epi32(b, 16), one)));
-        _mm256_storeu_si256((__m256i *)(p + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
+        __m512i b = _mm512_castps_si512(e); /* nearest even; e >= 0, finite or NaN */
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(half, _mm512_and_si512(
+                                                         _mm512_srli_epi32(b, 16), one))), 16);
+        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(e, e, _CMP_UNORD_Q),
+                                  _mm512_or_si512(_mm512_srli_epi32(b, 16), quiet));
+        _mm256_storeu_si256((__m256i *)(p + j), _mm512_cvtepi32_epi16(r));
         acc = _mm512_add_ps(acc, e);
     }
     return _mm512_reduce_add_ps(acc);
@@ -246,10 +280,10 @@ AVX512BF16 static float exp_bf16_512bf(const float *s, int c, int n, float a, fl
 }
 #endif
 
-AVX2 static inline __m256 exp2_256(__m256 x, int low)
+AVX2 static inline __m256 exp2_256(__m256 x0, int low)
 {
-    __m256 ok = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GT_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f)); /* also NaN -> -126 */
+    __m256 ok = _mm256_cmp_ps(x0, _mm256_set1_ps(-126.0f), _CMP_GT_OQ);
+    __m256 x = _mm256_max_ps(x0, _mm256_set1_ps(-126.0f)); /* also NaN -> -126 */
     __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 f = _mm256_sub_ps(x, n), p;
     if (low) {
@@ -269,7 +303,8 @@ AVX2 static inline __m256 exp2_256(__m256 x, int low)
     }
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
                                                    _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), ok);
+    __m256 r = _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), ok);
+    return _mm256_blendv_ps(r, x0, _mm256_cmp_ps(x0, x0, _CMP_UNORD_Q)); /* NaN lanes NaN */
 }
 
 /* 2^(s[j..j+7] * a - m), zero in lanes at or past c. */
@@ -289,11 +324,16 @@ AVX2 static float hsum_256(__m256 v)
 
 AVX2 static float max_256(const float *s, int c, float a)
 {
-    __m256 acc = _mm256_set1_ps(-INFINITY), av = _mm256_set1_ps(a);
+    __m256 acc = _mm256_set1_ps(-INFINITY), av = _mm256_set1_ps(a), nan = _mm256_setzero_ps();
     int j = 0;
-    for (; j + 8 <= c; j += 8)
-        acc = _mm256_max_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(s + j), av));
-    float m = max_scalar(s + j, c - j, a), lanes[8];
+    for (; j + 8 <= c; j += 8) {
+        __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + j), av);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+        acc = _mm256_max_ps(acc, x);
+    }
+    float m = max_scalar(s + j, c - j, a), lanes[8]; /* NaN if the tail has one */
+    if (_mm256_movemask_ps(nan))
+        return NAN;
     _mm256_storeu_ps(lanes, acc);
     for (int l = 0; l < 8; l++)
         m = lanes[l] > m ? lanes[l] : m;
@@ -315,12 +355,15 @@ AVX2 static float exp_bf16_256(const float *s, int c, int n, float a, float m, u
 {
     __m256 acc = _mm256_setzero_ps(), av = _mm256_set1_ps(a), mv = _mm256_set1_ps(m);
     const __m256i half = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+    const __m256i quiet = _mm256_set1_epi32(0x40);
     for (int j = 0; j < n; j += 8) {
         __m256 e = exp_lanes_256(s, j, c, av, mv, 1);
-        __m256i b = _mm256_castps_si256(e);
-        b = _mm256_add_epi32(b, _mm256_add_epi32(half, _mm256_and_si256(
-                                                           _mm256_srli_epi32(b, 16), one)));
+        __m256i raw = _mm256_castps_si256(e), b;
+        b = _mm256_add_epi32(raw, _mm256_add_epi32(half, _mm256_and_si256(
+                                                             _mm256_srli_epi32(raw, 16), one)));
         b = _mm256_srli_epi32(b, 16);
+        b = _mm256_blendv_epi8(b, _mm256_or_si256(_mm256_srli_epi32(raw, 16), quiet),
+                               _mm256_castps_si256(_mm256_cmp_ps(e, e, _CMP_UNORD_Q)));
         __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b),
                                           _mm256_extracti128_si256(b, 1));
         _mm_storeu_si128((__m128i *)(p + j), packed);
@@ -395,6 +438,7 @@ struct piece {
 struct scratch {
     float *s, *o, *m, *l, *q32, *k32, *v32;
     uint16_t *p;
+    unsigned char *seen; /* per query: saw a key (its output is softmax, not 0) */
     struct piece *pieces;
 };
 
@@ -403,6 +447,7 @@ struct row {
     const void *q;          /* its first query token (float32 scratch when widening) */
     const char *k, *v;      /* its KV head's first key */
     int nq;                 /* valid query tokens */
+    int64_t b;              /* its batch */
     int64_t lim0;           /* with causal: keys < lim0 + t are visible to query t */
     int np, ncols, nblocks; /* the current step */
 };
@@ -420,6 +465,7 @@ static void *alloc(size_t bytes)
 static void scratch_free(struct scratch *sc)
 {
     free(sc->s), free(sc->o), free(sc->m), free(sc->l), free(sc->p), free(sc->pieces);
+    free(sc->seen);
     free(sc->q32), free(sc->k32), free(sc->v32);
 }
 
@@ -432,12 +478,13 @@ static int scratch_init(const struct job *jb, struct scratch *sc)
     sc->o = alloc(bs * d * sizeof(float));
     sc->m = alloc(bs * sizeof(float));
     sc->l = alloc(bs * sizeof(float));
+    sc->seen = alloc(bs);
     sc->pieces = alloc((size_t)jb->step_blocks * sizeof(struct piece));
     sc->p = amx ? alloc(bs * (size_t)jb->ld_p * sizeof(uint16_t)) : NULL;
     sc->q32 = widen ? alloc(bs * d * sizeof(float)) : NULL;
     sc->k32 = widen ? alloc(keys * d * sizeof(float)) : NULL;
     sc->v32 = widen ? alloc(keys * d * sizeof(float)) : NULL;
-    int ok = sc->s && sc->o && sc->m && sc->l && sc->pieces && (!amx || sc->p) &&
+    int ok = sc->s && sc->o && sc->m && sc->l && sc->seen && sc->pieces && (!amx || sc->p) &&
              (!widen || (sc->q32 && sc->k32 && sc->v32));
     if (!ok)
         scratch_free(sc);
@@ -553,11 +600,17 @@ static int visible(const struct scratch *sc, const struct row *rw, int t)
 /* Online softmax over the step's scores: running max m and sum l per query,
  * output rows rescaled when the max grows; probabilities left in the score
  * tile (float32) or in sc->p (bfloat16), zero from column c up to n. */
+/* Every query of the row sees every column of the step. */
+static int sees_all(const struct job *jb, const struct scratch *sc, const struct row *rw)
+{
+    const struct piece *last = &sc->pieces[rw->np - 1];
+    return !jb->causal || last->key + last->n <= rw->lim0;
+}
+
 static void softmax_step(const struct job *jb, struct scratch *sc, const struct row *rw, int n)
 {
     int d = (int)jb->dim, bf16 = sc->p != NULL;
-    const struct piece *last = &sc->pieces[rw->np - 1];
-    int all = !jb->causal || last->key + last->n <= rw->lim0; /* every query sees all */
+    int all = sees_all(jb, sc, rw);
     for (int t = 0; t < rw->nq; t++) {
         float *s = sc->s + (size_t)t * jb->ld_s;
         int c = all ? rw->ncols : visible(sc, rw, t);
@@ -565,8 +618,10 @@ static void softmax_step(const struct job *jb, struct scratch *sc, const struct 
             for (int j = 0; j < c; j++)
                 s[j] = jb->cap_out * tanhf(s[j] * jb->cap_in);
         float mx = c ? jb->ops.max(s, c, jb->alpha) : -INFINITY;
-        float m_new = mx > sc->m[t] ? mx : sc->m[t];
-        if (m_new == -INFINITY) { /* nothing visible yet: zero weights */
+        /* NaN once a NaN score was seen (then every weight is NaN) */
+        float m_new = mx != mx || sc->m[t] != sc->m[t] ? NAN : mx > sc->m[t] ? mx : sc->m[t];
+        sc->seen[t] |= c > 0;
+        if (m_new == -INFINITY) { /* nothing visible, or only -inf scores, yet: zero weights */
             if (bf16)
                 memset(sc->p + (size_t)t * jb->ld_p, 0, (size_t)n * sizeof(uint16_t));
             else
@@ -575,7 +630,7 @@ static void softmax_step(const struct job *jb, struct scratch *sc, const struct 
         }
         float sum = bf16 ? jb->ops.exp_bf16(s, c, n, jb->alpha, m_new, sc->p + (size_t)t * jb->ld_p)
                          : jb->ops.exp_f32(s, c, n, jb->alpha, m_new);
-        float corr = exp2f(sc->m[t] - m_new); /* 0 when m was -inf */
+        float corr = exp2f(sc->m[t] - m_new); /* 0 when m was -inf; NaN from inf - inf */
         if (corr != 1.0f) {
             float *o = sc->o + (size_t)t * d;
             for (int j = 0; j < d; j++)
@@ -583,6 +638,76 @@ static void softmax_step(const struct job *jb, struct scratch *sc, const struct 
         }
         sc->l[t] = sc->l[t] * corr + sum;
         sc->m[t] = m_new;
+    }
+}
+
+static int finite_rows(const struct job *jb, const char *x, int64_t n)
+{
+    int64_t count = n * jb->dim;
+    if (jb->dtype == F32) {
+        const uint32_t *w = (const uint32_t *)x;
+        for (int64_t j = 0; j < count; j++)
+            if ((w[j] & 0x7F800000u) == 0x7F800000u)
+                return 0;
+    } else {
+        const uint16_t *h = (const uint16_t *)x;
+        for (int64_t j = 0; j < count; j++)
+            if ((h[j] & 0x7F80u) == 0x7F80u)
+                return 0;
+    }
+    return 1;
+}
+
+/* Whether P V may go through a GEMM: no query has an invisible column whose
+ * V row holds NaN or inf (weighted 0, it would still give NaN). The columns
+ * some query does not see are those from the first query's count up to
+ * `ncols` (past the last visible key: whole blocks with MODE_AMX, keys past
+ * kv_len packed as zeros there). */
+static int gemm_pv_ok(const struct job *jb, const struct scratch *sc, const struct row *rw,
+                      int ncols, int64_t kv_len)
+{
+    if (sees_all(jb, sc, rw) && ncols == rw->ncols)
+        return 1;
+    int c0 = visible(sc, rw, 0);
+    size_t row = (size_t)jb->dim * esize(jb);
+    for (int p = 0; p < rw->np; p++) {
+        const struct piece *pc = &sc->pieces[p];
+        int64_t end = pc->col + pc->n + (p == rw->np - 1 ? ncols - rw->ncols : 0);
+        int64_t a = c0 > pc->col ? c0 : pc->col; /* columns [a, end) of this piece */
+        int64_t key = pc->key + (a - pc->col), e = pc->key + (end - pc->col);
+        e = e < kv_len ? e : kv_len;
+        if (key < e && !finite_rows(jb, rw->v + (size_t)key * row, e - key))
+            return 0;
+    }
+    return 1;
+}
+
+/* o[t] += P[t, :c_t] V of its visible columns, query by query, float32
+ * (the GEMM's replacement when gemm_pv_ok says no). */
+static void pv_exact(const struct job *jb, const struct scratch *sc, const struct row *rw)
+{
+    int64_t d = jb->dim;
+    for (int t = 0; t < rw->nq; t++) {
+        int c = visible(sc, rw, t);
+        float *o = sc->o + (size_t)t * d;
+        for (int p = 0; p < rw->np; p++) {
+            const struct piece *pc = &sc->pieces[p];
+            for (int j = 0; j < pc->n && pc->col + j < c; j++) {
+                int col = pc->col + j;
+                float w = sc->p ? bf16_float(sc->p[(size_t)t * jb->ld_p + col])
+                                : sc->s[(size_t)t * jb->ld_s + col];
+                int64_t at = (pc->key + j) * d;
+                if (jb->dtype == F32) {
+                    const float *v = (const float *)rw->v + at;
+                    for (int64_t e = 0; e < d; e++)
+                        o[e] += w * v[e];
+                } else {
+                    const uint16_t *v = (const uint16_t *)rw->v + at;
+                    for (int64_t e = 0; e < d; e++)
+                        o[e] += w * bf16_float(v[e]);
+                }
+            }
+        }
     }
 }
 
@@ -597,6 +722,10 @@ static void step_amx(const struct job *jb, struct scratch *sc, const struct row 
         amx_qk(jb, rw, pc->key, (pc->n + bs - 1) / bs * bs, sc->s + pc->col);
     }
     softmax_step(jb, sc, rw, n);
+    if (!gemm_pv_ok(jb, sc, rw, n, jb->kv_lens[rw->b])) {
+        pv_exact(jb, sc, rw);
+        return;
+    }
     for (int p = 0; p < rw->np; p++) {
         const struct piece *pc = &sc->pieces[p];
         jb->brgemm(rw->nq, d, (pc->n + bs - 1) / bs * bs, jb->ld_p, d, d, true,
@@ -615,7 +744,10 @@ static void step_widen(const struct job *jb, struct scratch *sc, const struct ro
     }
     sgemm_qk(jb, rw->nq, rw->ncols, rw->q, sc->k32, sc->s);
     softmax_step(jb, sc, rw, rw->ncols);
-    sgemm_pv(jb, rw->nq, rw->ncols, sc->s, sc->v32, sc->o);
+    if (gemm_pv_ok(jb, sc, rw, rw->ncols, jb->kv_lens[rw->b]))
+        sgemm_pv(jb, rw->nq, rw->ncols, sc->s, sc->v32, sc->o);
+    else
+        pv_exact(jb, sc, rw);
 }
 
 /* MODE_SGEMM: K and V read where they lie. */
@@ -627,6 +759,10 @@ static void step_sgemm(const struct job *jb, struct scratch *sc, const struct ro
         sgemm_qk(jb, rw->nq, pc->n, rw->q, (const float *)rw->k + pc->key * d, sc->s + pc->col);
     }
     softmax_step(jb, sc, rw, rw->ncols);
+    if (!gemm_pv_ok(jb, sc, rw, rw->ncols, jb->kv_lens[rw->b])) {
+        pv_exact(jb, sc, rw);
+        return;
+    }
     for (int p = 0; p < rw->np; p++) {
         const struct piece *pc = &sc->pieces[p];
         sgemm_pv(jb, rw->nq, pc->n, sc->s + pc->col, (const float *)rw->v + pc->key * d, sc->o);
@@ -656,19 +792,37 @@ static void add_keys(struct scratch *sc, struct row *rw, int64_t a, int64_t e)
     rw->nblocks++;
 }
 
-/* Normalised output rows (zero where nothing was visible), zero padding rows;
- * with jb->lse, each query's log-sum-exp (natural log, -inf where nothing was
- * visible and on padding rows) at lse. */
+/* A query's log-sum-exp (natural log) as torch.logsumexp of its scaled
+ * scores: -inf where it saw nothing or only -inf, +inf with a +inf score,
+ * NaN with a NaN score. */
+static float query_lse(const struct scratch *sc, int t)
+{
+    float m = sc->m[t], l = sc->l[t];
+    if (m == INFINITY)
+        return INFINITY;
+    if (m != m || l != l)
+        return NAN;
+    return l > 0.0f ? (m + log2f(l)) * 0.69314718f : -INFINITY;
+}
+
+/* Normalised output rows (zero where nothing was visible; NaN where the
+ * weights are: a NaN or +inf score, or only -inf scores), zero padding rows;
+ * with jb->lse, each query's log-sum-exp (query_lse; -inf on padding rows)
+ * at lse. */
 static void write_out(const struct job *jb, const struct scratch *sc, void *out, float *lse,
                       int nq, int rows)
 {
     int64_t d = jb->dim;
     if (lse != NULL)
         for (int t = 0; t < rows; t++)
-            lse[t] = t < nq && sc->l[t] > 0.0f ? (sc->m[t] + log2f(sc->l[t])) * 0.69314718f
-                                               : -INFINITY;
+            lse[t] = t < nq && sc->seen[t] ? query_lse(sc, t) : -INFINITY;
     for (int t = 0; t < nq; t++) {
-        float inv = sc->l[t] > 0.0f ? 1.0f / sc->l[t] : 0.0f;
+        float l = sc->l[t];
+        if (!sc->seen[t]) {
+            memset((char *)out + (size_t)t * d * esize(jb), 0, (size_t)d * esize(jb));
+            continue;
+        }
+        float inv = l > 0.0f ? 1.0f / l : NAN; /* l NaN, or 0 after only -inf scores */
         const float *o = sc->o + t * d;
         if (jb->dtype == F32) {
             float *dst = (float *)out + t * d;
@@ -691,7 +845,7 @@ static int row_init(const struct job *jb, struct scratch *sc, int64_t row, struc
     int64_t d = jb->dim, r0 = i * jb->bs, qlen = jb->q_lens[b], kvlen = jb->kv_lens[b];
     int64_t rows = jb->sq - r0 < jb->bs ? jb->sq - r0 : jb->bs;
     int64_t nq = qlen - r0 < 0 ? 0 : qlen - r0 < rows ? qlen - r0 : rows;
-    *rw = (struct row){.nq = (int)nq, .lim0 = r0 + kvlen - qlen + 1};
+    *rw = (struct row){.nq = (int)nq, .b = b, .lim0 = r0 + kvlen - qlen + 1};
     *hi = kvlen; /* no key at or past hi is visible to any of the row's queries */
     if (jb->causal && rw->lim0 + nq - 1 < *hi)
         *hi = rw->lim0 + nq - 1;
@@ -707,7 +861,7 @@ static int row_init(const struct job *jb, struct scratch *sc, int64_t row, struc
     rw->k = (const char *)jb->k + kv_off;
     rw->v = (const char *)jb->v + kv_off;
     for (int t = 0; t < nq; t++)
-        sc->m[t] = -INFINITY, sc->l[t] = 0.0f;
+        sc->m[t] = -INFINITY, sc->l[t] = 0.0f, sc->seen[t] = 0;
     memset(sc->o, 0, (size_t)nq * d * sizeof(float));
     return 1;
 }
