@@ -1,0 +1,139 @@
+"""Stem's settings inside vLLM: ``additional_config={"stem": {...}}``.
+
+Every key is checked once, when the engine starts (the platform's config
+check, in the process that builds the engine's configuration), so that a bad
+setting stops ``LLM(...)`` or ``vllm serve`` with one message naming the key.
+This module imports neither vLLM nor the kernels: it is the plain-Python part
+of the integration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ...contract import PARAM_NAMES, PRESETS, IndexerParams, StemIndexerInputError, fail
+from ...prepare import DEFAULT_OAM_LAMBDA
+
+__all__ = ["StemSettings", "SETTINGS_KEY", "DEFAULT_DENSE_ABOVE"]
+
+SETTINGS_KEY = "stem"
+_WHO = f"additional_config['{SETTINGS_KEY}']"
+
+# Above this share of a row's visible (query block, key block) pairs, the
+# row runs vLLM's own kernel: Stem's scoring costs more than the pairs it
+# drops save (benchmarks/VLLM.md, "break-even").
+DEFAULT_DENSE_ABOVE = 0.9
+
+# The indexer parameters a user may set; causal, block size and stride have
+# their own keys (causal is the layer's).
+_INDEXER_KEYS = tuple(n for n in PARAM_NAMES
+                      if n not in ("causal", "stem_block_size", "stem_stride"))
+
+
+@dataclass(frozen=True)
+class StemSettings:
+    """What the vLLM backend runs with, from ``additional_config["stem"]``.
+
+    Keys (all optional):
+
+    * ``preset``: a named budget of ``stem_indexer.PRESETS`` (``"default"``);
+    * ``block_size`` (128), ``stride`` (16): Stem's block of tokens and its
+      stride; the block must be a multiple of vLLM's KV-cache block size;
+    * the indexer's parameters by their op names (``alpha``,
+      ``initial_blocks``, ``window_size``, ``k_block_num_rate_medium``,
+      ``k_block_num_bias_medium``, ``k_block_num_rate_large``,
+      ``k_block_num_bias_large``, ``topk_score_precision``), overriding the
+      preset; ``window_size`` must be at least 1 here (the window's last
+      block carries each query block's causal diagonal);
+    * ``oam`` (true), ``oam_lambda`` (0.3): the Output-Aware Metric;
+    * ``min_prompt_tokens`` (0): prompts shorter than this run vLLM's kernel;
+    * ``dense_above`` (0.9): a row whose budget keeps more than this share of
+      its visible block pairs runs vLLM's kernel (1.0: never for that reason).
+    """
+
+    params: IndexerParams = IndexerParams()
+    preset: str = "default"
+    oam: bool = True
+    oam_lambda: float = DEFAULT_OAM_LAMBDA
+    min_prompt_tokens: int = 0
+    dense_above: float = DEFAULT_DENSE_ABOVE
+
+    @property
+    def block_size(self) -> int:
+        return self.params.stem_block_size
+
+    @property
+    def stride(self) -> int:
+        return self.params.stem_stride
+
+    @classmethod
+    def from_config(cls, additional_config: Any) -> "StemSettings":
+        """The settings under ``additional_config["stem"]`` (defaults where absent)."""
+        section = {}
+        if isinstance(additional_config, Mapping):
+            section = additional_config.get(SETTINGS_KEY, {})
+        if section is None:
+            section = {}
+        if not isinstance(section, Mapping):
+            raise StemIndexerInputError(f"{_WHO} must be a JSON object of Stem's settings; "
+                                        f"got {type(section).__name__}")
+        return cls.from_mapping(section)
+
+    @classmethod
+    def from_mapping(cls, section: Mapping[str, Any]) -> "StemSettings":
+        known = ("preset", "block_size", "stride", "oam", "oam_lambda", "min_prompt_tokens",
+                 "dense_above") + _INDEXER_KEYS
+        for key in section:
+            if key not in known:
+                fail(_WHO, repr(key), f"is not a Stem setting (those are {', '.join(known)})",
+                     repr(section[key]))
+        preset = section.get("preset", "default")
+        if not isinstance(preset, str) or preset not in PRESETS:
+            fail(_WHO, "preset", f"must be one of {', '.join(map(repr, PRESETS))}",
+                 repr(preset))
+        overrides = {name: section[name] for name in _INDEXER_KEYS if name in section}
+        overrides["stem_block_size"] = section.get("block_size", 128)
+        overrides["stem_stride"] = section.get("stride", 16)
+        try:
+            params = IndexerParams.from_kwargs(_WHO, preset=preset, **overrides)
+        except StemIndexerInputError as exc:  # name the key as the user wrote it
+            raise StemIndexerInputError(str(exc).replace("stem_block_size", "block_size")
+                                        .replace("stem_stride", "stride")) from None
+        if params.window_size < 1:
+            fail(_WHO, "window_size", "must be >= 1 in the vLLM backend (the window's last "
+                 "block holds each query block's causal diagonal)", params.window_size)
+        oam = section.get("oam", True)
+        if not isinstance(oam, bool):
+            fail(_WHO, "oam", "must be true or false", repr(oam))
+        oam_lambda = section.get("oam_lambda", DEFAULT_OAM_LAMBDA)
+        if (isinstance(oam_lambda, bool) or not isinstance(oam_lambda, (int, float))
+                or not math.isfinite(oam_lambda)):
+            fail(_WHO, "oam_lambda", "must be a finite number", repr(oam_lambda))
+        min_prompt = section.get("min_prompt_tokens", 0)
+        if isinstance(min_prompt, bool) or not isinstance(min_prompt, int) or min_prompt < 0:
+            fail(_WHO, "min_prompt_tokens", "must be an int >= 0", repr(min_prompt))
+        dense_above = section.get("dense_above", DEFAULT_DENSE_ABOVE)
+        if (isinstance(dense_above, bool) or not isinstance(dense_above, (int, float))
+                or not (0.0 < dense_above <= 1.0)):
+            fail(_WHO, "dense_above", "must be a number with 0 < dense_above <= 1",
+                 repr(dense_above))
+        return cls(params, preset, oam, float(oam_lambda), min_prompt, float(dense_above))
+
+    def check_kv_block_size(self, kv_block_size: int) -> None:
+        """Stem's blocks must be whole KV-cache pages (the kernel reads pages)."""
+        if self.block_size % kv_block_size:
+            fail(_WHO, "block_size", f"must be a multiple of vLLM's KV-cache block size "
+                 f"({kv_block_size}; set with --block-size)", self.block_size)
+
+    def describe(self) -> str:
+        """One line for the log: the preset and what differs from it."""
+        base = IndexerParams(**PRESETS[self.preset])
+        changed = [f"{f.name}={getattr(self.params, f.name)}"
+                   for f in dataclasses.fields(IndexerParams)
+                   if getattr(self.params, f.name) != getattr(base, f.name)]
+        extra = [f"oam={self.oam}", f"min_prompt_tokens={self.min_prompt_tokens}",
+                 f"dense_above={self.dense_above}"]
+        return f"preset={self.preset} " + " ".join(changed + extra)

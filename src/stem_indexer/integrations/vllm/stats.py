@@ -1,0 +1,119 @@
+"""What ran, per worker process: rows by path and reason, block pairs per layer,
+and one log line per request when its prefill ends. No vLLM import."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from dataclasses import dataclass, field
+
+__all__ = ["WorkerStats", "STATS", "merge"]
+
+# Under vLLM's logger tree, so that its handler and format (process name,
+# time) apply to our lines as to its own.
+LOG = logging.getLogger("vllm.stem_indexer")
+
+# Requests whose prefill is under way; a request aborted mid-prompt is
+# forgotten after this many newer ones.
+_MAX_OPEN = 4096
+
+
+@dataclass
+class _Request:
+    prompt: int
+    kept: int = 0
+    visible: int = 0
+    sparse_rows: int = 0
+    rows: int = 0
+    chunks: int = 0
+    layers_done: int = 0  # layers that ran the request's last chunk
+
+
+@dataclass
+class WorkerStats:
+    """Counters of one worker process (``stats()`` sums them over workers).
+
+    ``rows`` counts (layer, row) pairs: ``"sparse:fresh"``,
+    ``"sparse:continuation"``, ``"sparse:prefix hit"``, or ``"dense:<reason>"``;
+    ``pairs`` maps a layer's name to its kept and visible (query block, key
+    block) pairs over the rows that ran Stem, all heads of this worker.
+    """
+
+    rows: collections.Counter = field(default_factory=collections.Counter)
+    pairs: dict = field(default_factory=dict)
+    requests: dict = field(default_factory=dict)
+    layers: int = 0
+    log_requests: bool = True
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def reset(self) -> None:
+        with self.lock:
+            self.rows.clear()
+            self.pairs.clear()
+            self.requests.clear()
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return {"rows": dict(self.rows),
+                    "pairs": {name: list(p) for name, p in self.pairs.items()}}
+
+    # Called by the backend --------------------------------------------------
+
+    def row(self, layer: str, request: str, prompt: int, path: str, kept: int, visible: int,
+            last_chunk: bool, first_layer: bool) -> None:
+        """One row of one layer: ``path`` is ``"sparse:<kind>"`` or
+        ``"dense:<reason>"``; ``kept``/``visible`` its block pairs (all heads)."""
+        with self.lock:
+            self.rows[path] += 1
+            if path.startswith("sparse"):
+                pair = self.pairs.setdefault(layer, [0, 0])
+                pair[0] += kept
+                pair[1] += visible
+            if not request:
+                return
+            req = self.requests.get(request)
+            if req is None:
+                if len(self.requests) >= _MAX_OPEN:
+                    self.requests.pop(next(iter(self.requests)))
+                req = self.requests[request] = _Request(prompt)
+            req.kept += kept
+            req.visible += visible
+            req.rows += 1
+            req.sparse_rows += path.startswith("sparse")
+            req.chunks += first_layer
+            if last_chunk:
+                req.layers_done += 1
+                if req.layers_done >= self.layers:
+                    del self.requests[request]
+                    if self.log_requests:
+                        self._log(request, req)
+
+    @staticmethod
+    def _log(request: str, req: _Request) -> None:
+        density = req.kept / req.visible if req.visible else 1.0
+        LOG.info("Stem prefill of request %s: %d prompt tokens in %d chunk(s); %d of %d "
+                 "layer rows sparse; density %.1f%%", request, req.prompt, req.chunks,
+                 req.sparse_rows, req.rows, 100.0 * density)
+
+
+STATS = WorkerStats()
+
+
+def merge(snapshots: list[dict]) -> dict:
+    """Sum workers' snapshots: rows by path, and per layer the kept and visible
+    pairs with their density; ``density`` over all layers' Stem rows."""
+    rows: collections.Counter = collections.Counter()
+    pairs: dict[str, list[int]] = {}
+    for snap in snapshots:
+        rows.update(snap["rows"])
+        for name, (kept, visible) in snap["pairs"].items():
+            acc = pairs.setdefault(name, [0, 0])
+            acc[0] += kept
+            acc[1] += visible
+    layers = {name: {"kept": k, "visible": v, "density": k / v if v else 1.0}
+              for name, (k, v) in sorted(pairs.items())}
+    kept = sum(k for k, _ in pairs.values())
+    visible = sum(v for _, v in pairs.values())
+    return {"rows": dict(sorted(rows.items())), "layers": layers,
+            "density": kept / visible if visible else None}

@@ -1,0 +1,102 @@
+"""Runs one vLLM engine configuration for tests/test_vllm.py; prints one JSON line.
+
+    python tests/vllm_engine.py SPEC_JSON
+
+SPEC: ``model`` (a directory), ``stem`` (settings, or null for vLLM's own
+backend), ``engine`` (keyword arguments of ``vllm.LLM``), ``batches`` (lists of
+``{"prompt": [ids], "max_tokens": n}``, each list one ``generate`` call) and
+``check_rows`` (compare every Stem row of every layer with ``stem_attention``
+on the same queries, keys and values). The result holds each request's
+tokens and their log-probabilities, ``stats(llm)``, and with ``check_rows`` the
+rows checked, their kinds and the largest difference from ``stem_attention``.
+Each configuration runs in a process of its own: vLLM keeps process-wide
+state (its configuration, the distributed group, the platform).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def _checker(settings, record: dict):
+    import dataclasses
+
+    import torch
+
+    import stem_indexer
+
+    params = {k: v for k, v in dataclasses.asdict(settings.params).items() if k != "causal"}
+
+    def check(trace) -> None:
+        row, bs = trace.row, settings.block_size
+        lead = row.context - (row.context // bs) * bs
+        hq, dim = trace.query.shape[1], trace.query.shape[2]
+        q = trace.query.new_zeros(1, hq, lead + row.q_len, dim)
+        q[0, :, lead:] = trace.query.transpose(0, 1)
+        prompt = [max(row.prompt, row.seq_len)]
+        with torch.inference_mode():
+            want = stem_indexer.stem_attention(
+                q, trace.key[None], trace.value[None], scale=trace.scale,
+                num_prompt_tokens=prompt, oam=settings.oam, oam_lambda=settings.oam_lambda,
+                **params)[0, :, lead:].transpose(0, 1)
+            inputs = stem_indexer.stem_inputs(q, trace.key[None], trace.value[None],
+                                              block_size=bs, stride=settings.stride,
+                                              scale=trace.scale / settings.stride,
+                                              oam=settings.oam, oam_lambda=settings.oam_lambda)
+            idx, lengths = stem_indexer.stem_indexer(
+                inputs.qflat, inputs.kflat, inputs.vbias, inputs.q_seq_lens,
+                inputs.kv_seq_lens, num_prompt_tokens=torch.tensor(prompt, dtype=torch.int32),
+                **params)
+        err = (trace.output.double() - want.double()).abs().max().item()
+        same = (torch.equal(lengths[0], trace.lengths)
+                and torch.equal(idx[0, ..., :trace.indices.shape[-1]], trace.indices))
+        record["rows"] += 1
+        record["max_error"] = max(record["max_error"], err)
+        record["selection_mismatches"] += not same
+        record["kinds"][row.kind] = record["kinds"].get(row.kind, 0) + 1
+        record["unaligned"] += row.context % bs != 0
+
+    return check
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+
+    import stem_indexer.integrations.vllm as stem_vllm
+
+    kwargs = dict(spec.get("engine", {}))
+    if spec.get("stem") is not None:
+        kwargs.update(attention_backend="CUSTOM", additional_config={"stem": spec["stem"]})
+    llm = LLM(model=spec["model"], seed=0, **kwargs)
+    record = {"rows": 0, "max_error": 0.0, "selection_mismatches": 0, "kinds": {},
+              "unaligned": 0}
+    if spec.get("check_rows"):
+        from stem_indexer.integrations.vllm import backend
+        from stem_indexer.integrations.vllm.settings import StemSettings
+
+        backend.observe(_checker(StemSettings.from_mapping(spec["stem"]), record))
+    results = []
+    for batch in spec["batches"]:
+        prompts = [{"prompt_token_ids": r["prompt"]} for r in batch]
+        params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, logprobs=0)
+                  for r in batch]
+        for out in llm.generate(prompts, params, use_tqdm=False):
+            o = out.outputs[0]
+            results.append({"tokens": list(o.token_ids),
+                            "logprobs": [d[t].logprob for d, t in zip(o.logprobs, o.token_ids)]})
+    result = {"outputs": results, "record": record}
+    if spec.get("stem") is not None:
+        result["stats"] = stem_vllm.stats(llm)
+    print("RESULT " + json.dumps(result), flush=True)
+    del llm
+    gc.collect()
+
+
+if __name__ == "__main__":
+    main()
