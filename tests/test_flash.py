@@ -12,6 +12,8 @@ import stem_indexer
 from stem_indexer import (PRESETS, StemIndexerInputError, stem_attention, stem_attn_func,
                           stem_attn_varlen_func)
 
+from stem_indexer.contract import PARAM_NAMES, IndexerParams
+
 from _helpers import SMALL, qkv
 
 
@@ -203,18 +205,93 @@ def test_info_tells_which_path_ran():
 # --------------------------------------------------------------------------- #
 
 
-@pytest.mark.parametrize("seq", [64, 1100], ids=["dense-path", "sparse-path"])
-def test_stem_attention_under_fullgraph_compile_equals_eager(seq):
+def _flash_layout(q, k, v):
+    """[B, H, S, D] tensors as [B, S, H, D] (contiguous there): stem_attn_func's
+    inputs, whose transposes reach the ops with a transposed q."""
+    return tuple(x.transpose(1, 2).contiguous() for x in (q, k, v))
+
+
+def _stem_op_args(q, k, v, lens, **params):
+    p = IndexerParams.from_kwargs("test", **params)
+    return (q, k, v, lens, lens, None, *(getattr(p, f) for f in PARAM_NAMES), 8 ** -0.5,
+            None, True, 0.3, None, 2, "auto", True)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed-q"])
+def test_both_ops_pass_opcheck(layout):
+    """torch.library.opcheck on both custom ops (schema, fake kernel against
+    the real one, output layouts included, and tracing with dynamic shapes);
+    with a transposed q (stem_attn_func's and the Hugging Face models') the
+    fakes must still give the real outputs' contiguous layout."""
+    q, k, v = qkv(2, 4, 2, 40, 40, 8, 16)
+    if layout == "transposed-q":
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    idx = torch.arange(3, dtype=torch.int32).expand(2, 4, 3, 3).contiguous()
+    seq_len = torch.tensor([1, 2, 3], dtype=torch.int32).expand(2, 4, 3).contiguous()
+    lens = torch.tensor([40, 33])
+    torch.library.opcheck(torch.ops.stem_indexer.block_sparse_attention.default,
+                          (q, k, v, idx, seq_len, lens, lens, 16, True, 0.3, None, "auto", True))
+    for seq in (40, 1100):  # the dense path, then the sparse one
+        q, k, v = qkv(1, 2, 1, seq, seq, 8, 17)
+        if layout == "transposed-q":
+            q = q.transpose(1, 2).contiguous().transpose(1, 2)
+        torch.library.opcheck(torch.ops.stem_indexer.stem_attention.default,
+                              _stem_op_args(q, k, v, torch.tensor([seq]), **SMALL))
+
+
+@pytest.mark.parametrize("seq, layout", [(64, "BHSD"), (1100, "BHSD"), (1100, "BSHD")],
+                         ids=["dense-path", "sparse-path", "sparse-path-BSHD"])
+def test_stem_attention_under_fullgraph_compile_equals_eager(seq, layout):
+    """stem_attention on [B, H, S, D], and stem_attn_func on [B, S, H, D]
+    (which hands the op a transposed q), compiled with fullgraph=True."""
     q, k, v = qkv(2, 4, 2, seq, seq, 8, 13)
     lens = torch.tensor([seq, seq - 37])
 
-    def fn(q, k, v, lens):
-        return stem_attention(q, k, v, q_lens=lens, kv_lens=lens, return_lse=True, **SMALL)
+    if layout == "BHSD":
+        def fn(q, k, v, lens):
+            return stem_attention(q, k, v, q_lens=lens, kv_lens=lens, return_lse=True, **SMALL)
+    else:
+        q, k, v = _flash_layout(q, k, v)
+
+        def fn(q, k, v, lens):  # full lengths: stem_attn_func takes no per-batch lengths
+            return stem_attn_func(q, k, v, causal=True, return_lse=True, **SMALL)
 
     eager = fn(q, k, v, lens)
     compiled = torch.compile(fn, fullgraph=True)(q, k, v, lens)
     for a, b in zip(compiled, eager):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_dynamic_shape_compile_equals_eager_at_two_lengths():
+    """torch.compile(fullgraph=True, dynamic=True), as the README says: the
+    checks of Python floats (which are traced as symbols there) and the ops
+    trace; one compiled function, two sequence lengths (the dense and the
+    sparse path), each equal to eager, in both layouts; block_sparse_attention
+    likewise."""
+    fns = {"stem_attention": lambda q, k, v: stem_attention(q, k, v, return_lse=True, **SMALL),
+           "stem_attn_func": lambda q, k, v: stem_attn_func(q, k, v, causal=True,
+                                                            return_lse=True, **SMALL)}
+    for name, fn in fns.items():
+        compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+        for seq in (300, 1100):
+            q, k, v = qkv(1, 4, 2, seq, seq, 8, seq)
+            if name == "stem_attn_func":
+                q, k, v = _flash_layout(q, k, v)
+            for a, b in zip(compiled(q, k, v), fn(q, k, v)):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    def sparse(q, k, v, idx, lens):
+        return stem_indexer.block_sparse_attention(q, k, v, idx, lens, block_size=16,
+                                                   return_lse=True)
+
+    compiled = torch.compile(sparse, fullgraph=True, dynamic=True)
+    for seq in (100, 140):
+        nb = -(-seq // 16)
+        q, k, v = qkv(1, 4, 2, seq, seq, 8, seq)
+        idx = torch.arange(nb, dtype=torch.int32).expand(1, 4, nb, nb).contiguous()
+        lens = torch.arange(1, nb + 1, dtype=torch.int32).expand(1, 4, nb).contiguous()
+        for a, b in zip(compiled(q, k, v, idx, lens), sparse(q, k, v, idx, lens)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_block_sparse_attention_under_fullgraph_compile_equals_eager():

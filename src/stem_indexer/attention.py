@@ -51,7 +51,7 @@ from .contract import IndexerParams, ceil_div, check_bool, check_int, fail
 from .ops import flex_attention as flex
 from .ops.gather_attention import gather_attention
 from .prepare import (DEFAULT_OAM_LAMBDA, Lengths, check_lens_values, check_oam_lambda,
-                      check_qkv, lens_argument, seq_lens_tensor, stem_inputs)
+                      check_qkv, is_finite, lens_argument, seq_lens_tensor, stem_inputs)
 
 __all__ = ["block_sparse_attention", "dense_attention", "stem_attention", "StemInfo"]
 
@@ -70,7 +70,7 @@ _CPU = torch.device("cpu")
 def _check_scale(who: str, name: str, scale, dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(dim)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not is_finite(scale):
         fail(who, name, "must be a finite number or None", scale)
     return float(scale)
 
@@ -306,7 +306,7 @@ def _check_softcap(who: str, softcap) -> float | None:
     if softcap is None:
         return None
     if (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
-            or not (math.isfinite(softcap) and softcap > 0)):
+            or not (is_finite(softcap) and softcap > 0)):
         fail(who, "softcap", "must be None or a finite number > 0", softcap)
     return float(softcap)
 
@@ -648,10 +648,12 @@ def _block_sparse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.contiguous(), _lse_or_nan(lse, q)
 
 
+# The fakes give the real outputs' layout: contiguous, whatever q's strides
+# (empty_like would keep a transposed q's, and inductor checks them).
 @_block_sparse_op.register_fake
 def _(q, k, v, sparse_indices, sparse_seq_len, q_lens, kv_lens, block_size, causal, scale,
       softcap, backend, want_lse):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("stem_indexer::stem_attention", mutates_args=())
@@ -681,7 +683,7 @@ def _stem_attention_op(
 
 @_stem_attention_op.register_fake
 def _(q, k, v, *args):
-    return (torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32),
+    return (q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32),
             torch.empty(5, dtype=torch.int64, device="cpu"))
 
 

@@ -116,9 +116,17 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, who: str, *,
     return batch, hq, hkv, sq, skv, dim
 
 
+def is_finite(x) -> bool:
+    """``math.isfinite`` for a number that may be symbolic: under
+    ``torch.compile(dynamic=True)`` Python floats (defaults and constants
+    too) are traced as symbols, which ``math.isfinite`` refuses; comparisons
+    are traced (and guarded on)."""
+    return x == x and -math.inf < x < math.inf
+
+
 def check_oam_lambda(oam_lambda: float, who: str) -> None:
     if (isinstance(oam_lambda, bool) or not isinstance(oam_lambda, (int, float))
-            or not math.isfinite(oam_lambda)):
+            or not is_finite(oam_lambda)):
         fail(who, "oam_lambda", "must be a finite number", oam_lambda)
 
 
