@@ -4,6 +4,7 @@ and what ``stem_attention`` reports (``flash.py``, ``attention.py``)."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -46,7 +47,7 @@ def test_flash_layout_equals_stem_attention(seq):
     q, k, v = qkv(2, 4, 2, seq, seq, 8, 1)
     want, want_lse = stem_attention(q, k, v, return_lse=True, **SMALL)
     out, lse = stem_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                              return_lse=True, **SMALL)
+                              causal=True, return_lse=True, **SMALL)
     assert out.shape == (2, seq, 4, 8) and out.is_contiguous()
     torch.testing.assert_close(out, want.transpose(1, 2))
     torch.testing.assert_close(lse, want_lse)
@@ -107,12 +108,12 @@ def test_varlen_equals_each_sequence_alone():
     cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
     cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
     out, lse = stem_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
-                                     return_lse=True, **SMALL)
+                                     causal=True, return_lse=True, **SMALL)
     assert out.shape == q.shape and lse.shape == (4, sum(lens_q))
     for b in range(4):
         qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         alone, alone_lse = stem_attn_func(q[None, qs], k[None, ks], v[None, ks],
-                                          return_lse=True, **SMALL)
+                                          causal=True, return_lse=True, **SMALL)
         torch.testing.assert_close(out[qs], alone[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse[:, qs], alone_lse[0], rtol=1e-5, atol=1e-5)
 
@@ -129,6 +130,89 @@ def test_varlen_bad_arguments(call, match):
     cu = torch.tensor([0, 8, 12], dtype=torch.int32)
     with pytest.raises(StemIndexerInputError, match=match):
         call(q, k, v, cu)
+
+
+def test_flash_attention_signature_as_flash_attention_means_it():
+    """Code written for flash_attn_func / flash_attn_varlen_func: the same
+    positional arguments (dropout_p third), FlashAttention's defaults
+    (causal=False, window_size=(-1, -1), softcap=0.0 = off), and
+    return_attn_probs's (out, lse, S_dmask) with no probabilities."""
+    q, k, v = qkv(1, 2, 1, 64, 96, 8, 30)  # short: dense, so compared with float64 directly
+    fq, fk, fv = (x.transpose(1, 2) for x in (q, k, v))
+    scale = 0.2
+    causal_ref, causal_lse = _reference(q, k, v, scale, causal=True)
+    full_ref, _ = _reference(q, k, v, 8 ** -0.5, causal=False)
+    # positional, as flash_attn_func(q, k, v, dropout_p, softmax_scale, causal,
+    # window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    out, lse, probs = stem_attn_func(fq, fk, fv, 0.0, scale, True, (-1, -1), 0.0, None, False,
+                                     True, **SMALL)
+    assert probs is None
+    torch.testing.assert_close(out.transpose(1, 2).double(), causal_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), causal_lse, rtol=1e-5, atol=1e-5)
+    # FlashAttention's defaults: not causal, no window, no cap
+    out = stem_attn_func(fq, fk, fv, **SMALL)
+    torch.testing.assert_close(out.transpose(1, 2).double(), full_ref, rtol=1e-5, atol=1e-5)
+    # causal with (-1, 0): FlashAttention's own spelling of a causal window
+    out = stem_attn_func(fq, fk, fv, softmax_scale=scale, causal=True, window_size=(-1, 0),
+                         **SMALL)
+    torch.testing.assert_close(out.transpose(1, 2).double(), causal_ref, rtol=1e-5, atol=1e-5)
+    cu_q = torch.tensor([0, 64], dtype=torch.int32)
+    cu_k = torch.tensor([0, 96], dtype=torch.int32)
+    packed = stem_attn_varlen_func(fq[0], fk[0], fv[0], cu_q, cu_k, 64, 96, 0.0, scale, True,
+                                   (-1, -1), 0.0, None, False, False, None, **SMALL)
+    torch.testing.assert_close(packed.transpose(0, 1)[None].double(), causal_ref, rtol=1e-5,
+                               atol=1e-5)
+    packed = stem_attn_varlen_func(fq[0], fk[0], fv[0], cu_q, cu_k, 64, 96, **SMALL)
+    torch.testing.assert_close(packed.transpose(0, 1)[None].double(), full_ref, rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda f, x: f(*x, 0.1), "dropout_p must be 0.0"),
+    (lambda f, x: f(*x, dropout_p=True), "dropout_p must be 0.0"),
+    (lambda f, x: f(*x, window_size=(128, 0), causal=True), r"window_size must be \(-1, -1\)"),
+    (lambda f, x: f(*x, window_size=(-1, 4)), r"window_size must be \(-1, -1\)"),
+    (lambda f, x: f(*x, window_size=(-1,)), "window_size must be a pair of ints"),
+    (lambda f, x: f(*x, softcap=-1.0), "softcap must be 0.0"),
+    (lambda f, x: f(*x, alibi_slopes=torch.ones(2)), "alibi_slopes must be None"),
+    (lambda f, x: f(*x, deterministic=1), "deterministic must be True or False"),
+    (lambda f, x: f(*x, scale=0.1), "scale is softmax_scale here"),
+    (lambda f, x: f(*x, return_info=True), "return_info is not available here"),
+    (lambda f, x: f(*x, window_size=2, stem_window_blocks=2), "window_size and stem_window"),
+])
+@pytest.mark.parametrize("varlen", [False, True], ids=["func", "varlen"])
+def test_flash_functions_refuse_what_stem_cannot_honour(call, match, varlen):
+    q, k, v = (x.transpose(1, 2) for x in qkv(1, 2, 1, 32, 32, 8, 31))
+    if varlen:
+        cu = torch.tensor([0, 32], dtype=torch.int32)
+        x, f, who = (q[0], k[0], v[0], cu, cu, 32, 32), stem_attn_varlen_func, "varlen_func"
+    else:
+        x, f, who = (q, k, v), stem_attn_func, "func"
+    with pytest.raises(StemIndexerInputError, match=f"^stem_attn_{who}: {match}"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            call(f, x)
+    if varlen:
+        with pytest.raises(StemIndexerInputError, match="block_table must be None"):
+            f(*x, block_table=torch.zeros(1, 1, dtype=torch.int32))
+        with pytest.raises(StemIndexerInputError, match="q_lens is given by cu_seqlens_q"):
+            f(*x, q_lens=[32])
+
+
+def test_stem_window_blocks_is_the_indexers_window_and_the_int_window_size_is_deprecated():
+    """The indexer's window (stem_attention's window_size) is
+    stem_window_blocks here; an int window_size, its old spelling, still
+    means it for one release, with a DeprecationWarning."""
+    q, k, v = qkv(1, 2, 1, 1100, 1100, 8, 32)
+    fq, fk, fv = (x.transpose(1, 2) for x in (q, k, v))
+    want = stem_attention(q, k, v, window_size=1, preset="tight", **SMALL)
+    default = stem_attention(q, k, v, preset="tight", **SMALL)
+    assert not torch.equal(want, default)  # the window changes the selection
+    out = stem_attn_func(fq, fk, fv, causal=True, stem_window_blocks=1, preset="tight", **SMALL)
+    torch.testing.assert_close(out.transpose(1, 2), want, rtol=0, atol=0)
+    with pytest.warns(DeprecationWarning, match="now spelled stem_window_blocks"):
+        old = stem_attn_func(fq, fk, fv, causal=True, window_size=1, preset="tight", **SMALL)
+    torch.testing.assert_close(old, out, rtol=0, atol=0)
 
 
 def test_a_tensor_in_the_other_layout_is_refused():

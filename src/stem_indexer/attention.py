@@ -39,6 +39,7 @@ attention where sparsity cannot help (see its docstring).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -93,6 +94,14 @@ def check_backend_fits(who: str, backend: str, device: torch.device, dtype: torc
     if dtype not in DTYPES:
         fail(who, "backend", f"'native' runs on float32 and bfloat16 only (q is {dtype}); use "
              "'auto' or 'gather'", "'native'")
+
+
+def warn_deprecated(message: str, stacklevel: int = 3) -> None:
+    """A DeprecationWarning for an old spelling, outside torch.compile only
+    (dynamo cannot trace ``warnings.warn`` with ``fullgraph=True``; the eager
+    run of the same code warns)."""
+    if not torch.compiler.is_compiling():
+        warnings.warn(message, DeprecationWarning, stacklevel=stacklevel + 1)
 
 
 def _check_inference(who: str, *tensors: torch.Tensor) -> None:

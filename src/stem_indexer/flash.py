@@ -2,8 +2,9 @@
 
 Most inference code calls attention as ``flash_attn_func(q, k, v, ...)`` on
 ``[B, S, H, D]`` tensors, or ``flash_attn_varlen_func`` on packed sequences
-with cumulative lengths. These functions take the same shapes and return the
-same layouts, with Stem's selection in between (``stem_attention``): a
+with cumulative lengths. These functions take the same shapes, the same
+arguments in the same order, with the same meanings and defaults, and return
+the same layouts, with Stem's selection in between (``stem_attention``): a
 drop-in for prefill.
 
 * ``stem_attn_func(q, k, v)``: ``q [B, Sq, Hq, D]``, ``k, v [B, Skv, Hkv, D]``
@@ -14,35 +15,126 @@ drop-in for prefill.
   cumulative lengths ``[B + 1]`` -> ``[total_q, Hq, D]``; the log-sum-exp is
   ``[Hq, total_q]``. Each sequence's result equals that sequence run alone.
 
-Causal masks are aligned bottom-right (the last query sees the last key), as
-in FlashAttention 2.1 and later. The indexer's parameters and presets are
-keyword arguments, as in ``stem_attention``.
+FlashAttention's arguments, as FlashAttention means them: ``dropout_p``
+(positional; only 0: Stem attention is inference-only), ``softmax_scale``,
+``causal`` (default False, as in FlashAttention; causal masks are aligned
+bottom-right, as in FlashAttention 2.1 and later), ``window_size`` (only
+``(-1, -1)``, no sliding window: a sliding window is refused), ``softcap``
+(``0.0`` = off), ``alibi_slopes`` (only None), ``deterministic`` (accepted:
+Stem's forward is deterministic), ``return_attn_probs`` (``(out, lse, None)``:
+the log-sum-exp, and no probabilities). Stem's own parameters are keywords
+that do not clash with them: ``stem_window_blocks`` (the indexer's window of
+always-kept key blocks, ``stem_attention``'s ``window_size``), and the rest
+of ``stem_attention``'s keywords under their names (``preset``,
+``stem_block_size``, ``stem_stride``, ``alpha``, ``oam``, ...).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .attention import _check_layout, stem_attention
-from .contract import fail
+from .attention import _check_layout, stem_attention, warn_deprecated
+from .contract import check_bool, fail
 
 __all__ = ["stem_attn_func", "stem_attn_varlen_func"]
 
+# stem_attention's keywords that these functions set themselves, and why.
+_SET_HERE = {"scale": "is softmax_scale here",
+             "return_info": "is not available here (these functions return what "
+                            "FlashAttention's do; call stem_attention for the info)"}
+_SET_BY_VARLEN = {"q_lens": "is given by cu_seqlens_q here",
+                  "kv_lens": "is given by cu_seqlens_k here"}
 
-def stem_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                   softmax_scale: float | None = None, causal: bool = True,
-                   softcap: float | None = None, return_lse: bool = False,
-                   **stem_params) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Stem attention on ``[B, S, H, D]`` tensors (``flash_attn_func``'s layout).
+
+def _flash_arguments(who: str, dropout_p, causal, window_size, softcap, alibi_slopes,
+                     deterministic, return_attn_probs, return_lse, stem_params: dict) -> dict:
+    """FlashAttention's arguments checked and turned into ``stem_attention``'s
+    keywords (with ``stem_params``, Stem's own)."""
+    if (isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float))
+            or dropout_p != 0):
+        fail(who, "dropout_p", "must be 0.0: Stem attention is inference-only (no dropout)",
+             dropout_p)
+    check_bool(who, "causal", causal)
+    for name, flag in (("deterministic", deterministic), ("return_attn_probs", return_attn_probs),
+                       ("return_lse", return_lse)):
+        check_bool(who, name, flag)
+    if alibi_slopes is not None:
+        fail(who, "alibi_slopes", "must be None: Stem attention has no ALiBi biases",
+             type(alibi_slopes).__name__)
+    params = dict(stem_params)
+    reserved = {**_SET_HERE, **(_SET_BY_VARLEN if who == "stem_attn_varlen_func" else {})}
+    for key, why in reserved.items():
+        if key in params:
+            fail(who, key, why, repr(params[key]))
+    window_blocks = params.pop("stem_window_blocks", None)
+    if isinstance(window_size, int) and not isinstance(window_size, bool):
+        # Before FlashAttention's meaning: the indexer's window, in blocks.
+        warn_deprecated(f"{who}: an int window_size is the indexer's window of kept blocks, "
+                        "now spelled stem_window_blocks; window_size is FlashAttention's "
+                        "(left, right) token window. The int form goes in the next release.")
+        if window_blocks is not None:
+            fail(who, "window_size", "and stem_window_blocks are the same parameter; pass "
+                 "stem_window_blocks alone", window_size)
+        window_blocks, window_size = window_size, (-1, -1)
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(w, bool) or not isinstance(w, int) for w in window_size)):
+        fail(who, "window_size", "must be a pair of ints (left, right), -1 for no limit",
+             repr(window_size))
+    left, right = window_size
+    # FlashAttention ignores the right limit of a causal call (it is 0 there).
+    if left != -1 or (right != -1 and not causal):
+        fail(who, "window_size", "must be (-1, -1): a sliding window (FlashAttention's "
+             "local attention) is not supported by Stem attention (the indexer's window of "
+             "always-kept blocks is stem_window_blocks)", repr(tuple(window_size)))
+    if window_blocks is not None:
+        params["window_size"] = window_blocks
+    if softcap is not None:
+        if (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                or not (softcap == 0 or 0 < softcap < math.inf)):
+            fail(who, "softcap", "must be 0.0 (off, FlashAttention's default), None or a "
+                 "finite number > 0", softcap)
+        softcap = softcap if softcap > 0 else None
+    return dict(causal=causal, softcap=softcap, return_lse=return_lse or return_attn_probs,
+                **params)
+
+
+def _flash_result(out, lse, return_lse: bool, return_attn_probs: bool):
+    """What FlashAttention returns: the output; with ``return_attn_probs``
+    ``(out, lse, None)`` (no probabilities); with ``return_lse`` ``(out, lse)``."""
+    if return_attn_probs:
+        return out, lse, None
+    return (out, lse) if return_lse else out
+
+
+def stem_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                   softmax_scale: float | None = None, causal: bool = False,
+                   window_size: tuple[int, int] = (-1, -1), softcap: float | None = 0.0,
+                   alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                   return_attn_probs: bool = False, *, return_lse: bool = False,
+                   **stem_params) -> torch.Tensor | tuple:
+    """Stem attention on ``[B, S, H, D]`` tensors, with ``flash_attn_func``'s signature.
 
     Args:
         q: [B, Sq, Hq, D]; k, v: [B, Skv, Hkv, D], ``Hq % Hkv == 0``.
+        dropout_p: must be 0.0 (inference only).
         softmax_scale: default ``1/sqrt(D)``.
-        causal: bottom-right aligned causal mask.
-        softcap: logit soft-capping (``softcap * tanh(score / softcap)``).
+        causal: bottom-right aligned causal mask; default False, as in
+            FlashAttention (prefill wants ``causal=True``).
+        window_size: must be ``(-1, -1)`` (no sliding window; with
+            ``causal=True`` the right limit is ignored, as FlashAttention
+            does). The indexer's window is ``stem_window_blocks``.
+        softcap: logit soft-capping (``softcap * tanh(score / softcap)``);
+            ``0.0`` (or None) is off.
+        alibi_slopes: must be None.
+        deterministic: accepted; the forward pass is deterministic anyway.
+        return_attn_probs: return ``(out, lse, None)`` as FlashAttention's
+            ``(out, softmax_lse, S_dmask)``: the log-sum-exp, no probabilities.
         return_lse: also return the float32 log-sum-exp [B, Hq, Sq].
         **stem_params: ``stem_attention``'s keyword arguments (``preset``,
-            ``stem_block_size``, ``alpha``, ``oam``, ...).
+            ``stem_block_size``, ``stem_stride``, ``alpha``, ``oam``, ...),
+            with ``stem_window_blocks`` for its ``window_size``.
 
     Returns:
         [B, Sq, Hq, D] in q's dtype, and the log-sum-exp when asked.
@@ -52,12 +144,14 @@ def stem_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             fail(who, name, "must be a 4-D tensor [B, S, H, D]",
                  f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__)
+    kwargs = _flash_arguments(who, dropout_p, causal, window_size, softcap, alibi_slopes,
+                              deterministic, return_attn_probs, return_lse, stem_params)
     _check_layout(who, q, k, "[B, S, H, D]")
     result = stem_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                            causal=causal, scale=softmax_scale, softcap=softcap,
-                            return_lse=return_lse, **stem_params)
-    out = (result[0] if return_lse else result).transpose(1, 2).contiguous()
-    return (out, result[1]) if return_lse else out
+                            scale=softmax_scale, **kwargs)
+    want_lse = kwargs["return_lse"]
+    out = (result[0] if want_lse else result).transpose(1, 2).contiguous()
+    return _flash_result(out, result[1] if want_lse else None, return_lse, return_attn_probs)
 
 
 def _check_cu(who: str, name: str, cu, total: int, device) -> list[int]:
@@ -90,29 +184,38 @@ def _unpad(x: torch.Tensor, cu: list[int]) -> torch.Tensor:
 
 def stem_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                          max_seqlen_q: int, max_seqlen_k: int, *,
-                          softmax_scale: float | None = None, causal: bool = True,
-                          softcap: float | None = None, return_lse: bool = False,
-                          **stem_params) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Stem attention on packed sequences (``flash_attn_varlen_func``'s layout).
+                          max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                          softmax_scale: float | None = None, causal: bool = False,
+                          window_size: tuple[int, int] = (-1, -1), softcap: float | None = 0.0,
+                          alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                          return_attn_probs: bool = False, block_table: torch.Tensor | None = None,
+                          *, return_lse: bool = False, **stem_params) -> torch.Tensor | tuple:
+    """Stem attention on packed sequences, with ``flash_attn_varlen_func``'s signature.
 
     Args:
         q: [total_q, Hq, D]; k, v: [total_k, Hkv, D]; sequence b holds tokens
             ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1`` of q (and likewise k, v).
         cu_seqlens_q, cu_seqlens_k: int32 [B + 1], from 0 to the token count.
         max_seqlen_q, max_seqlen_k: at least the longest sequence of each.
-        softmax_scale, causal, softcap, return_lse, **stem_params: as in
-            ``stem_attn_func``.
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+            deterministic, return_attn_probs, return_lse, **stem_params: as in
+            ``stem_attn_func`` (``causal`` default False, as in FlashAttention).
+        block_table: must be None (no paged KV cache).
 
     Returns:
-        [total_q, Hq, D] in q's dtype, and with ``return_lse`` the float32
-        log-sum-exp [Hq, total_q].
+        [total_q, Hq, D] in q's dtype, and with ``return_lse`` (or
+        ``return_attn_probs``) the float32 log-sum-exp [Hq, total_q].
     """
     who = "stem_attn_varlen_func"
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             fail(who, name, "must be a 3-D tensor [total, H, D]",
                  f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__)
+    kwargs = _flash_arguments(who, dropout_p, causal, window_size, softcap, alibi_slopes,
+                              deterministic, return_attn_probs, return_lse, stem_params)
+    if block_table is not None:
+        fail(who, "block_table", "must be None: a paged KV cache is not supported",
+             type(block_table).__name__)
     cu_q = _check_cu(who, "cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
     cu_k = _check_cu(who, "cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
     if len(cu_q) != len(cu_k):
@@ -125,10 +228,10 @@ def stem_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if isinstance(given, bool) or not isinstance(given, int) or given < wanted:
             fail(who, name, f"must be an int >= the longest sequence ({wanted})", given)
     result = stem_attention(_pad(q, cu_q, max(q_lens)), _pad(k, cu_k, max(kv_lens)),
-                            _pad(v, cu_k, max(kv_lens)), causal=causal, scale=softmax_scale,
-                            softcap=softcap, q_lens=q_lens, kv_lens=kv_lens,
-                            return_lse=return_lse, **stem_params)
-    out = _unpad(result[0] if return_lse else result, cu_q)
-    if not return_lse:
-        return out
-    return out, _unpad(result[1][..., None], cu_q)[..., 0].transpose(0, 1).contiguous()
+                            _pad(v, cu_k, max(kv_lens)), scale=softmax_scale, q_lens=q_lens,
+                            kv_lens=kv_lens, **kwargs)
+    want_lse = kwargs["return_lse"]
+    out = _unpad(result[0] if want_lse else result, cu_q)
+    lse = (_unpad(result[1][..., None], cu_q)[..., 0].transpose(0, 1).contiguous()
+           if want_lse else None)
+    return _flash_result(out, lse, return_lse, return_attn_probs)
