@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import platform
 import shutil
 
 import pytest
@@ -27,7 +28,7 @@ from stem_indexer._threads import thread_count
 from stem_indexer.ops import native
 from stem_indexer.reference import stem_indexer_reference
 
-needs_kernel = pytest.mark.skipif(native.kernel() is None, reason=native.status())
+needs_kernel = pytest.mark.skipif(native.kernel() is None, reason=native.status(native.SELECT_ROWS))
 
 
 def expected_rows(nk, c, group, s2, sink_end, cand_end, take, scores, ranked, lo, precision,
@@ -150,8 +151,72 @@ def test_omp_threads_sets_the_count_and_gives_it_back_on_error():
 def test_kernel_builds_where_a_compiler_exists():
     if shutil.which("cc") is None:
         pytest.skip("no C compiler on this machine")
-    assert native.kernel() is not None, native.status()
-    assert native.status().startswith("native:")
+    assert native.kernel() is not None, native.status(native.SELECT_ROWS)
+    assert native.status(native.SELECT_ROWS).startswith("native:")
+
+
+def test_attention_kernel_builds_and_binds_where_a_compiler_exists():
+    """Where a C compiler exists and torch has MKL on x86-64, the attention
+    kernel must build and find torch's GEMMs, and CPU attention must use it
+    (its own tests would otherwise skip and attention quietly run the gather
+    backend)."""
+    from stem_indexer import attention
+    from stem_indexer.ops import sparse_attention as sa
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler on this machine")
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    if not x86 or not torch.backends.mkl.is_available():
+        pytest.skip(f"no MKL in torch on {platform.machine()}: {sa.status()}")
+    assert sa.available(), sa.status()
+    assert native.status(sa.LIB).startswith("native:"), native.status(sa.LIB)
+    assert sa.status().startswith("native:") and "sgemm" not in sa.status(), sa.status()
+    for dtype in sa.DTYPES:
+        assert attention._backend("auto", torch.zeros(1, 1, 4, 8, dtype=dtype)) == "native"
+
+
+def test_status_reports_every_kernel(fresh_native):
+    from stem_indexer.ops import sparse_attention as sa
+    report = native.status()
+    selection, attention = report.split("; attention: ", 1)
+    assert selection == "selection: " + native.status(native.SELECT_ROWS)
+    assert attention == sa.status()
+
+
+@pytest.mark.parametrize("env, why", [
+    ({"STEM_INDEXER_NATIVE": "0"}, "disabled by STEM_INDEXER_NATIVE=0"),
+    ({"CC": "false"}, "compiling"),  # a compiler that always fails
+])
+def test_each_fallback_is_reported_and_warns_once(fresh_native, monkeypatch, env, why):
+    """Without the kernels, status() says why for each, and the first call
+    that falls back from one warns once (once per kernel)."""
+    import warnings as w
+    from stem_indexer import attention
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    report = native.status()
+    assert report.count("torch fallback: ") == 2 and report.count(why) == 2, report
+    gen = torch.Generator().manual_seed(3)
+    inputs = dict(qflat=torch.randint(-3, 4, (1, 2, 64, 8), generator=gen).bfloat16(),
+                  kflat=torch.randint(-3, 4, (1, 1, 64, 8), generator=gen).bfloat16(),
+                  vbias=torch.zeros(1, 1, 64), q_seq_lens=torch.tensor([1024], dtype=torch.int32),
+                  kv_seq_lens=torch.tensor([1024], dtype=torch.int32))
+    params = dict(stem_block_size=16, stem_stride=4)  # 64 blocks: budget 42, rows rank
+    q = torch.randn(1, 2, 40, 8)
+    for call in range(2):
+        with w.catch_warnings(record=True) as caught:
+            w.simplefilter("always")
+            out = stem_indexer(**inputs, **params)
+            assert attention._backend("auto", q) == "gather"
+        messages = [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)]
+        if call == 0:
+            assert len(messages) == 2, messages
+            assert any("native selection kernel" in m and why in m for m in messages)
+            assert any("native attention kernel" in m and why in m for m in messages)
+        else:
+            assert messages == []
+    want = stem_indexer_reference(**inputs, **params)
+    assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+    assert bool((want[1] < want[1].amax()).any())  # rows were ranked
 
 
 def _op_case():
@@ -175,7 +240,8 @@ def test_without_the_kernel_the_op_falls_back_to_torch(fresh_native, monkeypatch
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert native.kernel() is None
-    assert native.status().startswith("torch fallback: ") and why in native.status()
+    status = native.status(native.SELECT_ROWS)
+    assert status.startswith("torch fallback: ") and why in status
     out = stem_indexer(**inputs, **params)
     want = stem_indexer_reference(**inputs, **params)
     assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
@@ -206,3 +272,78 @@ def test_concurrent_calls_from_python_threads_agree():
         outs = list(pool.map(lambda _: stem_indexer(**inputs, **params), range(8)))
     for out in outs:
         assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+
+
+# --------------------------------------------------------------------------- #
+# Dot products that overflow float32
+# --------------------------------------------------------------------------- #
+
+BF16_MAX = torch.finfo(torch.bfloat16).max
+
+
+def overflow_case(seed: int, nq: int, nk: int, qmax: int):
+    """Inputs whose dot products overflow float32: entries of +-bf16 max (one
+    product alone is past float32's range; in most dots two of opposite signs,
+    so that the result depends on the order of summation and on fused
+    multiply-adds: +inf, -inf or NaN), NaN and inf on some rows, small
+    integers elsewhere; two batches."""
+    gen = torch.Generator().manual_seed(seed)
+    df = 16
+    q = torch.randint(-3, 4, (2, nq, qmax, df), generator=gen).float()
+    k = torch.randint(-3, 4, (2, nk, qmax, df), generator=gen).float()
+    q[..., :2] = torch.where(torch.rand(q.shape[:3], generator=gen)[..., None] < 0.9, BF16_MAX,
+                             q[..., :2])
+    sign = torch.randint(0, 2, k.shape[:3], generator=gen) * 2.0 - 1
+    k[..., 0], k[..., 1] = sign * BF16_MAX, -sign * BF16_MAX
+    k[0, 0, 5, 3], q[1, -1, 9, 4], k[1, -1, 20] = math.nan, math.inf, -math.inf
+    vbias = torch.randn(2, nk, qmax, generator=gen)
+    lens = torch.tensor([qmax * 16, (qmax - 9) * 16 - 5], dtype=torch.int32)
+    return dict(qflat=q.bfloat16(), kflat=k.bfloat16(), vbias=vbias, q_seq_lens=lens,
+                kv_seq_lens=lens)
+
+
+def check_overflowing_dots_equal_the_reference(seeds=range(2)):
+    """The op on overflow_case inputs equals the reference exactly, causal or
+    not, at both score precisions (the selection as this process runs it)."""
+    for seed in seeds:
+        # One head (where the CPU path's products are narrow along a causal
+        # diagonal), and GQA.
+        inputs = overflow_case(seed, *((1, 1, 100) if seed % 2 == 0 else (4, 2, 64)))
+        dots = inputs["qflat"][0, 0].float() @ inputs["kflat"][0, 0].float().T
+        assert bool(dots.isnan().any()) and bool(dots.isinf().any())
+        for causal in (True, False):
+            for precision in (1, 2):
+                params = dict(stem_block_size=16, stem_stride=4, causal=causal,
+                              topk_score_precision=precision)
+                got = stem_indexer(**inputs, **params)
+                want = stem_indexer_reference(**inputs, **params)
+                assert torch.equal(got[1], want[1]) and bool((want[1] < want[1].amax()).any())
+                assert torch.equal(got[0], want[0]), (seed, causal, precision)
+
+
+@pytest.mark.parametrize("selection,cached", [("native", True), ("native", False),
+                                              ("torch", True)], indirect=["selection"],
+                         ids=["native-all-heads", "native-head-by-head", "torch-all-heads"])
+def test_overflowing_dots_select_as_the_reference(selection, cached, monkeypatch):
+    """The batch's products kept for all heads, or made again per tile."""
+    from stem_indexer.ops import cpu
+    if not cached:
+        monkeypatch.setattr(cpu, "EXACT_CACHE_BYTES", 0)
+    check_overflowing_dots_equal_the_reference()
+
+
+@pytest.mark.parametrize("mkl,aten", [
+    ("AVX2", "avx2"), pytest.param("SSE4_2", "default", marks=pytest.mark.slow)])
+def test_overflowing_dots_select_as_the_reference_on_other_instruction_sets(mkl, aten):
+    """The same under another instruction set of MKL and of torch's kernels
+    (in a process of its own: the choice is made at start-up)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_native; "
+            "test_native.check_overflowing_dots_equal_the_reference(range(1))")
+    env = dict(os.environ, MKL_ENABLE_INSTRUCTIONS=mkl, ATEN_CPU_CAPABILITY=aten)
+    proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -53,7 +53,7 @@ CHILD = textwrap.dedent("""
     ref = stem_indexer.stem_indexer_reference(q, k, vb, **lens, **params)
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1]), "wrong output"
     assert (out[1] < out[1].amax()).any(), "nothing was ranked"
-    print(native.status())
+    print(native.status(native.SELECT_ROWS))
 """)
 
 
@@ -88,7 +88,7 @@ def built_cache(tmp_path_factory) -> Path:
         pytest.skip("no C compiler here")
     cache = tmp_path_factory.mktemp("cache")
     with native_on_cache(cache):
-        assert native.kernel() is not None, native.status()
+        assert native.kernel() is not None, native.status(native.SELECT_ROWS)
     return cache
 
 
@@ -195,7 +195,8 @@ def test_cache_directory_is_private_when_created(tmp_path, capsys):
 def test_native_switch_accepts_the_usual_spellings(fresh_native, monkeypatch, value):
     monkeypatch.setenv("STEM_INDEXER_NATIVE", value)
     assert native.kernel() is None
-    assert native.status().startswith("torch fallback: disabled by STEM_INDEXER_NATIVE")
+    assert native.status(native.SELECT_ROWS).startswith(
+        "torch fallback: disabled by STEM_INDEXER_NATIVE")
 
 
 @needs_cc

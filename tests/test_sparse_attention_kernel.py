@@ -12,6 +12,7 @@ padding of q, k and v holds NaN and inf.
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -344,3 +345,67 @@ def test_keys_a_query_does_not_see_never_reach_it(dtype):
     out = sa.sparse_attention(**case)
     assert bool(out[:, :, :40].isfinite().all())
     assert bool(out[:, :, 40:].isnan().all())
+
+
+# --------------------------------------------------------------------------- #
+# The AMX micro-kernel's probe
+# --------------------------------------------------------------------------- #
+
+needs_cpublas = pytest.mark.skipif(
+    "without" in sa.status(), reason="torch exports no cpublas::brgemm here")
+
+
+@pytest.fixture
+def fresh_probe(monkeypatch):
+    """No probe result and no fallback warning remembered (restored after)."""
+    from stem_indexer.ops import native
+    monkeypatch.setattr(sa, "_probed", {})
+    monkeypatch.setattr(native, "_warned", set())
+
+
+def test_probe_calls_cover_the_kernels_calls():
+    """Every (valid query rows, blocks) pair of both products, with the
+    kernel's leading dimensions (csrc/sparse_attention.c, stem_sparse_attention)."""
+    calls, (na, nb, nc) = sa._probe_calls(64, 128)
+    step = 512
+    ld_s, ld_p = step + 16, step + 32
+    assert {c for c in calls if c[6] == 0} == {(m, n * 128, 64, 64, step, ld_s, 0)
+                                               for m in range(1, 129) for n in range(1, 5)}
+    assert {c for c in calls if c[6] == 1} == {(m, 64, n * 128, ld_p, 64, 64, 1)
+                                               for m in range(1, 129) for n in range(1, 5)}
+    for m, n, k, lda, ldb, ldc, add in calls:  # the buffers hold what each call reads
+        assert m * lda <= na and k * ldb <= nb and m * ldc <= nc
+    assert len(sa._probe_calls(16, 1024)[0]) == 2 * 1024  # blocks larger than a step
+
+
+@needs_cpublas
+@pytest.mark.parametrize("code, how", [
+    ("import os; os.abort()", "signal"),  # as an uncaught C++ exception does
+    ("raise RuntimeError('no ukernel')", "no ukernel"),
+    ("print('half done')", "exit status 0"),  # a child that did not reach the end
+])
+def test_probe_reports_a_child_that_fails(fresh_probe, monkeypatch, code, how):
+    monkeypatch.setattr(sa, "PROBE_CODE", code)
+    why = sa.amx_probe(64, 32)
+    assert why is not None and how in why, why
+    assert "AMX micro-kernel unusable for D=64, block 32" in sa.status()
+    assert sa.amx_probe(64, 32) == why  # once per (D, block size)
+
+
+@needs_cpublas
+def test_unusable_amx_widens_with_the_reason(fresh_probe, monkeypatch):
+    """A CPU that could pack for AMX but whose micro-kernel fails its probe:
+    bf16 runs widened (bit for bit as bf16='widen'), with one warning and
+    the reason in status(); bf16='amx' is refused with it."""
+    monkeypatch.setattr(sa, "amx_available", lambda: True)
+    monkeypatch.setattr(sa, "PROBE_CODE", "import os; os.abort()")
+    case = make_case(41, sq=100, bs=16, dim=32, dtype=torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="AMX micro-kernel unusable for D=32, block 16"):
+        out = check(case)
+    assert torch.equal(out, sa.sparse_attention(**case, bf16="widen"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(sa.sparse_attention(**case), out)  # no second warning
+    assert "AMX micro-kernel unusable for D=32, block 16" in sa.status()
+    with pytest.raises(ValueError, match="signal"):
+        sa.sparse_attention(**case, bf16="amx")

@@ -234,6 +234,9 @@ def _backend(backend: str, q: torch.Tensor) -> str:
         return backend
     if q.device.type == "cpu" and _native() is not None and q.dtype in _native().DTYPES:
         return "native"
+    if q.device.type == "cpu" and _native() is None:  # reported: status() and one warning
+        from .ops import sparse_attention
+        sparse_attention.report_fallback()
     if q.device.type == "cuda" and flex.available():
         return "flex"
     return "gather"

@@ -67,7 +67,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"  time: {elapsed * 1e3:.1f} ms on {torch.get_num_threads()} CPU threads "
           f"(torch {torch.__version__})")
     from .ops import native
-    print(f"  selection: {native.status()}")
+    print(f"  native kernels: {native.status()}")
     return 0
 
 

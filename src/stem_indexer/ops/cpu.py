@@ -33,6 +33,14 @@ How the rows of a tile of the metadata's work plan (one batch, query blocks
    b. rows written straight into the output, runs of rows with the same
       layout at once.
 
+Dot products that may overflow float32 (``_ExactDots``: the batch's largest
+inputs say whether some order of summation could leave float32's range) are
+computed as the reference computes them, one float32 matmul per query head
+of all the batch's blocks: once a sum overflows, whether it ends as +inf,
+-inf or NaN depends on the order of accumulation and on fused multiply-adds,
+which BLAS chooses by shape (and instruction set), so only the same product
+gives the same scores. Other scores cannot overflow in any order.
+
 The score buffer holds at most ``metadata.TILE_ELEMENTS`` float32 values (a
 tile's rows x the key blocks its last row sees, all query heads; plans
 squeezed into the fixed metadata size run in steps of that size); the other
@@ -114,11 +122,12 @@ def stem_indexer_forward(
     qb_all, kb_all = qb_all.tolist(), kb_all.tolist()
     scale = contract.score_scale(params)
     ws = _workspace(device)
-    keys_b, cached_for = None, None
+    keys_b, cached_for, exact = None, None, None
     for b, i0, i1 in ranking_tiles:
         qb, kb = qb_all[b], kb_all[b]
         if cached_for != b:
             keys_b, cached_for = _batch_keys(kflat[b], kb, ws), b
+            exact = _ExactDots.where_needed(qflat[b], kflat[b], qb, kb)
         # A plan squeezed into the fixed-size metadata may hold tiles of more
         # rows than the budget allows; such tiles run in budget-sized steps.
         step = tile_rows(nq, df, kb)
@@ -128,7 +137,7 @@ def stem_indexer_forward(
             s2 = contract.visible_blocks(rows, qb, kb, params.causal)
             budget = contract.row_budget(rows + (kb - qb), p_all[b], ks_all[b], params.alpha)
             length = _select_rows(qflat[b, :, r0:r1], keys_b, vbias[b], s2, budget, scale,
-                                  params, ws, indices[b, :, r0:r1])
+                                  params, ws, indices[b, :, r0:r1], exact, r0)
             seq_len[b, :, r0:r1] = length.to(device)
     _keep(ws)
     return indices, seq_len
@@ -245,11 +254,12 @@ def _batch_keys(kflat_b: torch.Tensor, kb: int, ws: _Workspace) -> torch.Tensor:
     return ws.take("key_cache", (nk, kb, df), torch.float32).copy_(kflat_b[:, :kb])
 
 
-def _select_rows(q, keys_b, vbias_b, s2, budget, scale, params, ws, out):
+def _select_rows(q, keys_b, vbias_b, s2, budget, scale, params, ws, out, exact=None, r0=0):
     """Select for consecutive query blocks of one batch, all heads, into ``out``.
 
-    q: (Nq, c, Df); s2, budget: (c,) host int64; out: (Nq, c, Kmax) int32
-    view of the output, prefilled with -1.
+    q: (Nq, c, Df), query blocks r0.. of the batch; s2, budget: (c,) host
+    int64; out: (Nq, c, Kmax) int32 view of the output, prefilled with -1;
+    exact: the batch's ``_ExactDots`` or None.
     Returns the rows' lengths (c,) int32 (host).
     """
     c = q.shape[1]
@@ -262,12 +272,16 @@ def _select_rows(q, keys_b, vbias_b, s2, budget, scale, params, ws, out):
     ranking = (take < n_cand).nonzero()
     first = int(ranking[0]) if ranking.numel() else c
     picking = first < c and int(take[first:].max()) > 0
+    if exact is not None:
+        exact = exact.rows(r0 + first, r0 + c)
+    if out.device.type == "cpu" and native.load(native.SELECT_ROWS) is None:
+        native.report_fallback("selection", native.status(native.SELECT_ROWS))  # once
     if out.device.type == "cpu" and native.kernel() is not None:
         scores, lo = None, 0
         if picking:
             lo, hi = int(sink_end[first:].min()), int(cand_end.max())
             scores = _scores(q[:, first:], keys_b, vbias_b, lo, hi, cand_end[first:], scale,
-                             hi - lo, ws)
+                             hi - lo, ws, exact)
         nk = keys_b.shape[0]
         native.select_rows(nk, c, q.shape[0] // nk, s2, sink_end, cand_end, take, scores,
                            first, lo, params.topk_score_precision, out)
@@ -276,7 +290,7 @@ def _select_rows(q, keys_b, vbias_b, s2, budget, scale, params, ws, out):
     ranked = None
     if picking:
         ranked = _top_blocks(q[:, first:], keys_b, vbias_b, sink_end[first:], cand_end[first:],
-                             take[first:], scale, params.topk_score_precision, ws)
+                             take[first:], scale, params.topk_score_precision, ws, exact)
 
     # Rows are written into the prefilled output; past their length stays -1.
     ar = torch.arange(int(s2.max()) if c else 0, dtype=torch.int32, device=out.device)
@@ -302,18 +316,24 @@ def _select_rows(q, keys_b, vbias_b, s2, budget, scale, params, ws, out):
     return length.to(torch.int32)
 
 
-def _scores(q, keys_b, vbias_b, lo, hi, cand_end, scale, width, ws):
+def _scores(q, keys_b, vbias_b, lo, hi, cand_end, scale, width, ws, exact=None):
     """Float32 scores (Nk, c, G, width) of key blocks [lo, hi), padding after.
 
     Row (n, i, g) is query head n*G + g, query block i. Entries outside a row's
-    candidate range may be left unset: the caller masks them.
+    candidate range may be left unset: the caller masks them. ``exact``: a
+    function of (lo, hi) giving the dot products (Nq, c, hi - lo) where they
+    may overflow (``_ExactDots.rows``), else None.
     """
     nq, c, df = q.shape
     nk = keys_b.shape[0]
     group = nq // nk
+    scores = ws.take("scores", (nk, c, group, width), torch.float32)
+    if exact is not None:  # the same two roundings as below
+        prod = (exact(lo, hi) * scale).view(nk, group, c, hi - lo).transpose(1, 2)
+        torch.add(prod, vbias_b[:, None, None, lo:hi], out=scores[..., :hi - lo])
+        return scores
     qf = ws.take("queries", (nk, c, group, df), torch.float32)
     qf.copy_(q.view(nk, group, c, df).transpose(1, 2))  # upcast and reorder in one pass
-    scores = ws.take("scores", (nk, c, group, width), torch.float32)
     cached = keys_b.dtype == torch.float32
     chunk = hi - lo if cached else key_chunk(nk, df)
     kc, held = None, None
@@ -330,6 +350,61 @@ def _scores(q, keys_b, vbias_b, lo, hi, cand_end, scale, width, ws):
         torch.add(prod.view(nk, c - r, group, j1 - j0), vbias_b[:, None, None, j0:j1],
                   out=scores[:, r:, :, j0 - lo:j1 - lo])
     return scores
+
+
+# _ExactDots keeps all heads' products of a batch when they fit in this many
+# bytes; larger batches compute one head's at a time for each tile.
+EXACT_CACHE_BYTES = 4 * OPERAND_BYTES
+# Below this bound on |dot| terms summed (Df * max|q| * max|k|), no partial
+# sum can leave float32's range in any order (half its maximum: room for the
+# roundings of the partial sums).
+OVERFLOW_FREE = 2.0**127
+
+
+class _ExactDots:
+    """A batch's dot products, as ``stem_indexer.reference`` computes them:
+    ``qflat[h, :qb].float() @ kflat[h // G, :kb].float().T`` per query head.
+
+    Used where a dot product may overflow float32 (``where_needed``): the
+    result of an overflowing sum (+inf, -inf or NaN) depends on the order of
+    accumulation and fused multiply-adds, which BLAS picks by the shape of the
+    product, so the tile-shaped products of ``_scores`` could differ from the
+    reference's there. The same product on the same inputs gives the same
+    floats, whatever instruction set BLAS dispatches to.
+    """
+
+    def __init__(self, qflat_b: torch.Tensor, kflat_b: torch.Tensor, qb: int, kb: int):
+        self.q, self.k, self.qb, self.kb = qflat_b, kflat_b, qb, kb
+        self.group = qflat_b.shape[0] // kflat_b.shape[0]
+        self.all = None
+        if 4 * qflat_b.shape[0] * qb * kb <= EXACT_CACHE_BYTES:
+            self.all = torch.stack([self._head(h) for h in range(qflat_b.shape[0])])
+
+    @staticmethod
+    def where_needed(qflat_b, kflat_b, qb: int, kb: int) -> _ExactDots | None:
+        """The batch's products if some may overflow (or the inputs hold NaN
+        or inf), else None."""
+        q_lo, q_hi = torch.aminmax(qflat_b[:, :qb])  # NaN if any is
+        k_lo, k_hi = torch.aminmax(kflat_b[:, :kb])
+        q_max = max(-float(q_lo), float(q_hi))
+        k_max = max(-float(k_lo), float(k_hi))
+        if qflat_b.shape[-1] * q_max * k_max < OVERFLOW_FREE:  # False for NaN and inf
+            return None
+        return _ExactDots(qflat_b, kflat_b, qb, kb)
+
+    def _head(self, h: int) -> torch.Tensor:
+        n = h // self.group
+        return self.q[h, :self.qb].float().cpu() @ self.k[n, :self.kb].float().cpu().T
+
+    def rows(self, r0: int, r1: int):
+        """The function of (lo, hi) giving the products (Nq, r1 - r0, hi - lo)
+        of query blocks [r0, r1) with key blocks [lo, hi)."""
+        def products(lo: int, hi: int) -> torch.Tensor:
+            if self.all is not None:
+                return self.all[:, r0:r1, lo:hi].to(self.q.device)
+            return torch.stack([self._head(h)[r0:r1, lo:hi]
+                                for h in range(self.q.shape[0])]).to(self.q.device)
+        return products
 
 
 def gemm_blocks(cand_ends: list[int], lo: int, hi: int, chunk: int):
@@ -354,7 +429,8 @@ def gemm_blocks(cand_ends: list[int], lo: int, hi: int, chunk: int):
             j0 = j1
 
 
-def _top_blocks(q, keys_b, vbias_b, sink_end, cand_end, take, scale, precision, ws):
+def _top_blocks(q, keys_b, vbias_b, sink_end, cand_end, take, scale, precision, ws,
+                exact=None):
     """The ``take`` best candidates of each row, ascending block indices.
 
     q: (Nq, c, Df); sink_end, cand_end, take: (c,) host int64 per query block.
@@ -375,7 +451,7 @@ def _top_blocks(q, keys_b, vbias_b, sink_end, cand_end, take, scale, precision, 
     width = n_groups * g
     sink_d, cand_d, take_d = (t.to(device) for t in (sink_end, cand_end, take))
 
-    scores = _scores(q, keys_b, vbias_b, lo, hi, cand_end, scale, width, ws)
+    scores = _scores(q, keys_b, vbias_b, lo, hi, cand_end, scale, width, ws, exact)
     if precision == 2:
         scores.copy_(scores.to(torch.bfloat16))
     # Non-candidates (sink, window, blocks a row cannot see, padding) and

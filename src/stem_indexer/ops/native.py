@@ -23,7 +23,9 @@ crash the process nor run:
 
 Without a compiler, when a build fails or with ``STEM_INDEXER_NATIVE=0`` a
 library is None and its callers use their torch fallback (same results,
-slower). ``status()`` says which and why. Environment: see ``_env.py``.
+slower). ``status()`` says, for every kernel, which and why; the first call
+in a process that falls back from a kernel warns once for it
+(``report_fallback``). Environment: see ``_env.py``.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ SELECT_ROWS = Library("select_rows", {
 
 _lock = threading.Lock()
 _loaded: dict[str, tuple[ctypes.CDLL | None, str]] = {}
+_warned: set[str] = set()  # kernels whose fallback was reported in this process
 
 
 def load(lib: Library) -> ctypes.CDLL | None:
@@ -94,11 +97,32 @@ def load(lib: Library) -> ctypes.CDLL | None:
     return _loaded[lib.source][0]
 
 
-def status(lib: Library = SELECT_ROWS) -> str:
-    """Whether ``lib`` is in use, and why (builds it on first call)."""
+def status(lib: Library | None = None) -> str:
+    """Whether ``lib`` is in use, and why (builds it on first call):
+    ``"native: ..."`` or ``"torch fallback: ..."``.
+
+    Without ``lib``, every native kernel, each with its state and reason:
+    ``"selection: native: ...; attention: torch fallback: ..."`` (the
+    attention kernel also needs torch's BLAS: ``sparse_attention.status``).
+    """
+    if lib is None:
+        from . import sparse_attention  # imports this module
+        return f"selection: {status(SELECT_ROWS)}; attention: {sparse_attention.status()}"
     load(lib)
     cdll, why = _loaded[lib.source]
     return ("native: " if cdll is not None else "torch fallback: ") + why
+
+
+def report_fallback(kernel: str, why: str, stacklevel: int = 3) -> None:
+    """Warn that ``kernel`` (``"selection"``, ``"attention"``, ...) is not in
+    use and a slower path runs instead, once per process for each kernel."""
+    with _lock:
+        if kernel in _warned:
+            return
+        _warned.add(kernel)
+    warnings.warn(f"stem_indexer: the native {kernel} kernel is not in use ({why}); "
+                  "running a slower path with the same results (see "
+                  "stem_indexer.ops.native.status())", RuntimeWarning, stacklevel=stacklevel)
 
 
 def kernel() -> ctypes.CDLL | None:
@@ -107,9 +131,11 @@ def kernel() -> ctypes.CDLL | None:
 
 
 def reset() -> None:
-    """Forget what was loaded; the next ``load`` looks again (tests)."""
+    """Forget what was loaded and which fallbacks were reported; the next
+    ``load`` looks again (tests)."""
     with _lock:
         _loaded.clear()
+        _warned.clear()
 
 
 # --------------------------------------------------------------------------- #

@@ -5,8 +5,11 @@ query block i of head h restricted to the key blocks listed for the row, with
 the token mask (keys ``j < kv_len``; with ``causal``, right-down aligned:
 query ``t`` sees key ``j`` iff ``j <= t + kv_len - q_len``). Query tokens with
 no visible key and positions ``t >= q_len`` get zeros. Padded positions of q,
-k and v (past ``q_len`` / ``kv_len``) never reach a valid output, so NaN or
-inf there cannot leak.
+k and v (past ``q_len`` / ``kv_len``), and keys a query does not see, never
+reach its output, so NaN or inf there cannot leak. NaN and inf in what a
+query sees act as in dense softmax attention over its visible keys (on every
+instruction set): a NaN or +inf score, or only -inf scores, make its output
+NaN; NaN and inf in V reach the dimensions they are in.
 
 Each row multiplies its query block by its listed key blocks (adjacent blocks
 in one GEMM) with an online softmax in float32. How the products are made:
@@ -21,6 +24,13 @@ in one GEMM) with an online softmax in float32. How the products are made:
 * bfloat16, ``bf16="widen"``: Q and each step's K/V pieces widened to float32
   in thread scratch, then ``sgemm_`` (float32 probabilities). The default
   elsewhere (AVX2 / AVX-512 CPUs without AMX).
+
+The AMX micro-kernel is C++: an exception it threw could not unwind through
+the C kernel, OpenMP and ctypes, and would abort the process. So before the
+first AMX call for a (D, block size), a child process makes every call of
+the shapes the kernel will make (``amx_probe``); where the child does not
+finish cleanly, bfloat16 is widened instead, with one warning and the reason
+in ``status()`` (and ``bf16="amx"`` is refused).
 
 The GEMMs come from ``libtorch_cpu.so`` (MKL's BLAS and the cpublas functions
 are exported on x86 builds; the C++ names encode their parameter types, so a
@@ -37,6 +47,9 @@ import ctypes
 import functools
 import os
 import platform
+import subprocess
+import sys
+import threading
 
 import torch
 
@@ -106,11 +119,99 @@ def available() -> bool:
 
 
 def status() -> str:
-    """Whether the kernel is in use, and why (builds it on first call)."""
+    """Whether the kernel is in use, and why (builds it on first call); the
+    (D, block size) pairs for which the AMX micro-kernel failed its probe."""
     found, why = _torch_blas()
     if found is None:
         return "torch fallback: " + why
-    return native.status(LIB) + f"; {why}"
+    failed = [f"AMX micro-kernel unusable for D={d}, block {bs}, bfloat16 widened instead "
+              f"({reason})" for (d, bs), reason in sorted(_probed.items()) if reason]
+    return "; ".join([native.status(LIB) + f"; {why}", *failed])
+
+
+def report_fallback() -> None:
+    """Warn (once per process) that CPU attention runs without this kernel."""
+    native.report_fallback("attention", status())
+
+
+# --------------------------------------------------------------------------- #
+# The AMX micro-kernel's probe
+# --------------------------------------------------------------------------- #
+
+STEP_KEYS = 512  # as csrc/sparse_attention.c
+AMX_PROBE_SECONDS = 120
+_probed: dict[tuple[int, int], str | None] = {}  # (D, block size) -> why unusable, or None
+_probe_lock = threading.Lock()
+
+# Run by the child: argv[1] libtorch_cpu.so, argv[2] brgemm, argv[3]
+# brgemm_release, then the calls as "M,N,K,lda,ldb,ldc,add_C;..." and the
+# buffer sizes A, B, C (elements). Prints "ok" when every call returned.
+PROBE_CODE = """
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+i64, ptr, b = ctypes.c_int64, ctypes.c_void_p, ctypes.c_bool
+brgemm = getattr(lib, sys.argv[2])
+brgemm.restype, brgemm.argtypes = None, [i64] * 6 + [b, ptr, ptr, ptr, b]
+release = getattr(lib, sys.argv[3])
+release.restype, release.argtypes = None, [b]
+na, nb, nc = (int(x) for x in sys.argv[5:8])
+a, bb, c = (ctypes.c_uint16 * na)(), (ctypes.c_uint16 * nb)(), (ctypes.c_float * nc)()
+for call in sys.argv[4].split(";"):
+    m, n, k, lda, ldb, ldc, add = (int(x) for x in call.split(","))
+    brgemm(m, n, k, lda, ldb, ldc, bool(add), a, bb, c, True)
+release(True)
+print("ok")
+"""
+
+
+def _probe_calls(dim: int, block_size: int) -> tuple[list[tuple[int, ...]], tuple[int, int, int]]:
+    """The brgemm calls csrc/sparse_attention.c makes for (D, block size):
+    S = Q K^T over 1 .. step_keys / bs whole blocks of the packed chunk, and
+    O += P V over as many, for every count of valid query rows 1 .. bs; and
+    the buffer sizes (A, B, C) that cover them all."""
+    step_blocks = 1 if block_size >= STEP_KEYS else STEP_KEYS // block_size
+    step_keys = step_blocks * block_size
+    ld_s = (step_keys + 15) // 16 * 16 + 16
+    ld_p = (step_keys + 31) // 32 * 32 + 32
+    calls = []
+    for m in range(1, block_size + 1):
+        for blocks in range(1, step_blocks + 1):
+            n = blocks * block_size
+            calls.append((m, n, dim, dim, step_keys, ld_s, 0))  # S = Q K^T
+            calls.append((m, dim, n, ld_p, dim, dim, 1))  # O += P V
+    sizes = (block_size * max(dim, ld_p), step_keys * dim + 64,
+             block_size * max(ld_s, dim))
+    return calls, sizes
+
+
+def amx_probe(dim: int, block_size: int) -> str | None:
+    """Why the AMX micro-kernel cannot be used for (D, block size), or None:
+    its calls made in a child process (once per pair in this process)."""
+    key = (dim, block_size)
+    with _probe_lock:
+        if key not in _probed:
+            _probed[key] = _run_probe(dim, block_size)
+        return _probed[key]
+
+
+def _run_probe(dim: int, block_size: int) -> str | None:
+    found = _torch_blas()[0]
+    if not found or not all(found[n] for n in _CPUBLAS):
+        return "torch exports no cpublas::brgemm"
+    calls, sizes = _probe_calls(dim, block_size)
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    cmd = [sys.executable, "-c", PROBE_CODE, path, _CPUBLAS[0], _CPUBLAS[1],
+           ";".join(",".join(map(str, c)) for c in calls), *map(str, sizes)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=AMX_PROBE_SECONDS)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"probe failed to run ({err})"
+    if proc.returncode == 0 and proc.stdout.strip().endswith("ok"):
+        return None
+    how = (f"killed by signal {-proc.returncode}" if proc.returncode < 0
+           else f"exit status {proc.returncode}")
+    tail = " ".join(proc.stderr.strip().splitlines()[-3:])[-300:]
+    return f"its probe {how}" + (f": {tail}" if tail else "")
 
 
 def _mode(dtype: torch.dtype, bf16: str, dim: int, block_size: int) -> int:
@@ -121,7 +222,12 @@ def _mode(dtype: torch.dtype, bf16: str, dim: int, block_size: int) -> int:
         raise ValueError("sparse_attention: bf16='amx' needs an AMX CPU with torch's oneDNN "
                          f"enabled and even D and block size (D={dim}, block={block_size})")
     if bf16 == "amx" or (bf16 == "auto" and amx_fits and amx_available()):
-        return _MODE_AMX
+        why = amx_probe(dim, block_size)
+        if why is None:
+            return _MODE_AMX
+        if bf16 == "amx":
+            raise ValueError(f"sparse_attention: bf16='amx' unusable here: {why}")
+        native.report_fallback("attention AMX", status())
     return _MODE_WIDEN
 
 
