@@ -73,7 +73,7 @@ def measure(seq: int, dtype: torch.dtype, heads: int, kv_heads: int, dim: int, r
         return stem_indexer.stem_attention(q, k, v, scale=scale, preset=preset)
 
     def sparse():
-        return stem_indexer.block_sparse_attention(q, k, v, idx, lens, block_size=128,
+        return stem_indexer.block_sparse_attention(q, k, v, idx, lens, stem_block_size=128,
                                                    scale=scale)
 
     out, info = stem_indexer.stem_attention(q, k, v, scale=scale, preset=preset,

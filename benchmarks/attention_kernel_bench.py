@@ -116,7 +116,7 @@ def sorted_lists(idx: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor
 
 def stem_selection(q, k, v, lens, scale):
     ql = torch.tensor(lens, dtype=torch.int32)
-    inputs = stem_indexer.stem_inputs(q, k, v, block_size=BS, stride=STRIDE, q_lens=ql,
+    inputs = stem_indexer.stem_inputs(q, k, v, stem_block_size=BS, stem_stride=STRIDE, q_lens=ql,
                                       kv_lens=ql, scale=scale / STRIDE)
     idx, lengths = stem_indexer.stem_indexer(inputs.qflat, inputs.kflat, inputs.vbias,
                                              inputs.q_seq_lens, inputs.kv_seq_lens)
@@ -212,7 +212,7 @@ def run_config(cfg: Config, args) -> str:
     fns = {"dense": dense,
            "kernel": lambda: sa.sparse_attention(q, k, v, idx, lengths, ql, ql, BS, True, scale)}
     if not args.no_gather:
-        fns["gather"] = lambda: block_sparse_attention(q, k, v, idx, lengths, block_size=BS,
+        fns["gather"] = lambda: block_sparse_attention(q, k, v, idx, lengths, stem_block_size=BS,
                                                        causal=True, q_lens=ql, kv_lens=ql,
                                                        backend="gather")
     wall, cpu = {name: [] for name in fns}, {name: [] for name in fns}

@@ -63,7 +63,7 @@ def run(seq: int, device: str, reps: int, lines: list[str]) -> bool:
     stride = 16 if bs == 128 else 8
 
     def indexer():
-        inp = stem_indexer.stem_inputs(q, k, v, block_size=bs, stride=stride,
+        inp = stem_indexer.stem_inputs(q, k, v, stem_block_size=bs, stem_stride=stride,
                                        scale=scale / stride)
         return inp, stem_indexer.stem_indexer(inp.qflat, inp.kflat, inp.vbias, inp.q_seq_lens,
                                               inp.kv_seq_lens, stem_block_size=bs,
@@ -75,7 +75,7 @@ def run(seq: int, device: str, reps: int, lines: list[str]) -> bool:
     density = float(lens.sum()) / visible
 
     def sparse():
-        return block_sparse_attention(q, k, v, idx, lens, block_size=bs, scale=scale)
+        return block_sparse_attention(q, k, v, idx, lens, stem_block_size=bs, scale=scale)
 
     def dense():
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,

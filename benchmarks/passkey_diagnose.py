@@ -71,8 +71,8 @@ def last_row_report(q, k, v, scale, blocks: list[int], params: contract.IndexerP
                     oam: bool) -> tuple[int, list, int]:
     """(heads keeping a needle block, ranks of the needle where missed, K)."""
     stride = params.stem_stride
-    inputs = stem_indexer.stem_inputs(q, k, v, block_size=params.stem_block_size, stride=stride,
-                                      scale=scale / stride, oam=oam,
+    inputs = stem_indexer.stem_inputs(q, k, v, stem_block_size=params.stem_block_size,
+                                      stem_stride=stride, scale=scale / stride, oam=oam,
                                       oam_lambda=DEFAULT_OAM_LAMBDA)
     overrides = {n: getattr(params, n) for n in contract.PARAM_NAMES}
     idx, lens = stem_indexer.stem_indexer(*inputs, **overrides)

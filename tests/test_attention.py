@@ -102,7 +102,7 @@ def _backends() -> list:
 def test_block_sparse_matches_masked_dense(shape, causal, backend):
     batch, hq, hkv, sq, skv, dim, bs, q_lens, kv_lens = shape
     q, k, v, idx, seq_len = _random_case(shape, sum(shape[:7]))
-    out = block_sparse_attention(q, k, v, idx, seq_len, block_size=bs, causal=causal,
+    out = block_sparse_attention(q, k, v, idx, seq_len, stem_block_size=bs, causal=causal,
                                  q_lens=q_lens, kv_lens=kv_lens, backend=backend)
     mask = expanded_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, causal)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -118,7 +118,7 @@ def test_block_sparse_softcap_matches_capped_masked_dense(backend):
     batch, hq, hkv, sq, skv, dim, bs, _, _ = shape
     q, k, v, idx, seq_len = _random_case(shape, 23)
     q = q * 4  # large logits, where the cap matters
-    out = block_sparse_attention(q, k, v, idx, seq_len, block_size=bs, softcap=2.0,
+    out = block_sparse_attention(q, k, v, idx, seq_len, stem_block_size=bs, softcap=2.0,
                                  backend=backend)
     mask = expanded_mask(idx, seq_len, bs, sq, skv, None, None, True)
     capped = reference(q, k, v, mask, softcap=2.0)
@@ -148,7 +148,7 @@ def test_complete_rows_and_sparse_rows_together(causal, lens):
                 keep = list(range(visible)) if i < 4 else sorted({0, i, i - 1, (3 * i + h) % i})
                 idx[b, h, i, :len(keep)] = torch.tensor(keep, dtype=torch.int32)
                 seq_len[b, h, i] = len(keep)
-    out = block_sparse_attention(q, k, v, idx, seq_len, block_size=bs, causal=causal,
+    out = block_sparse_attention(q, k, v, idx, seq_len, stem_block_size=bs, causal=causal,
                                  q_lens=q_lens, kv_lens=kv_lens)
     mask = expanded_mask(idx, seq_len, bs, seq, seq, q_lens, kv_lens, causal)
     torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
@@ -164,7 +164,7 @@ def test_gather_chunking_is_exact(shape, causal, score_bytes, monkeypatch):
     monkeypatch.setattr(gather_attention, "SCORE_BYTES", score_bytes)
     batch, hq, hkv, sq, skv, dim, bs, q_lens, kv_lens = shape
     q, k, v, idx, seq_len = _random_case(shape, sum(shape[:7]) + 1)
-    out = block_sparse_attention(q, k, v, idx, seq_len, block_size=bs, causal=causal,
+    out = block_sparse_attention(q, k, v, idx, seq_len, stem_block_size=bs, causal=causal,
                                  q_lens=q_lens, kv_lens=kv_lens, backend="gather")
     mask = expanded_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, causal)
     torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
@@ -186,7 +186,7 @@ def test_gather_dtypes_and_layouts(dtype):
     idx, seq_len = random_selection(batch, hq, 5, 6, gen)
     seq_len[1, 2:] = 0  # batch 1, KV head 1: nothing listed
     q_lens, kv_lens = [40, 27], [44, 30]
-    out = block_sparse_attention(q, k, v, idx, seq_len, block_size=bs, q_lens=q_lens,
+    out = block_sparse_attention(q, k, v, idx, seq_len, stem_block_size=bs, q_lens=q_lens,
                                  kv_lens=kv_lens, backend="gather")
     assert out.dtype == q.dtype and out.shape == q.shape
     assert torch.equal(out[1, 2:], torch.zeros_like(out[1, 2:]))
@@ -204,7 +204,7 @@ def test_bf16_and_unsorted_lists():
     shuffled = idx.clone()
     shuffled[..., :2] = idx[..., :2].flip(-1)
     shuffled = torch.where(seq_len[..., None] >= 2, shuffled, idx)
-    out = block_sparse_attention(q, k, v, shuffled, seq_len, block_size=16)
+    out = block_sparse_attention(q, k, v, shuffled, seq_len, stem_block_size=16)
     assert out.dtype == torch.bfloat16
     ref = reference(q, k, v, expanded_mask(idx, seq_len, 16, 48, 48, None, None, True))
     torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
@@ -218,7 +218,7 @@ def test_empty_rows_and_padded_queries_are_zero():
     idx = torch.tensor([0, 1]).expand(2, 2, 2, 2).clone().int()
     seq_len = torch.full((2, 2, 2), 2, dtype=torch.int32)
     seq_len[0, 1, 1] = 0
-    out = block_sparse_attention(q, k, v, idx, seq_len, block_size=8, q_lens=[16, 5])
+    out = block_sparse_attention(q, k, v, idx, seq_len, stem_block_size=8, q_lens=[16, 5])
     assert torch.equal(out[0, 1, 8:], torch.zeros(8, 4))
     assert torch.equal(out[1, :, 5:], torch.zeros(2, 11, 4))
     assert out[0, 0].abs().sum() > 0
@@ -234,7 +234,7 @@ def test_empty_rows_and_padded_queries_are_zero():
     (lambda a: a.update(k=a["k"][:, :1].expand(1, 3, 24, 4), v=a["v"][:, :1].expand(1, 3, 24, 4)),
      "q"),
     (lambda a: a.update(v=a["v"].double()), "v"),
-    (lambda a: a.update(block_size=0), "block_size"),
+    (lambda a: a.update(stem_block_size=0), "stem_block_size"),
     (lambda a: a.update(kv_lens=[25]), r"kv_lens\[0\]"),
     (lambda a: a.update(backend="cuda"), "backend"),
     (lambda a: a.update(causal=None), "causal"),
@@ -245,7 +245,7 @@ def test_block_sparse_invalid_inputs(mutate, arg):
     a = dict(q=torch.randn(1, 2, 24, 4, generator=gen), k=torch.randn(1, 2, 24, 4, generator=gen),
              v=torch.randn(1, 2, 24, 4, generator=gen),
              idx=torch.tensor([0, 1, -1]).expand(1, 2, 3, 3).clone().int(),
-             len=torch.full((1, 2, 3), 2, dtype=torch.int32), block_size=8)
+             len=torch.full((1, 2, 3), 2, dtype=torch.int32), stem_block_size=8)
     mutate(a)
     with pytest.raises(stem_indexer.StemIndexerInputError,
                        match="^block_sparse_attention: " + arg):
@@ -267,7 +267,7 @@ def test_stem_attention_is_the_indexer_selection(causal):
     lens = [1100, 900]
     out = stem_attention(q, k, v, causal=causal, q_lens=lens, kv_lens=lens, **SMALL)
     inputs = stem_indexer.stem_inputs(q, k, v, q_lens=lens, kv_lens=lens, scale=8 ** -0.5 / 4,
-                                      block_size=16, stride=4)
+                                      stem_block_size=16, stem_stride=4)
     idx, seq_len = stem_indexer.stem_indexer(*inputs, causal=causal, stem_block_size=16,
                                              stem_stride=4)
     assert int(seq_len.sum()) < int((idx.shape[-1] * (seq_len > 0)).sum())  # really sparse
@@ -337,7 +337,7 @@ def test_arguments_are_checked_whichever_path_runs(call, name, value):
         if call == "block_sparse_attention":
             idx = torch.zeros(1, 2, 4, 1, dtype=torch.int32)
             block_sparse_attention(q, k, v, idx, torch.ones(1, 2, 4, dtype=torch.int32),
-                                   block_size=16, **{name: value})
+                                   stem_block_size=16, **{name: value})
         else:
             stem_attention(q, k, v, **SMALL, **{name: value})
 
@@ -365,7 +365,7 @@ def test_nan_and_inf_in_padding_never_reach_valid_outputs(backend):
         dirty[0][b, :, q_lens[b]:] = float("nan")
         dirty[1][b, :, kv_lens[b]:] = float("inf")
         dirty[2][b, :, kv_lens[b]:] = float("nan")
-    args = dict(block_size=bs, q_lens=q_lens, kv_lens=kv_lens, backend=backend)
+    args = dict(stem_block_size=bs, q_lens=q_lens, kv_lens=kv_lens, backend=backend)
     clean = block_sparse_attention(q, k, v, idx, seq_len, **args)
     out = block_sparse_attention(*dirty, idx, seq_len, **args)
     assert not out.isnan().any()
@@ -419,14 +419,60 @@ def test_native_backend_refuses_other_devices_and_dtypes():
         args = [x.to(device, dtype) for x in (q, k, v)]
         with pytest.raises(stem_indexer.StemIndexerInputError,
                            match=f"^block_sparse_attention: backend 'native' runs on {named}"):
-            block_sparse_attention(*args, idx.to(device), seq_len.to(device), block_size=8,
-                                   backend="native")
+            block_sparse_attention(*args, idx.to(device), seq_len.to(device),
+                                   stem_block_size=8, backend="native")
         with pytest.raises(stem_indexer.StemIndexerInputError,
                            match=f"^stem_attention: backend 'native' runs on {named}"):
             stem_attention(*args, backend="native", **SMALL)
     # float16 on CPU: "auto" takes the torch path, and gives the masked result.
     half = [x.half() for x in (q, k, v)]
-    out = block_sparse_attention(*half, idx, seq_len, block_size=8)
+    out = block_sparse_attention(*half, idx, seq_len, stem_block_size=8)
     mask = expanded_mask(idx, seq_len, 8, 24, 24, None, None, True)
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.double(), reference(*half, mask), rtol=2e-3, atol=2e-3)
+
+
+def test_one_spelling_of_block_size_and_stride_across_the_public_api():
+    """stem_block_size / stem_stride (the operator's names) wherever a public
+    function takes the indexer's block size or stride; block_size / stride,
+    the old spellings of stem_inputs and block_sparse_attention, still work
+    for one release with a DeprecationWarning (not under torch.compile, where
+    dynamo cannot trace a warning), and give the same results."""
+    import inspect
+
+    import stem_indexer.integrations.transformers as stem_hf
+
+    public = [stem_indexer.stem_inputs, block_sparse_attention, stem_attention,
+              stem_indexer.stem_attn_func, stem_indexer.stem_attn_varlen_func,
+              stem_indexer.stem_indexer, stem_indexer.stem_indexer_metadata, stem_hf.register]
+    for fn in public:
+        names = set(inspect.signature(fn).parameters)
+        assert not names & {"block_size", "stride"}, fn.__name__
+    assert {"stem_block_size", "stem_stride"} <= set(stem_hf._stem_arguments())
+
+    q, k, v = qkv(1, 2, 1, 64, 64, 8, 25)
+    with pytest.warns(DeprecationWarning) as warned:
+        old = stem_indexer.stem_inputs(q, k, v, block_size=16, stride=4)
+    assert [str(w.message).split(",")[0] for w in warned] == [
+        "stem_inputs: block_size is now spelled stem_block_size",
+        "stem_inputs: stride is now spelled stem_stride"]
+    new = stem_indexer.stem_inputs(q, k, v, stem_block_size=16, stem_stride=4)
+    assert all(torch.equal(a, b) for a, b in zip(old, new))
+    idx = torch.arange(4, dtype=torch.int32).expand(1, 2, 4, 4).contiguous()
+    seq_len = torch.arange(1, 5, dtype=torch.int32).expand(1, 2, 4).contiguous()
+    with pytest.warns(DeprecationWarning, match="block_sparse_attention: block_size is now"):
+        old = block_sparse_attention(q, k, v, idx, seq_len, block_size=16)
+    new = block_sparse_attention(q, k, v, idx, seq_len, stem_block_size=16)
+    assert torch.equal(old, new)
+    with pytest.raises(stem_indexer.StemIndexerInputError,
+                       match="^stem_inputs: stride is the old spelling of stem_stride"):
+        stem_indexer.stem_inputs(q, k, v, stem_stride=8, stride=4)
+    with pytest.raises(stem_indexer.StemIndexerInputError,
+                       match="^block_sparse_attention: stem_block_size is required"):
+        block_sparse_attention(q, k, v, idx, seq_len)
+    with pytest.raises(stem_indexer.StemIndexerInputError,
+                       match="^block_sparse_attention: stride is not an argument"):
+        block_sparse_attention(q, k, v, idx, seq_len, stem_block_size=16, stride=4)
+    compiled = torch.compile(
+        lambda q: block_sparse_attention(q, k, v, idx, seq_len, block_size=16), fullgraph=True)
+    torch.testing.assert_close(compiled(q), new, rtol=0, atol=0)

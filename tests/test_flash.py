@@ -84,7 +84,7 @@ def test_sparse_path_lse_matches_its_selection():
     out, lse, info = stem_attention(q, k, v, return_lse=True, return_info=True, preset="tight",
                                     **SMALL)
     assert info.path == "sparse" and info.density < 0.5
-    inputs = stem_indexer.stem_inputs(q, k, v, block_size=16, stride=4, scale=scale / 4)
+    inputs = stem_indexer.stem_inputs(q, k, v, stem_block_size=16, stem_stride=4, scale=scale / 4)
     idx, seq_len = stem_indexer.stem_indexer(*inputs, **PRESETS["tight"], **SMALL)
     for h, i in [(0, 40), (1, 60)]:
         allowed = torch.zeros(1100, dtype=torch.bool)
@@ -365,7 +365,7 @@ def test_dynamic_shape_compile_equals_eager_at_two_lengths():
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
 
     def sparse(q, k, v, idx, lens):
-        return stem_indexer.block_sparse_attention(q, k, v, idx, lens, block_size=16,
+        return stem_indexer.block_sparse_attention(q, k, v, idx, lens, stem_block_size=16,
                                                    return_lse=True)
 
     compiled = torch.compile(sparse, fullgraph=True, dynamic=True)
@@ -384,7 +384,7 @@ def test_block_sparse_attention_under_fullgraph_compile_equals_eager():
     lens = torch.arange(1, 8, dtype=torch.int32).expand(1, 4, 7).contiguous()
 
     def fn(q, k, v, idx, lens):
-        return stem_indexer.block_sparse_attention(q, k, v, idx, lens, block_size=16)
+        return stem_indexer.block_sparse_attention(q, k, v, idx, lens, stem_block_size=16)
 
     torch.testing.assert_close(torch.compile(fn, fullgraph=True)(q, k, v, idx, lens),
                                fn(q, k, v, idx, lens), rtol=0, atol=0)

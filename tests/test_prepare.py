@@ -155,11 +155,11 @@ def test_padding_content_never_matters():
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(2, 2, 30, 4, generator=g) for _ in range(3))
     lens = [30, 13]
-    a = stem_inputs(q, k, v, block_size=8, stride=2, q_lens=lens, kv_lens=lens)
+    a = stem_inputs(q, k, v, stem_block_size=8, stem_stride=2, q_lens=lens, kv_lens=lens)
     q2, k2, v2 = q.clone(), k.clone(), v.clone()
     for t in (q2, k2, v2):
         t[1, :, 13:] = 1e4 * torch.randn(2, 17, 4, generator=g)
-    b = stem_inputs(q2, k2, v2, block_size=8, stride=2, q_lens=lens, kv_lens=lens)
+    b = stem_inputs(q2, k2, v2, stem_block_size=8, stem_stride=2, q_lens=lens, kv_lens=lens)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
 
@@ -169,7 +169,7 @@ def test_stem_inputs_feed_the_indexer():
     q = torch.randn(2, 4, 70, 8, generator=g)
     k = torch.randn(2, 2, 90, 8, generator=g)
     v = torch.randn(2, 2, 90, 8, generator=g)
-    inputs = stem_inputs(q, k, v, block_size=16, stride=4, q_lens=[70, 33],
+    inputs = stem_inputs(q, k, v, stem_block_size=16, stem_stride=4, q_lens=[70, 33],
                          kv_lens=torch.tensor([90, 50]))
     assert inputs.qflat.shape == (2, 4, 5, 32) and inputs.qflat.dtype == torch.bfloat16
     assert inputs.kflat.shape == (2, 2, 6, 32) and inputs.kflat.dtype == torch.bfloat16
@@ -179,7 +179,7 @@ def test_stem_inputs_feed_the_indexer():
     idx, seq_len = stem_indexer.stem_indexer(*inputs, stem_block_size=16, stem_stride=4)
     ref = stem_indexer.stem_indexer_reference(*inputs, stem_block_size=16, stem_stride=4)
     assert torch.equal(idx, ref[0]) and torch.equal(seq_len, ref[1])
-    no_oam = stem_inputs(q, k, v, block_size=16, stride=4, oam=False)
+    no_oam = stem_inputs(q, k, v, stem_block_size=16, stem_stride=4, oam=False)
     assert torch.equal(no_oam.vbias, torch.zeros(2, 2, 6))
 
 
@@ -189,8 +189,8 @@ def test_stem_inputs_feed_the_indexer():
     (lambda a: a.update(v=a["v"][:, :, :5]), "v"),
     (lambda a: a.update(q=a["q"][:, :3]), "q"),
     (lambda a: a.update(q=a["q"].to(torch.int64)), "q"),
-    (lambda a: a.update(block_size=9), "block_size"),
-    (lambda a: a.update(stride=0), "stride"),
+    (lambda a: a.update(stem_block_size=9), "stem_block_size must be a multiple"),
+    (lambda a: a.update(stem_stride=0), "stem_stride must be >= 1"),
     (lambda a: a.update(q_lens=[5]), "q_lens"),
     (lambda a: a.update(q_lens=[5, 99]), "q_lens[1]"),
     (lambda a: a.update(kv_lens=torch.tensor([-1, 3])), "kv_lens[0]"),
@@ -200,7 +200,7 @@ def test_stem_inputs_feed_the_indexer():
 def test_invalid_inputs_name_the_argument(mutate, arg):
     g = torch.Generator().manual_seed(9)
     args = dict(q=torch.randn(2, 4, 20, 4, generator=g), k=torch.randn(2, 2, 20, 4, generator=g),
-                v=torch.randn(2, 2, 20, 4, generator=g), block_size=8, stride=2)
+                v=torch.randn(2, 2, 20, 4, generator=g), stem_block_size=8, stem_stride=2)
     mutate(args)
     with pytest.raises(stem_indexer.StemIndexerInputError, match=arg.replace("[", r"\[")):
         stem_inputs(args.pop("q"), args.pop("k"), args.pop("v"), **args)

@@ -39,7 +39,6 @@ attention where sparsity cannot help (see its docstring).
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -47,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from . import contract
+from ._renamed import take_renamed
 from .api import run_indexer, stem_indexer_metadata
 from .contract import IndexerParams, ceil_div, check_bool, check_int, fail
 from .ops import flex_attention as flex
@@ -94,14 +94,6 @@ def check_backend_fits(who: str, backend: str, device: torch.device, dtype: torc
     if dtype not in DTYPES:
         fail(who, "backend", f"'native' runs on float32 and bfloat16 only (q is {dtype}); use "
              "'auto' or 'gather'", "'native'")
-
-
-def warn_deprecated(message: str, stacklevel: int = 3) -> None:
-    """A DeprecationWarning for an old spelling, outside torch.compile only
-    (dynamo cannot trace ``warnings.warn`` with ``fullgraph=True``; the eager
-    run of the same code warns)."""
-    if not torch.compiler.is_compiling():
-        warnings.warn(message, DeprecationWarning, stacklevel=stacklevel + 1)
 
 
 def _check_inference(who: str, *tensors: torch.Tensor) -> None:
@@ -326,21 +318,22 @@ def _check_softcap(who: str, softcap) -> float | None:
 def block_sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sparse_indices: torch.Tensor, sparse_seq_len: torch.Tensor, *,
-    block_size: int, causal: bool = True, scale: float | None = None,
+    stem_block_size: int | None = None, causal: bool = True, scale: float | None = None,
     softcap: float | None = None, q_lens: Lengths = None, kv_lens: Lengths = None,
-    backend: str = "auto", return_lse: bool = False,
+    backend: str = "auto", return_lse: bool = False, **renamed,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention restricted to the listed key blocks of each query block.
 
     Args:
         q: [B, Hq, Sq, D]; k, v: [B, Hkv, Skv, D] (query head h uses KV head
             h // (Hq/Hkv)), one floating dtype and device.
-        sparse_indices: [B, Hq, ceil(Sq/block_size), W] integer: the key blocks
-            of each row (in [0, ceil(Skv/block_size)), any order, no
-            duplicates); entries past the row's length are ignored (the
-            indexer writes -1).
-        sparse_seq_len: [B, Hq, ceil(Sq/block_size)] integer: listed blocks per row.
-        block_size: tokens per block (the indexer's ``stem_block_size``).
+        sparse_indices: [B, Hq, ceil(Sq/Bs), W] integer: the key blocks of
+            each row (in [0, ceil(Skv/Bs)), any order, no duplicates); entries
+            past the row's length are ignored (the indexer writes -1).
+        sparse_seq_len: [B, Hq, ceil(Sq/Bs)] integer: listed blocks per row.
+        stem_block_size: Bs, tokens per block (the indexer's; required).
+            ``block_size``, its old spelling, still works for one release
+            (DeprecationWarning).
         causal: token-level causal mask, right-down aligned: query t sees key
             j iff ``j <= t + kv_len - q_len``.
         scale: softmax scale, default ``1/sqrt(D)``.
@@ -361,8 +354,12 @@ def block_sparse_attention(
     The selection is checked on its device (a few host syncs on CUDA).
     """
     who = "block_sparse_attention"
+    block_size = take_renamed(who, renamed, {"stem_block_size": stem_block_size},
+                              {"stem_block_size": None})["stem_block_size"]
     batch, hq, hkv, sq, skv, dim = check_qkv(q, k, v, who, same_dtype=True)
-    check_int(who, "block_size", block_size, 1)
+    if block_size is None:
+        fail(who, "stem_block_size", "is required (the indexer's block size)", None)
+    check_int(who, "stem_block_size", block_size, 1)
     check_bool(who, "causal", causal)
     check_bool(who, "return_lse", return_lse)
     scale = _check_scale(who, "scale", scale, dim)
@@ -621,7 +618,8 @@ def _stem(q, k, v, qlen, kvlen, prompt, params: IndexerParams, scale, softcap, o
                               softcap), backend, want_lse)
         return out, lse, StemInfo("dense", reason, backend, visible, visible)
 
-    inputs = stem_inputs(q, k, v, block_size=bs, stride=stride, q_lens=qlen.to(q.device),
+    inputs = stem_inputs(q, k, v, stem_block_size=bs, stem_stride=stride,
+                         q_lens=qlen.to(q.device),
                          kv_lens=kvlen.to(q.device),
                          scale=scale / stride if indexer_scale is None else indexer_scale,
                          oam=oam, oam_lambda=oam_lambda)

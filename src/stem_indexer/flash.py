@@ -35,7 +35,8 @@ import math
 
 import torch
 
-from .attention import _check_layout, stem_attention, warn_deprecated
+from ._renamed import warn_deprecated
+from .attention import _check_layout, stem_attention
 from .contract import check_bool, fail
 
 __all__ = ["stem_attn_func", "stem_attn_varlen_func"]

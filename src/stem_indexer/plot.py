@@ -254,7 +254,7 @@ def plot_example(
 
         work = synthetic_workload(seq_len=kv_len, block_size=block_size, stride=stride, seed=seed)
         inputs = stem_inputs(work.q[:, :, kv_len - q_len:], work.k, work.v,
-                             block_size=block_size, stride=stride,
+                             stem_block_size=block_size, stem_stride=stride,
                              scale=work.scale / stride)
         qflat, kflat, vbias = inputs.qflat, inputs.kflat, inputs.vbias
         q_lens, kv_lens = inputs.q_seq_lens, inputs.kv_seq_lens

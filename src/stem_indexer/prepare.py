@@ -48,6 +48,7 @@ from typing import NamedTuple, Sequence, Union
 
 import torch
 
+from ._renamed import take_renamed
 from .contract import ceil_div, check_int, fail
 
 __all__ = [
@@ -130,12 +131,14 @@ def check_oam_lambda(oam_lambda: float, who: str) -> None:
         fail(who, "oam_lambda", "must be a finite number", oam_lambda)
 
 
-def check_blocking(block_size: int, stride: int, who: str) -> None:
-    """``block_size`` and ``stride`` are positive ints with Bs % Ts == 0."""
-    check_int(who, "block_size", block_size, 1)
-    check_int(who, "stride", stride, 1)
+def check_blocking(block_size: int, stride: int, who: str,
+                   names: tuple[str, str] = ("block_size", "stride")) -> None:
+    """``block_size`` and ``stride`` (called ``names`` in errors) are positive
+    ints with Bs % Ts == 0."""
+    check_int(who, names[0], block_size, 1)
+    check_int(who, names[1], stride, 1)
     if block_size % stride:
-        fail(who, "block_size", f"must be a multiple of stride ({stride})", block_size)
+        fail(who, names[0], f"must be a multiple of {names[1]} ({stride})", block_size)
 
 
 def lens_argument(lens: Lengths, batch: int, max_len: int, name: str, who: str) -> torch.Tensor:
@@ -260,16 +263,18 @@ def output_aware_bias(
 
 def stem_inputs(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-    block_size: int = 128, stride: int = 16, q_lens: Lengths = None, kv_lens: Lengths = None,
-    scale: float | None = None, oam: bool = True, oam_lambda: float = DEFAULT_OAM_LAMBDA,
+    stem_block_size: int = 128, stem_stride: int = 16, q_lens: Lengths = None,
+    kv_lens: Lengths = None, scale: float | None = None, oam: bool = True,
+    oam_lambda: float = DEFAULT_OAM_LAMBDA, **renamed,
 ) -> StemInputs:
     """Turn ``q [B,Hq,Sq,D]``, ``k, v [B,Hkv,Skv,D]`` into the indexer's inputs.
 
     Args:
         q, k, v: floating-point tensors on one device; ``Hq % Hkv == 0``,
             ``k`` and ``v`` of one shape, one head dim ``D`` throughout.
-        block_size, stride: Bs and Ts of the indexer (``stem_block_size``,
-            ``stem_stride``); Bs % Ts == 0.
+        stem_block_size, stem_stride: Bs and Ts of the indexer; Bs % Ts == 0.
+            ``block_size`` and ``stride``, their old spellings, still work for
+            one release (DeprecationWarning).
         q_lens, kv_lens: valid tokens per batch (positions ``[0, len)``);
             None means the full sequence dim.
         scale: folded into ``qflat`` (multiplies the float32 sums before the
@@ -283,8 +288,12 @@ def stem_inputs(
         lengths as int32 tensors on the inputs' device.
     """
     who = "stem_inputs"
+    names = take_renamed(who, renamed, {"stem_block_size": stem_block_size,
+                                        "stem_stride": stem_stride},
+                         {"stem_block_size": 128, "stem_stride": 16})
+    block_size, stride = names["stem_block_size"], names["stem_stride"]
     batch, hq, hkv, sq, skv, dim = check_qkv(q, k, v, who)
-    check_blocking(block_size, stride, who)
+    check_blocking(block_size, stride, who, ("stem_block_size", "stem_stride"))
     q_len = seq_lens_tensor(q_lens, batch, sq, "q_lens", q.device, who)
     kv_len = seq_lens_tensor(kv_lens, batch, skv, "kv_lens", q.device, who)
     qflat = block_representation(q, block_size, stride, lens=q_len, scale=scale)

@@ -302,8 +302,8 @@ def select_blocks(work: Workload, config: EvalConfig) -> tuple[torch.Tensor, tor
 
     # The scale stem_attention folds into qflat by default: a block pair's
     # score is then the mean attention logit of the token pairs it samples.
-    inputs = stem_inputs(work.q, work.k, work.v, block_size=work.block_size,
-                         stride=work.stride, scale=work.scale / work.stride, oam=config.oam,
+    inputs = stem_inputs(work.q, work.k, work.v, stem_block_size=work.block_size,
+                         stem_stride=work.stride, scale=work.scale / work.stride, oam=config.oam,
                          oam_lambda=config.oam_lambda)
     return stem_indexer(
         inputs.qflat, inputs.kflat, inputs.vbias, inputs.q_seq_lens, inputs.kv_seq_lens,
@@ -354,8 +354,8 @@ def measure(work: Workload, config: EvalConfig, indices: torch.Tensor, seq_len: 
     mass = (probs * kept_tokens).sum(-1)                                  # [B,H,S]
     mass_recall = float(mass.mean())
 
-    out = block_sparse_attention(work.q, work.k, work.v, indices, seq_len, block_size=bs,
-                                 causal=True, scale=work.scale).float()
+    out = block_sparse_attention(work.q, work.k, work.v, indices, seq_len,
+                                 stem_block_size=bs, causal=True, scale=work.scale).float()
     diff = out - dense_out
     rel_l2 = float(diff.norm() / dense_out.norm())
     max_abs = float(diff.abs().max())
