@@ -277,12 +277,27 @@ def test_stem_attention_is_the_indexer_selection(causal):
     assert (out - dense).abs().max() > 1e-4  # sparse, so not the dense result
 
 
-def test_stem_attention_parameters_reach_the_indexer():
+@pytest.mark.parametrize("change", [dict(alpha=0.3), dict(oam=False), dict(oam_lambda=3.0),
+                                    dict(initial_blocks=1, window_size=1)],
+                         ids=["alpha", "no-oam", "oam-lambda", "sink-window"])
+def test_stem_attention_parameters_reach_the_indexer(change):
+    """Each parameter changes the selection (here), and the result is
+    attention on exactly the indexer's selection with that parameter: the
+    float64 masked reference on the blocks the op keeps."""
     q, k, v = qkv(1, 2, 2, 1100, 1100, 8, 16)
-    a = stem_attention(q, k, v, **SMALL)
-    b = stem_attention(q, k, v, alpha=0.3, **SMALL)
-    c = stem_attention(q, k, v, oam=False, **SMALL)
-    assert not torch.equal(a, b) and not torch.equal(a, c)
+    out = stem_attention(q, k, v, **change, **SMALL)
+    oam = {name: change[name] for name in ("oam", "oam_lambda") if name in change}
+    indexer = {name: value for name, value in change.items() if name not in oam}
+
+    def selection(oam, indexer):
+        inputs = stem_indexer.stem_inputs(q, k, v, scale=8 ** -0.5 / 4, **oam, **SMALL)
+        return stem_indexer.stem_indexer(*inputs, **indexer, **SMALL)
+
+    idx, seq_len = selection(oam, indexer)
+    default_idx, default_len = selection({}, {})
+    assert not (torch.equal(idx, default_idx) and torch.equal(seq_len, default_len))
+    mask = expanded_mask(idx, seq_len, 16, 1100, 1100, None, None, True)
+    torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", [

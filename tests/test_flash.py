@@ -37,6 +37,15 @@ def _reference(q, k, v, scale, causal=True, softcap=None, allowed=None):
     return torch.softmax(s, -1).nan_to_num(0.0) @ vr, lse
 
 
+def _listed(idx, seq_len, bs, sq, skv):
+    """[B, Hq, Sq, Skv] bool: key j lies in a block listed for query t's row."""
+    kb = -(-skv // bs)
+    entries = torch.arange(idx.shape[-1]) < seq_len[..., None]
+    rows = torch.zeros(*idx.shape[:3], kb + 1, dtype=torch.bool)
+    rows.scatter_(-1, torch.where(entries, idx.long(), kb), True)
+    return rows[..., :kb].repeat_interleave(bs, 2)[:, :, :sq].repeat_interleave(bs, 3)[..., :skv]
+
+
 # --------------------------------------------------------------------------- #
 # Flash layout
 # --------------------------------------------------------------------------- #
@@ -244,10 +253,20 @@ def test_softcap_on_the_dense_and_sparse_paths(backend):
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     uncapped, _ = _reference(q, k, v, scale)
     assert (ref - uncapped).abs().max() > 1e-2  # the cap changed the result
+    # The sparse path: the capped reference on the indexer's selection (the
+    # cap acts after the selection, which it does not change).
     q, k, v = qkv(1, 2, 1, 1100, 1100, 8, 8)
-    capped = stem_attention(q * 4, k, v, softcap=5.0, backend=backend, **SMALL)
-    plain = stem_attention(q * 4, k, v, backend=backend, **SMALL)
-    assert (capped - plain).abs().max() > 1e-2
+    q = q * 4
+    capped, info = stem_attention(q, k, v, softcap=5.0, backend=backend, return_info=True,
+                                  **SMALL)
+    assert info.path == "sparse" and info.backend == backend
+    inputs = stem_indexer.stem_inputs(q, k, v, scale=scale / 4, **SMALL)
+    idx, seq_len = stem_indexer.stem_indexer(*inputs, **SMALL)
+    listed = _listed(idx, seq_len, 16, 1100, 1100)
+    ref, _ = _reference(q, k, v, scale, softcap=5.0, allowed=listed)
+    torch.testing.assert_close(capped.double(), ref, rtol=1e-5, atol=1e-5)
+    uncapped, _ = _reference(q, k, v, scale, allowed=listed)
+    assert (ref - uncapped).abs().max() > 1e-2  # the cap changed the result
 
 
 @pytest.mark.parametrize("value", [0.0, -1.0, math.inf, True, "5"])

@@ -21,7 +21,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import stem_indexer  # noqa: E402
 import stem_indexer.integrations.transformers as stem_hf  # noqa: E402
+from stem_indexer import PRESETS  # noqa: E402
 
 BLOCKING = dict(stem_block_size=16, stem_stride=4)
 KEEP_ALL = dict(k_block_num_bias_medium=10**6, k_block_num_bias_large=10**6)
@@ -68,16 +70,55 @@ def _logits(model, impl, ids):
 DEFAULT_FAMILIES = ("llama", "gemma2", "qwen3")
 
 
+def _sparse_reference(q, k, v, scale, softcap, params):
+    """float64 attention of one layer's q/k/v on the blocks the indexer keeps
+    (its own lists, from stem_inputs and the op), right-down causal, the
+    scores capped as the model caps them."""
+    bs, stride = params["stem_block_size"], params["stem_stride"]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    inputs = stem_indexer.stem_inputs(q, k, v, scale=scale / stride, stem_block_size=bs,
+                                      stem_stride=stride)
+    idx, seq_len = stem_indexer.stem_indexer(*inputs, **params)
+    sq, skv = q.shape[2], k.shape[2]
+    kb = -(-skv // bs)
+    rows = torch.zeros(*idx.shape[:3], kb + 1, dtype=torch.bool)
+    entries = torch.arange(idx.shape[-1]) < seq_len[..., None]
+    rows.scatter_(-1, torch.where(entries, idx.long(), kb), True)
+    listed = rows[..., :kb].repeat_interleave(bs, 2)[:, :, :sq].repeat_interleave(bs, 3)
+    causal = torch.arange(skv)[None, :] <= torch.arange(sq)[:, None] + skv - sq
+    group = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    s = q.double() @ k.transpose(2, 3) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~(listed[..., :skv] & causal), float("-inf"))
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v, float(listed[..., :skv].float().mean())
+
+
 @pytest.mark.parametrize("family", [f if f in DEFAULT_FAMILIES
                                     else pytest.param(f, marks=pytest.mark.slow)
                                     for f in FAMILIES])
-def test_family_runs_stem_on_full_attention_layers(family, registered):
+def test_family_runs_stem_on_full_attention_layers(family, registered, monkeypatch):
+    """Keep-all budget: the model's eager logits. Tight preset: every
+    full-attention layer runs Stem, and each such layer's output is the
+    float64 reference on the indexer's own selection for that layer's q/k/v
+    (scale and soft-cap as the model passes them); sliding-window layers
+    stay dense."""
     model, config = _model(family)
     ids = torch.randint(3, 128, (1, 1024), generator=torch.Generator().manual_seed(1))
     eager = _logits(model, "eager", ids)
     torch.testing.assert_close(_logits(model, registered["all"].name, ids), eager,
                                atol=1e-4, rtol=1e-4)
 
+    calls = []
+    real = stem_hf.stem_attention
+
+    def recording(q, k, v, **kwargs):
+        result = real(q, k, v, **kwargs)
+        calls.append((q, k, v, kwargs, result))
+        return result
+
+    monkeypatch.setattr(stem_hf, "stem_attention", recording)
     fn = registered["tight"]
     before = dict(fn.stats)
     sparse = _logits(model, fn.name, ids)
@@ -87,7 +128,14 @@ def test_family_runs_stem_on_full_attention_layers(family, registered):
     assert counts.get("stem", 0) == full
     assert counts.get("dense:mask", 0) == len(types) - full  # sliding windows stay dense
     assert torch.isfinite(sparse).all()
-    assert (sparse - eager).abs().max() > 1e-3  # the full layers really were sparse
+    assert len(calls) == full
+    params = dict(**PRESETS["tight"], **BLOCKING)
+    for q, k, v, kwargs, (out, info) in calls:
+        assert info.path == "sparse" and kwargs["causal"]
+        want, density = _sparse_reference(q, k, v, kwargs["scale"], kwargs.get("softcap"),
+                                          params)
+        assert density < 0.9  # blocks were dropped
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
 
 
 class _Module(torch.nn.Module):
