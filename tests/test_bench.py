@@ -24,9 +24,9 @@ def test_plain_baseline_equals_reference(case_id):
     """The baseline a user would write is exact too (ties by its stable sort)."""
     case = get_case(case_id)
     inputs = case.make_inputs()
-    if inputs["num_prompt_tokens"] is not None:
-        pytest.skip("the baseline budgets with the kv length as prompt")
-    inputs.pop("num_prompt_tokens")
+    # The baseline budgets with the kv length as the prompt: the cases chosen
+    # must have no prompt lengths of their own (a precondition, not a skip).
+    assert case.prompt_lens is None and inputs.pop("num_prompt_tokens") is None, case_id
     expected, _ = golden_outputs(case)
     got = bench.plain_indexer(inputs, case.params)
     assert torch.equal(got[1], expected[1]) and torch.equal(got[0], expected[0])
