@@ -120,3 +120,21 @@ def test_verify_reports_a_failed_write_in_one_line(tmp_path, monkeypatch, capsys
                      "--out", str(tmp_path / "result.csv")]) == 2
     err = capsys.readouterr().err
     assert "cannot write" in err and "No space left on device" in err
+
+
+def test_verify_judges_this_packages_op_with_no_allowance(tmp_path, monkeypatch):
+    # The 0.5% allowance for picks beyond rounding is for other
+    # implementations' outputs; verify runs this package's op.
+    from stem_indexer.testing import compare
+
+    seen = []
+    real = compare.compare
+
+    def spy(*args, **kwargs):
+        result = real(*args, **kwargs)
+        seen.append(result.allowance)
+        return result
+    monkeypatch.setattr(compare, "compare", spy)
+    assert cli.main(["verify", "--cases", "SI_WB_002,SI_WB_103",
+                     "--out", str(tmp_path / "result.csv")]) == 0
+    assert seen == [0.0, 0.0]
