@@ -31,9 +31,9 @@ pytest.importorskip("vllm", reason="the vllm extra is not installed (pip install
 
 HERE = Path(__file__).parent
 BLOCK = 32
-KEEP_ALL = {"block_size": BLOCK, "stride": 8, "k_block_num_bias_medium": 1000,
+KEEP_ALL = {"stem_block_size": BLOCK, "stem_stride": 8, "k_block_num_bias_medium": 1000,
             "k_block_num_bias_large": 1000}
-SPARSE = {"block_size": BLOCK, "stride": 8, "preset": "tight"}
+SPARSE = {"stem_block_size": BLOCK, "stem_stride": 8, "preset": "tight"}
 ENGINE = {"dtype": "float32", "max_model_len": 4096, "block_size": BLOCK,
           "max_num_batched_tokens": 97, "enforce_eager": True}
 
@@ -103,6 +103,80 @@ def assert_same_tokens(a: dict, b: dict, logprob_tol: float) -> None:
         assert x["tokens"] == y["tokens"]
         worst = max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"]))
         assert worst <= logprob_tol, worst
+
+
+# --------------------------------------------------------------------------- #
+# vLLM's cache and kernel, without an engine
+# --------------------------------------------------------------------------- #
+
+
+def _paged(k, v, page: int, num_pages: int, seed: int):
+    """k, v [Hkv, S, D] written by vLLM's own cache writer onto shuffled pages."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    hkv, seq, dim = k.shape
+    gen = torch.Generator().manual_seed(seed)
+    pages = torch.randperm(num_pages, generator=gen)[:-(-seq // page)].to(torch.int32)
+    kv = torch.zeros(num_pages, hkv, page, 2 * dim, dtype=k.dtype)
+    key_cache, value_cache = kv.view(num_pages, hkv, 2 * page, dim).chunk(2, dim=2)
+    slots = pages[torch.arange(seq) // page].long() * page + torch.arange(seq) % page
+    ops.cpu_attn_reshape_and_cache(k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(),
+                                   key_cache, value_cache, slots, "vec")
+    return kv, key_cache, value_cache, pages
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_context_is_read_back_as_vllm_wrote_it(dtype):
+    import torch
+
+    from stem_indexer.integrations.vllm.rows import context_kv
+
+    k, v = torch.randn(2, 3, 333, 64).to(getattr(torch, dtype))
+    _, key_cache, value_cache, pages = _paged(k, v, 32, 20, 0)
+    rk, rv = context_kv(key_cache, value_cache, pages, 333)
+    assert torch.equal(rk, k) and torch.equal(rv, v)
+
+
+@pytest.mark.parametrize("context, q_len", [(0, 900), (1000, 333), (2047, 1), (1601, 700)])
+def test_virtual_rows_on_vllms_kernel_equal_stem_attention(context, q_len):
+    import math
+
+    import torch
+    from vllm import _custom_ops as ops
+
+    import stem_indexer
+    from stem_indexer.integrations.vllm.rows import Row, select_blocks, virtual_rows
+    from stem_indexer.integrations.vllm.settings import StemSettings
+
+    bs, page, hq, hkv, dim, prompt = 64, 32, 6, 2, 32, 4000
+    s = StemSettings.from_mapping({"preset": "tight", "stem_block_size": bs, "stem_stride": 8})
+    torch.manual_seed(context)
+    row = Row(0, 0, q_len, context, prompt)
+    query = torch.randn(q_len, hq, dim)
+    k, v = torch.randn(2, hkv, row.seq_len, dim)
+    kv, key_cache, value_cache, pages = _paged(k, v, page, 140, context)
+    scale = 1 / math.sqrt(dim)
+    idx, lengths = select_blocks(query, k, v, row, scale, s)
+    vr = virtual_rows(idx, lengths, row, bs, page, pages, hkv)
+    qsl = torch.zeros(vr.query_lens.shape[0] + 1, dtype=torch.int32)
+    torch.cumsum(vr.query_lens, 0, out=qsl[1:])
+    flat_k, flat_v = kv.view(-1, 1, 2 * page, dim).chunk(2, dim=2)
+    md = ops.cpu_attn_get_scheduler_metadata(vr.query_lens.shape[0], 1, 1, dim, vr.seq_lens,
+                                             torch.float32, qsl, True, -1, "vec", True)
+    vq = query.transpose(0, 1).reshape(-1, 1, dim)
+    out = torch.empty_like(vq)
+    ops.cpu_attention_with_kv_cache(vq, flat_k, flat_v, out, qsl, vr.seq_lens, scale, True,
+                                    None, -1, vr.block_table, 0.0, md, None)
+    lead = context % bs
+    q = torch.zeros(1, hq, lead + q_len, dim)
+    q[0, :, lead:] = query.transpose(0, 1)
+    want = stem_indexer.stem_attention(q, k[None], v[None], scale=scale, preset="tight",
+                                       num_prompt_tokens=[prompt], stem_block_size=bs,
+                                       stem_stride=8, min_q_blocks=0)[0, :, lead:]
+    torch.testing.assert_close(out.view(hq, q_len, dim), want, rtol=1e-5, atol=1e-5)
+    if row.seq_len > 1500:
+        assert int(lengths.sum()) < hq * sum(range(context // bs + 1, -(-row.seq_len // bs) + 1))
 
 
 # --------------------------------------------------------------------------- #
@@ -196,7 +270,7 @@ def test_each_prefill_logs_one_line_with_its_density(model):
 
 
 @pytest.mark.parametrize("stem, key", [({"preset": "fast"}, "preset"),
-                                       ({"block_size": 48}, "block_size"),
+                                       ({"stem_block_size": 48}, "stem_block_size"),
                                        ({"dense_above": 2}, "dense_above"),
                                        ({"windows": 4}, "'windows'")])
 def test_bad_settings_stop_the_engine_naming_the_key(model, stem, key):

@@ -43,9 +43,10 @@ def _checker(settings, record: dict):
             want = stem_indexer.stem_attention(
                 q, trace.key[None], trace.value[None], scale=trace.scale,
                 num_prompt_tokens=prompt, oam=settings.oam, oam_lambda=settings.oam_lambda,
-                **params)[0, :, lead:].transpose(0, 1)
+                min_q_blocks=0, **params)[0, :, lead:].transpose(0, 1)
             inputs = stem_indexer.stem_inputs(q, trace.key[None], trace.value[None],
-                                              block_size=bs, stride=settings.stride,
+                                              stem_block_size=bs,
+                                              stem_stride=settings.stride,
                                               scale=trace.scale / settings.stride,
                                               oam=settings.oam, oam_lambda=settings.oam_lambda)
             idx, lengths = stem_indexer.stem_indexer(

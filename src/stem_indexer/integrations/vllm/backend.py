@@ -36,7 +36,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from .rows import Row, context_kv, plan_row, select_blocks, virtual_rows
+from .rows import Row, RowKinds, context_kv, plan_row, select_blocks, virtual_rows
 from .settings import StemSettings
 from .stats import STATS
 
@@ -105,24 +105,7 @@ class _Step(threading.local):
 
 
 _STEP = _Step()
-_STARTED: dict[str, None] = {}  # requests whose prefill has begun (ordered)
-
-
-def _kind(request: str, context: int, prompt: int, q_len: int) -> str:
-    """fresh / continuation / prefix hit, from the rows seen before."""
-    if context >= prompt:
-        _STARTED.pop(request, None)
-        return "decode"
-    seen = request in _STARTED
-    if context + q_len >= prompt:
-        _STARTED.pop(request, None)
-    elif not seen:
-        if len(_STARTED) >= 4096:
-            _STARTED.pop(next(iter(_STARTED)))
-        _STARTED[request] = None
-    if context == 0:
-        return "fresh"
-    return "continuation" if seen else "prefix hit"
+_KINDS = RowKinds()
 
 
 def _install_step_hook() -> None:
@@ -143,7 +126,7 @@ def _install_step_hook() -> None:
         requests = list(batch.req_ids[:n])
         scheduled = kwargs.get("num_scheduled_tokens") or {}
         _STEP.prompts, _STEP.requests = prompts, requests
-        _STEP.kinds = [_kind(r, c, p, scheduled.get(r, 1))
+        _STEP.kinds = [_KINDS.kind(r, c, p, scheduled.get(r, 1))
                        for r, c, p in zip(requests, computed, prompts)]
         try:
             return build(self, *args, **kwargs)

@@ -43,8 +43,8 @@ from ...contract import ceil_div
 from ...prepare import stem_inputs
 from .settings import StemSettings
 
-__all__ = ["Row", "RowPlan", "plan_row", "context_kv", "select_blocks", "virtual_rows",
-           "VirtualRows"]
+__all__ = ["Row", "RowKinds", "RowPlan", "plan_row", "context_kv", "select_blocks",
+           "virtual_rows", "VirtualRows"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,31 @@ class Row:
     @property
     def seq_len(self) -> int:
         return self.context + self.q_len
+
+
+class RowKinds:
+    """Tells a prompt's rows apart as the steps arrive: ``"fresh"`` (no
+    context), ``"prefix hit"`` (the request's first row, over context another
+    request computed), ``"continuation"`` (a later chunk), ``"decode"``."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._open: dict[str, None] = {}  # requests whose prompt is under way
+        self._limit = limit  # an aborted request is forgotten after this many
+
+    def kind(self, request: str, context: int, prompt: int, q_len: int) -> str:
+        if context >= prompt:
+            self._open.pop(request, None)
+            return "decode"
+        seen = request in self._open
+        if context + q_len >= prompt:
+            self._open.pop(request, None)
+        elif not seen:
+            if len(self._open) >= self._limit:
+                self._open.pop(next(iter(self._open)))
+            self._open[request] = None
+        if context == 0:
+            return "fresh"
+        return "continuation" if seen else "prefix hit"
 
 
 @dataclass(frozen=True)
@@ -134,7 +159,7 @@ def select_blocks(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: Ro
     hq, dim = query.shape[1], query.shape[2]
     q = query.new_zeros(1, hq, lead + row.q_len, dim)
     q[0, :, lead:] = query.transpose(0, 1)
-    inputs = stem_inputs(q, k[None], v[None], block_size=bs, stride=stride,
+    inputs = stem_inputs(q, k[None], v[None], stem_block_size=bs, stem_stride=stride,
                          scale=scale / stride, oam=settings.oam,
                          oam_lambda=settings.oam_lambda)
     metadata = stem_indexer_metadata(

@@ -27,10 +27,8 @@ _WHO = f"additional_config['{SETTINGS_KEY}']"
 # drops save (benchmarks/VLLM.md, "break-even").
 DEFAULT_DENSE_ABOVE = 0.9
 
-# The indexer parameters a user may set; causal, block size and stride have
-# their own keys (causal is the layer's).
-_INDEXER_KEYS = tuple(n for n in PARAM_NAMES
-                      if n not in ("causal", "stem_block_size", "stem_stride"))
+# The indexer parameters a user may set (causal is the layer's).
+_INDEXER_KEYS = tuple(n for n in PARAM_NAMES if n != "causal")
 
 
 @dataclass(frozen=True)
@@ -40,8 +38,9 @@ class StemSettings:
     Keys (all optional):
 
     * ``preset``: a named budget of ``stem_indexer.PRESETS`` (``"default"``);
-    * ``block_size`` (128), ``stride`` (16): Stem's block of tokens and its
-      stride; the block must be a multiple of vLLM's KV-cache block size;
+    * ``stem_block_size`` (128), ``stem_stride`` (16): Stem's block of tokens
+      and its stride (the names of ``stem_attention``); the block must be a
+      multiple of vLLM's KV-cache block size;
     * the indexer's parameters by their op names (``alpha``,
       ``initial_blocks``, ``window_size``, ``k_block_num_rate_medium``,
       ``k_block_num_bias_medium``, ``k_block_num_rate_large``,
@@ -84,7 +83,7 @@ class StemSettings:
 
     @classmethod
     def from_mapping(cls, section: Mapping[str, Any]) -> "StemSettings":
-        known = ("preset", "block_size", "stride", "oam", "oam_lambda", "min_prompt_tokens",
+        known = ("preset", "oam", "oam_lambda", "min_prompt_tokens",
                  "dense_above") + _INDEXER_KEYS
         for key in section:
             if key not in known:
@@ -95,13 +94,7 @@ class StemSettings:
             fail(_WHO, "preset", f"must be one of {', '.join(map(repr, PRESETS))}",
                  repr(preset))
         overrides = {name: section[name] for name in _INDEXER_KEYS if name in section}
-        overrides["stem_block_size"] = section.get("block_size", 128)
-        overrides["stem_stride"] = section.get("stride", 16)
-        try:
-            params = IndexerParams.from_kwargs(_WHO, preset=preset, **overrides)
-        except StemIndexerInputError as exc:  # name the key as the user wrote it
-            raise StemIndexerInputError(str(exc).replace("stem_block_size", "block_size")
-                                        .replace("stem_stride", "stride")) from None
+        params = IndexerParams.from_kwargs(_WHO, preset=preset, **overrides)
         if params.window_size < 1:
             fail(_WHO, "window_size", "must be >= 1 in the vLLM backend (the window's last "
                  "block holds each query block's causal diagonal)", params.window_size)
@@ -125,7 +118,7 @@ class StemSettings:
     def check_kv_block_size(self, kv_block_size: int) -> None:
         """Stem's blocks must be whole KV-cache pages (the kernel reads pages)."""
         if self.block_size % kv_block_size:
-            fail(_WHO, "block_size", f"must be a multiple of vLLM's KV-cache block size "
+            fail(_WHO, "stem_block_size", f"must be a multiple of vLLM's KV-cache block size "
                  f"({kv_block_size}; set with --block-size)", self.block_size)
 
     def describe(self) -> str:

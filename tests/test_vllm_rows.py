@@ -1,0 +1,203 @@
+"""The vLLM backend's plain-torch parts, without vLLM: settings, row kinds,
+the budget's pair counts, reading the paged cache, and virtual rows.
+
+Virtual rows are checked against a float64 model of vLLM's paged kernel
+(each row's query tokens are the last of its sequence, bottom-right causal,
+keys gathered page by page through the row's block table) and compared with
+``block_sparse_attention`` on the indexer's selection. The real kernel runs
+the same checks in tests/test_vllm.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import stem_indexer
+from stem_indexer import StemIndexerInputError
+from stem_indexer.integrations.vllm.rows import (Row, RowKinds, context_kv, plan_row,
+                                                  select_blocks, virtual_rows)
+from stem_indexer.integrations.vllm.settings import DEFAULT_DENSE_ABOVE, StemSettings
+
+# --------------------------------------------------------------------------- #
+# Settings
+# --------------------------------------------------------------------------- #
+
+
+def test_settings_default_to_the_default_preset():
+    s = StemSettings.from_config({})
+    assert s.params == stem_indexer.IndexerParams()
+    assert (s.oam, s.min_prompt_tokens, s.dense_above) == (True, 0, DEFAULT_DENSE_ABOVE)
+    assert StemSettings.from_config({"other_plugin": 1}) == s
+
+
+def test_settings_take_a_preset_and_overrides():
+    s = StemSettings.from_config({"stem": {"preset": "tight", "stem_block_size": 64,
+                                           "stem_stride": 8, "alpha": 0.5,
+                                           "min_prompt_tokens": 4096, "dense_above": 1}})
+    want = stem_indexer.IndexerParams(**{**stem_indexer.PRESETS["tight"],
+                                         "stem_block_size": 64, "stem_stride": 8, "alpha": 0.5})
+    assert s.params == want and s.min_prompt_tokens == 4096 and s.dense_above == 1.0
+    assert "preset=tight" in s.describe() and "alpha=0.5" in s.describe()
+
+
+@pytest.mark.parametrize("section, key", [
+    ({"preset": "fast"}, "preset"), ({"stem_block_size": 100}, "stem_block_size"),
+    ({"stem_stride": 0}, "stem_stride"), ({"alpha": 2.0}, "alpha"),
+    ({"window_size": 0}, "window_size"), ({"oam": "yes"}, "oam"),
+    ({"oam_lambda": float("nan")}, "oam_lambda"), ({"min_prompt_tokens": -1}, "min_prompt_tokens"),
+    ({"dense_above": 0}, "dense_above"), ({"dense_above": True}, "dense_above"),
+    ({"topk_score_precision": 3}, "topk_score_precision"), ({"block": 4}, "'block'"),
+])
+def test_bad_settings_name_the_key(section, key):
+    with pytest.raises(StemIndexerInputError, match=rf"^additional_config\['stem'\]: {key} "):
+        StemSettings.from_config({"stem": section})
+
+
+def test_settings_section_must_be_an_object():
+    with pytest.raises(StemIndexerInputError, match="must be a JSON object"):
+        StemSettings.from_config({"stem": [1]})
+
+
+def test_stem_blocks_must_be_whole_pages():
+    s = StemSettings.from_mapping({"stem_block_size": 64})
+    s.check_kv_block_size(32)
+    s.check_kv_block_size(64)
+    with pytest.raises(StemIndexerInputError, match="stem_block_size must be a multiple of "
+                       "vLLM's KV-cache block size \\(128"):
+        s.check_kv_block_size(128)
+
+
+# --------------------------------------------------------------------------- #
+# Rows
+# --------------------------------------------------------------------------- #
+
+
+def test_row_kinds_follow_a_prompt_through_its_chunks():
+    kinds = RowKinds()
+    assert kinds.kind("a", 0, 300, 100) == "fresh"
+    assert kinds.kind("a", 100, 300, 100) == "continuation"
+    assert kinds.kind("a", 200, 300, 100) == "continuation"  # the last chunk
+    assert kinds.kind("a", 300, 300, 1) == "decode"
+    assert kinds.kind("b", 256, 300, 44) == "prefix hit"  # first seen with context
+    assert kinds.kind("c", 0, 50, 50) == "fresh"  # one shot
+    assert kinds.kind("d", 128, 900, 100) == "prefix hit"
+    assert kinds.kind("d", 228, 900, 100) == "continuation"
+
+
+def test_forgotten_requests_are_bounded():
+    kinds = RowKinds(limit=3)
+    for r in range(10):
+        kinds.kind(str(r), 0, 100, 10)
+    assert len(kinds._open) == 3
+
+
+def _random_row(gen, bs: int, prompt: int) -> Row:
+    context = int(torch.randint(0, prompt - 1, (), generator=gen))
+    q_len = int(torch.randint(1, prompt - context + 1, (), generator=gen))
+    return Row(0, 0, q_len, context, prompt)
+
+
+@pytest.mark.parametrize("preset", ["default", "tight"])
+def test_planned_pairs_are_what_the_indexer_keeps(preset):
+    """plan_row (budget only, before scoring) = the indexer's own lengths,
+    for rows at any offset of long prompts."""
+    bs, hq, hkv, dim = 16, 4, 2, 8
+    s = StemSettings.from_mapping({"preset": preset, "stem_block_size": bs, "stem_stride": 4})
+    gen = torch.Generator().manual_seed(0)
+    for prompt in (900, 2000, 3000):
+        for _ in range(4):
+            row = _random_row(gen, bs, prompt)
+            q = torch.randn(row.q_len, hq, dim, generator=gen)
+            k = torch.randn(hkv, row.seq_len, dim, generator=gen)
+            v = torch.randn(hkv, row.seq_len, dim, generator=gen)
+            _, lengths = select_blocks(q, k, v, row, 0.3, s)
+            plan = plan_row(row, s)
+            first = row.context // bs
+            assert lengths.shape == (hq, math.ceil(row.seq_len / bs) - first)
+            assert int(lengths.sum()) == hq * plan.kept
+            assert plan.visible == sum(range(first + 1, math.ceil(row.seq_len / bs) + 1))
+
+
+def _vec_cache(k: torch.Tensor, v: torch.Tensor, page: int, num_pages: int, gen):
+    """A cache in vLLM's CPU ``vec`` layout holding k, v [Hkv, S, D] on
+    shuffled pages: (key_cache, value_cache views, pages, raw cache)."""
+    hkv, seq, dim = k.shape
+    n = math.ceil(seq / page)
+    pages = torch.randperm(num_pages, generator=gen)[:n].to(torch.int32)
+    raw = torch.full((num_pages, hkv, page, 2 * dim), float("nan"), dtype=k.dtype)
+    pad = n * page - seq
+    kp = torch.nn.functional.pad(k, (0, 0, 0, pad)).view(hkv, n, page, dim)
+    vp = torch.nn.functional.pad(v, (0, 0, 0, pad)).view(hkv, n, page, dim)
+    for i, p in enumerate(pages.tolist()):
+        block = raw[p].view(hkv, 2 * page * dim)
+        block[:, :page * dim] = kp[:, i].transpose(1, 2).reshape(hkv, -1)  # keys transposed
+        block[:, page * dim:] = vp[:, i].reshape(hkv, -1)
+    key_cache, value_cache = raw.view(num_pages, hkv, 2 * page, dim).chunk(2, dim=2)
+    return key_cache, value_cache, pages, raw
+
+
+def test_context_is_read_back_from_the_vec_layout():
+    gen = torch.Generator().manual_seed(1)
+    k, v = torch.randn(2, 3, 203, 8, generator=gen)
+    key_cache, value_cache, pages, _ = _vec_cache(k, v, 32, 12, gen)
+    for length in (1, 32, 150, 203):
+        rk, rv = context_kv(key_cache, value_cache, pages, length)
+        assert torch.equal(rk, k[:, :length]) and torch.equal(rv, v[:, :length])
+
+
+def _paged_kernel(query, raw, q_lens, seq_lens, table, scale):
+    """vLLM's paged attention in float64, one query head per row, on a cache
+    viewed as [pages * Hkv, 1, page, 2D]: a row's queries are the last of its
+    sequence (bottom-right causal)."""
+    num, hkv, page, width = raw.shape
+    dim = width // 2
+    flat = raw.view(num * hkv, page, width).double()
+    out = torch.empty(query.shape, dtype=torch.float64)
+    at = 0
+    for n, seq, pages in zip(q_lens.tolist(), seq_lens.tolist(), table):
+        used = pages[:math.ceil(seq / page)].long()
+        block = flat[used].reshape(len(used), 2 * page * dim)  # keys, then values
+        keys = block[:, :page * dim].reshape(-1, dim, page).transpose(1, 2)  # stored [D, page]
+        keys = keys.reshape(-1, dim)[:seq]
+        vals = block[:, page * dim:].reshape(-1, dim)[:seq]
+        q = query[at:at + n, 0].double()
+        scores = q @ keys.T * scale
+        t = torch.arange(n)[:, None] + seq - n
+        scores = scores.masked_fill(torch.arange(seq)[None] > t, -math.inf)
+        out[at:at + n, 0] = torch.softmax(scores, -1) @ vals
+        at += n
+    return out
+
+
+@pytest.mark.parametrize("bs", [32, 64])  # one page per block, two
+@pytest.mark.parametrize("context, q_len", [(0, 700), (300, 211), (2289, 1), (1640, 64),
+                                            (3097, 903)])
+def test_virtual_rows_are_block_sparse_attention_on_the_selection(context, q_len, bs):
+    page, hq, hkv, dim, prompt = 32, 4, 2, 16, 4000
+    s = StemSettings.from_mapping({"preset": "tight", "stem_block_size": bs, "stem_stride": 8})
+    gen = torch.Generator().manual_seed(context + q_len)
+    row = Row(0, 0, q_len, context, prompt)
+    query = torch.randn(q_len, hq, dim, generator=gen)
+    k, v = torch.randn(2, hkv, row.seq_len, dim, generator=gen)
+    key_cache, value_cache, pages, raw = _vec_cache(k, v, page, 130, gen)
+    scale = 1 / math.sqrt(dim)
+    idx, lengths = select_blocks(query, k, v, row, scale, s)
+    vr = virtual_rows(idx, lengths, row, bs, page, pages, hkv)
+    assert int(vr.query_lens.sum()) == hq * q_len
+    got = _paged_kernel(query.transpose(0, 1).reshape(-1, 1, dim), raw, vr.query_lens,
+                        vr.seq_lens, vr.block_table, scale)
+    got = got.view(hq, q_len, dim).transpose(0, 1)
+    # The same selection through the package's block-sparse attention, on the
+    # block-aligned window (earlier queries of the first block as zeros).
+    lead = context % bs
+    q = torch.zeros(1, hq, lead + q_len, dim, dtype=torch.float64)
+    q[0, :, lead:] = query.transpose(0, 1).double()
+    want = stem_indexer.block_sparse_attention(
+        q, k[None].double(), v[None].double(), idx[None], lengths[None], stem_block_size=bs,
+        scale=scale, backend="gather")[0, :, lead:].transpose(0, 1)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    if row.seq_len > 24 * bs:  # past the budget's 11 or 15 blocks and the 8 forced
+        assert int(lengths.sum()) < hq * plan_row(row, s).visible
