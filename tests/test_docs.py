@@ -21,9 +21,9 @@ SKIP_PARTS = {"__pycache__", ".venv", "build", "dist"}
 _CITATION = re.compile(r"\bsections?\s+\d+(?:\s*(?:,|and|or)\s*\d+)*", re.IGNORECASE)
 _NUMBERS = re.compile(r"\d+")
 _PREFIX = "CONTRACT.md "
-# The old name of the contract, as a whole word (identifiers such as
-# SPEC_SCHEMAS are not citations).
-_OLD_NAME = re.compile(r"\bSPEC\b")
+# A citation of the old contract file: "SPEC.md", "SPEC section 4", "SPEC 5"
+# (identifiers such as SPEC_SCHEMAS, or an argument called SPEC, are not).
+_OLD_NAME = re.compile(r"\bSPEC(?:\.md\b|\s+(?:sections?\b|\d))")
 
 
 def contract_sections() -> set[int]:
@@ -102,4 +102,7 @@ def test_citation_checker_flags_what_it_should():
     assert [(line, numbers, named) for line, _, numbers, named in found] == [
         (1, [4], False), (2, [9], True), (3, [3, 5], True)]
     assert 9 not in contract_sections()
-    assert _OLD_NAME.search("(SPEC 5)") and not _OLD_NAME.search("SPEC_SCHEMAS")
+    for cited in ("(SPEC 5)", "SPEC section 4", "refer to SPEC.md", "SPEC sections 3"):
+        assert _OLD_NAME.search(cited), cited
+    for other in ("SPEC_SCHEMAS", "SPEC: ``model`` (a directory)", "SPEC_JSON"):
+        assert not _OLD_NAME.search(other), other
