@@ -491,3 +491,48 @@ def test_one_spelling_of_block_size_and_stride_across_the_public_api():
     compiled = torch.compile(
         lambda q: block_sparse_attention(q, k, v, idx, seq_len, block_size=16), fullgraph=True)
     torch.testing.assert_close(compiled(q), new, rtol=0, atol=0)
+
+
+def _reachable(q_len, kv_len, bs, qmax, kmax):
+    """[qmax, kmax] bool by hand: key block j holds a key that some valid
+    token of query block i sees (right-down causal, keys < kv_len)."""
+    out = torch.zeros(qmax, kmax, dtype=torch.bool)
+    for t in range(q_len):
+        last = min(t + kv_len - q_len, kv_len - 1)
+        if last >= 0:
+            out[t // bs, : last // bs + 1] = True
+    return out
+
+
+@pytest.mark.parametrize("q_len, kv_len, exact", [
+    (300, 300, True),            # 19 blocks: the budget keeps every block
+    (55 * 16, 55 * 16, True),    # 55 prompt blocks: still all
+    (56 * 16, 56 * 16, False),   # 56: the budget starts to drop blocks
+    (325, 325, True),            # a tail block
+    (40, 47, False),             # q/kv offset not a block multiple: a few keys past the lists
+    (64, 1000, False),           # a chunk after a long prefix
+])
+def test_dense_when_the_budget_keeps_every_block_is_the_contracts_rule(q_len, kv_len, exact,
+                                                                      monkeypatch):
+    """contract.dense_is_exact (the rule's one home, beside the budget) is True
+    exactly where the indexer's own lists hold every block the tokens reach
+    (checked by hand here), so dense attention is then the sparse result;
+    stem_attention takes its dense path by that rule and no other."""
+    params = stem_indexer.IndexerParams(stem_block_size=16, stem_stride=4)
+    lens = torch.tensor([q_len]), torch.tensor([kv_len])
+    assert stem_indexer.contract.dense_is_exact(*lens, lens[1], params) is exact
+    q, k, v = qkv(1, 2, 1, q_len, kv_len, 8, q_len + kv_len)
+    idx, seq_len = stem_indexer.stem_indexer(*stem_indexer.stem_inputs(q, k, v, **SMALL), **SMALL)
+    qmax, kmax = -(-q_len // 16), -(-kv_len // 16)
+    listed = torch.zeros(1, 2, qmax, kmax + 1, dtype=torch.bool)
+    listed.scatter_(-1, torch.where(idx >= 0, idx, kmax).long(), True)
+    reach = _reachable(q_len, kv_len, 16, qmax, kmax)
+    assert bool((listed[..., :kmax] | ~reach).all()) is exact  # every reached block listed
+    _, info = stem_attention(q, k, v, return_info=True, **SMALL)
+    assert (info.path == "dense") is exact
+    if exact:  # the rule alone sends the call to dense attention
+        monkeypatch.setattr(stem_indexer.contract, "dense_is_exact", lambda *args: False)
+        out, info = stem_attention(q, k, v, return_info=True, **SMALL)
+        assert info.path == "sparse"
+        dense = dense_attention(q, k, v)
+        torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)

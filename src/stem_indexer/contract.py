@@ -32,6 +32,8 @@ __all__ = [
     "candidate_range",
     "prompt_budget",
     "row_budget",
+    "reach_blocks",
+    "dense_is_exact",
     "rank_keys",
     "check_indexer_inputs",
     "check_metadata_inputs",
@@ -260,6 +262,48 @@ def row_budget(
 
     k = torch.where(decays, decayed, ks)
     return k.clamp(0, TOPK_CAP)
+
+
+# --------------------------------------------------------------------------- #
+# When the budget keeps every block: dense attention is the sparse result
+# --------------------------------------------------------------------------- #
+
+
+def reach_blocks(i: torch.Tensor, q_len, kv_len, block_size: int, causal: bool) -> torch.Tensor:
+    """Key blocks holding a key visible, token-wise (right-down causal), to
+    some token of query blocks ``i`` of a sequence of ``q_len`` queries and
+    ``kv_len`` keys: blocks ``0 .. reach-1``."""
+    if not causal:
+        return torch.full_like(i, int(ceil_div(kv_len, block_size)))
+    last_q = torch.minimum((i + 1) * block_size, q_len) - 1
+    return ceil_div(torch.minimum(kv_len, last_q + kv_len - q_len + 1).clamp(min=0),
+                    block_size)
+
+
+def dense_is_exact(q_lens: torch.Tensor, kv_lens: torch.Tensor, prompt: torch.Tensor,
+                   params: IndexerParams) -> bool:
+    """True when the indexer would keep, in every row, every key block that
+    holds a key visible to the row's tokens (the budget covers all
+    candidates, and the block-aligned visible range covers the token-level
+    one): block-sparse attention on its lists is then dense attention.
+    Host int64 lengths per batch; ``prompt`` the prompt lengths in tokens."""
+    bs = params.stem_block_size
+    qb, kb = ceil_div(q_lens, bs), ceil_div(kv_lens, bs)
+    p = ceil_div(prompt, bs)
+    ks = prompt_budget(p, params)
+    for b in range(q_lens.shape[0]):
+        n = int(qb[b])
+        if n == 0 or int(kb[b]) == 0:
+            continue
+        i = torch.arange(n)
+        s2 = visible_blocks(i, n, int(kb[b]), params.causal)
+        sink_end, cand_end = candidate_range(s2, params.initial_blocks, params.window_size)
+        budget = row_budget(i + int(kb[b]) - n, p[b], ks[b], params.alpha)
+        if bool((budget < cand_end - sink_end).any()):
+            return False
+        if bool((s2 < reach_blocks(i, q_lens[b], kv_lens[b], bs, params.causal)).any()):
+            return False
+    return True
 
 
 # --------------------------------------------------------------------------- #

@@ -36,7 +36,8 @@ import math
 import torch
 
 from ._renamed import warn_deprecated
-from .attention import _check_layout, stem_attention
+from .attention import stem_attention
+from .checks import _check_layout
 from .contract import check_bool, fail
 
 __all__ = ["stem_attn_func", "stem_attn_varlen_func"]

@@ -79,7 +79,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
         "'hf' extra: pip install 'stem-indexer[hf]'"
     ) from exc
 
-from ..attention import check_stem_options, stem_attention
+from ..attention import stem_attention
+from ..checks import check_stem_options
 from ..contract import IndexerParams, check_int, fail
 
 # The first release whose mask functions are called with (q_length, q_offset)

@@ -1,0 +1,221 @@
+"""Which path and which kernel run a checked call, and running them.
+
+``_stem`` is the body of ``stem_attention``: dense attention where the
+budget keeps every block (``contract.dense_is_exact``) or there are too few
+query blocks, else ``prepare.stem_inputs`` -> indexer metadata -> indexer ->
+block-sparse attention. ``_run`` runs block-sparse attention on the kernel
+that ``_backend`` picks (see ``attention.py``'s docstring for the backends).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from . import contract
+from .api import run_indexer, stem_indexer_metadata
+from .checks import check_backend_fits
+from .contract import IndexerParams, ceil_div, fail
+from .dense import _dense
+from .ops import flex_attention as flex
+from .ops.gather_attention import gather_attention
+from .prepare import stem_inputs
+
+# --------------------------------------------------------------------------- #
+# Kernels
+# --------------------------------------------------------------------------- #
+
+
+def _native():
+    """The native kernel's module, or None where it is not built."""
+    from .ops import sparse_attention
+    return sparse_attention if sparse_attention.available() else None
+
+def _native_status() -> str:
+    from .ops import sparse_attention
+    return sparse_attention.status()
+
+def _backend(backend: str, q: torch.Tensor) -> str:
+    if backend != "auto":
+        return backend
+    if q.device.type == "cpu" and _native() is not None and q.dtype in _native().DTYPES:
+        return "native"
+    if q.device.type == "cpu" and _native() is None:  # reported: status() and one warning
+        from .ops import sparse_attention
+        sparse_attention.report_fallback()
+    if q.device.type == "cuda" and flex.available():
+        return "flex"
+    return "gather"
+
+def _padding_zeroed(x: torch.Tensor, lens: torch.Tensor, blocks: int, bs: int) -> torch.Tensor:
+    """x [B,H,S,D] padded to ``blocks * bs`` positions, every position at or
+    past ``lens[b]`` zero (a copy only where there is padding)."""
+    seq = x.shape[2]
+    if seq == blocks * bs and bool((lens == seq).all()):
+        return x
+    out = x.new_zeros(*x.shape[:2], blocks * bs, x.shape[3])
+    for b, n in enumerate(lens.tolist()):
+        out[b, :, :n] = x[b, :, :n]
+    return out
+
+@dataclass(frozen=True)
+class _Call:
+    """A checked block-sparse attention problem: q/k/v and the lists on one
+    device, the per-batch lengths on the host."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    idx: torch.Tensor
+    lengths: torch.Tensor
+    qlen: torch.Tensor
+    kvlen: torch.Tensor
+    bs: int
+    causal: bool
+    scale: float
+    softcap: float | None
+
+def _flex(c: _Call, want_lse: bool):
+    qmax, kmax = ceil_div(c.q.shape[2], c.bs), ceil_div(c.k.shape[2], c.bs)
+    device = c.q.device
+    if want_lse and device.type == "cpu":
+        fail("block_sparse_attention", "backend", "'flex' cannot return the log-sum-exp on CPU "
+             "(inductor's CPU FlexAttention lacks it); use 'native' or 'gather'", "'flex'")
+    mask = flex.block_mask(c.idx, c.lengths, block_size=c.bs, causal=c.causal,
+                           q_len=qmax * c.bs, kv_len=kmax * c.bs, q_lens=c.qlen.to(device),
+                           kv_lens=c.kvlen.to(device))
+    out, lse = flex.flex_attention_forward(_padding_zeroed(c.q, c.qlen, qmax, c.bs),
+                                           _padding_zeroed(c.k, c.kvlen, kmax, c.bs),
+                                           _padding_zeroed(c.v, c.kvlen, kmax, c.bs), mask,
+                                           c.scale, c.softcap, want_lse)
+    sq = c.q.shape[2]
+    return out[:, :, :sq], None if lse is None else lse[:, :, :sq]
+
+def _run(c: _Call, backend: str, want_lse: bool = False):
+    """``(out, lse)`` of a checked call (lse None unless ``want_lse``); padded
+    query positions zero (and -inf)."""
+    if backend == "native":
+        check_backend_fits("block_sparse_attention", backend, c.q.device, c.q.dtype)
+        native = _native()
+        if native is None:
+            fail("block_sparse_attention", "backend", "'native' is not available here "
+                 f"({_native_status()})", "'native'")
+        out, lse = native.sparse_attention(c.q, c.k, c.v, c.idx, c.lengths, c.qlen, c.kvlen,
+                                           c.bs, c.causal, c.scale, c.softcap, lse=True)
+    elif backend == "flex":
+        out, lse = _flex(c, want_lse)
+    else:
+        out, lse = gather_attention(c.q, c.k, c.v, c.idx, c.lengths, c.qlen, c.kvlen, c.bs,
+                                    c.causal, c.scale, c.softcap)
+    lse = lse.float() if want_lse else None
+    pad_q = torch.arange(c.q.shape[2])[None, :] >= c.qlen[:, None]
+    if bool(pad_q.any()):
+        pad_q = pad_q.to(c.q.device)[:, None, :]
+        out = out.masked_fill(pad_q[..., None], 0)
+        lse = None if lse is None else lse.masked_fill(pad_q, -math.inf)
+    return out.to(c.q.dtype), lse
+
+
+# --------------------------------------------------------------------------- #
+# The Stem pipeline
+# --------------------------------------------------------------------------- #
+
+
+class StemInfo(NamedTuple):
+    """What one ``stem_attention`` call did (``return_info=True``).
+
+    ``path`` is ``"sparse"`` (the indexer chose the blocks) or ``"dense"``,
+    with ``reason``: ``"decode"`` (fewer than ``min_q_blocks`` query blocks)
+    or ``"budget keeps every block"`` (short sequences). ``backend`` is the
+    kernel that ran (``"native"``, ``"flex"``, ``"gather"`` or ``"sdpa"``).
+    ``density`` = ``kept_pairs / visible_pairs``: attended (query block, key
+    block) pairs over the causally visible ones, all batches and heads.
+    """
+
+    path: str
+    reason: str
+    backend: str
+    kept_pairs: int
+    visible_pairs: int
+
+    @property
+    def density(self) -> float:
+        return self.kept_pairs / self.visible_pairs if self.visible_pairs else 1.0
+
+    def encode(self) -> torch.Tensor:
+        """As an int64 tensor, the form a custom op can return."""
+        return torch.tensor([_PATHS.index(self.path), _REASONS.index(self.reason),
+                             _KERNELS.index(self.backend), self.kept_pairs, self.visible_pairs])
+
+    @classmethod
+    def decode(cls, code: torch.Tensor) -> "StemInfo":
+        path, reason, backend, kept, visible = code.tolist()
+        return cls(_PATHS[path], _REASONS[reason], _KERNELS[backend], kept, visible)
+
+_PATHS = ("sparse", "dense")
+
+_REASONS = ("", "decode", "budget keeps every block")
+
+_KERNELS = ("native", "flex", "gather", "sdpa")
+
+def _visible_pairs(qlen, kvlen, params: IndexerParams) -> int:
+    """Visible (query block, key block) pairs per query head, over the batch."""
+    bs = params.stem_block_size
+    total = 0
+    for q_len, kv_len in zip(qlen.tolist(), kvlen.tolist()):
+        qb, kb = ceil_div(q_len, bs), ceil_div(kv_len, bs)
+        if qb and kb:
+            total += int(contract.visible_blocks(torch.arange(qb), qb, kb, params.causal).sum())
+    return total
+
+def _dense_lists(qlen, kvlen, bs: int, causal: bool, hq: int, qmax: int, kmax: int, device):
+    """Lists of every key block each row's tokens can see: block-sparse
+    attention on them is dense attention (with its log-sum-exp)."""
+    i = torch.arange(qmax)
+    lengths = torch.stack([torch.where(i < ceil_div(q_len, bs),
+                                       contract.reach_blocks(i, q_len, kv_len, bs, causal), 0)
+                           for q_len, kv_len in zip(qlen, kvlen)])
+    lengths = lengths[:, None].expand(-1, hq, -1).to(device)
+    idx = torch.arange(kmax, device=device).expand(*lengths.shape, kmax)
+    return torch.where(idx < lengths[..., None], idx, -1), lengths
+
+def _stem(q, k, v, qlen, kvlen, prompt, params: IndexerParams, scale, softcap, oam, oam_lambda,
+          indexer_scale, min_q_blocks, backend, want_lse):
+    """The body of ``stem_attention`` on checked arguments: (out, lse, info)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    bs, stride = params.stem_block_size, params.stem_stride
+    qmax, kmax = ceil_div(q.shape[2], bs), ceil_div(k.shape[2], bs)
+    visible = _visible_pairs(qlen, kvlen, params) * hq
+    backend = _backend(backend, q)
+    reason = ""
+    if int(ceil_div(qlen, bs).max()) < min_q_blocks:
+        reason = "decode"
+    elif contract.dense_is_exact(qlen, kvlen, prompt, params):
+        reason = "budget keeps every block"
+    if reason and not (want_lse or softcap):
+        out = _dense(q, k, v, params.causal, scale, qlen, kvlen)
+        return out, None, StemInfo("dense", reason, "sdpa", visible, visible)
+    if reason:  # dense through the block kernels, which give the lse and the softcap
+        idx, lengths = _dense_lists(qlen, kvlen, bs, params.causal, hq, qmax, kmax, q.device)
+        out, lse = _run(_Call(q, k, v, idx, lengths, qlen, kvlen, bs, params.causal, scale,
+                              softcap), backend, want_lse)
+        return out, lse, StemInfo("dense", reason, backend, visible, visible)
+
+    inputs = stem_inputs(q, k, v, stem_block_size=bs, stem_stride=stride,
+                         q_lens=qlen.to(q.device),
+                         kv_lens=kvlen.to(q.device),
+                         scale=scale / stride if indexer_scale is None else indexer_scale,
+                         oam=oam, oam_lambda=oam_lambda)
+    metadata = stem_indexer_metadata(
+        inputs.q_seq_lens, inputs.kv_seq_lens, hq, hkv, causal=params.causal,
+        stem_block_size=bs, dim_qkflat=inputs.qflat.shape[-1], window_size=params.window_size)
+    idx, lengths = run_indexer(
+        inputs.qflat, inputs.kflat, inputs.vbias, inputs.q_seq_lens, inputs.kv_seq_lens,
+        prompt.to(device=q.device, dtype=torch.int32), metadata, params)
+    # The indexer's lists are valid and ascending by contract: no check needed.
+    out, lse = _run(_Call(q, k, v, idx, lengths, qlen, kvlen, bs, params.causal, scale,
+                          softcap), backend, want_lse)
+    return out, lse, StemInfo("sparse", "", backend, int(lengths.sum()), visible)
