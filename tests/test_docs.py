@@ -66,8 +66,10 @@ def citations(text: str):
 
 
 def test_contract_has_its_sections():
-    # The numbering the citations are checked against: 1 .. 7, in order.
-    assert sorted(contract_sections()) == list(range(1, 8))
+    # The numbering the citations are checked against: 1 .. N without a gap, with
+    # at least the seven sections of the operator's contract.
+    sections = sorted(contract_sections())
+    assert sections == list(range(1, len(sections) + 1)) and len(sections) >= 7
 
 
 def test_no_file_cites_the_old_spec_name():
