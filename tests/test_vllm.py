@@ -364,3 +364,30 @@ def test_server_streams_a_completion_with_stem(model, tmp_path):
         server.terminate()
         server.wait(timeout=60)
         log.close()
+
+
+# --------------------------------------------------------------------------- #
+# The README's "Serve with vLLM" example on the converted SmolLM2 (--run-model)
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.model
+def test_readme_serving_example_runs(tmp_path):
+    """The README's Python example (its ``py`` block) as written, on the model
+    ``benchmarks/vllm_bench.py convert`` makes (converted here if absent)."""
+    import re
+
+    readme = (HERE.parent / "README.md").read_text()
+    section = readme.split("## Serve with vLLM", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```py\n(.*?)```", section, flags=re.S)
+    model = Path.home() / ".cache" / "stem_indexer" / "smollm2-135m-yarn4"
+    if not (model / "config.json").exists():
+        subprocess.run([sys.executable, str(HERE.parent / "benchmarks" / "vllm_bench.py"),
+                        "convert"], check=True, timeout=900)
+    script = tmp_path / "serve_example.py"
+    script.write_text(block)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert "sparse:" in last and "density" in last, last
