@@ -176,24 +176,22 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
                               "no prompt length"))
                 continue
             row = Row(r, starts[r], q_len, context, prompts[r], kinds[r], requests[r])
-            reason = self._dense_reason(row)
+            if q_len == 0 or context >= row.prompt:
+                dense.append((row, "decode" if q_len else "empty row"))
+                continue
+            plan = plan_row(row, self.settings)  # once a step, for every layer
+            row = dataclasses.replace(row, visible=plan.visible)
+            reason = self._dense_reason(row, plan.share)
             if reason:
                 dense.append((row, reason))
             else:
                 stem.append(row)
         return stem, dense
 
-    def _dense_reason(self, row: Row) -> str:
+    def _dense_reason(self, row: Row, share: float) -> str:
         s = self.settings
-        if row.q_len == 0:
-            return "empty row"
-        if row.context >= row.prompt:
-            return "decode"
         if row.prompt < s.min_prompt_tokens:
             return "short prompt"
-        if row.q_len < 1:
-            return "empty row"
-        share = plan_row(row, s).share
         if share >= 1.0 and s.dense_above < 1.0:
             return "budget keeps every block"
         if share > s.dense_above:
@@ -321,7 +319,7 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         for row, reason in rows:
             # A request's own record (and its log line) covers its prompt's rows.
             request = row.request if row.context < row.prompt else ""
-            pairs = plan_row(row, self.settings).visible * self.num_heads if request else 0
+            pairs = row.visible * self.num_heads
             STATS.row(name, request, row.prompt, f"dense:{reason}", pairs, pairs,
                       row.seq_len >= row.prompt, first)
 
@@ -369,7 +367,7 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
             if _OBSERVERS:
                 traces.append((row, q, k, v, idx, lengths))
             kept = int(lengths.sum())
-            visible = plan_row(row, s).visible * self.num_heads
+            visible = row.visible * self.num_heads
             STATS.row(name, row.request, row.prompt, f"sparse:{row.kind}", kept, visible,
                       row.seq_len >= row.prompt, self.ordinal == 0)
         vq = torch.cat(queries) if len(queries) > 1 else queries[0]

@@ -58,6 +58,7 @@ class Row:
     prompt: int  #: the request's prompt length (the budget's)
     kind: str = "fresh"  #: "fresh", "continuation" or "prefix hit"
     request: str = ""
+    visible: int = 0  #: visible (query block, key block) pairs per head (``plan_row``)
 
     @property
     def seq_len(self) -> int:
