@@ -158,8 +158,16 @@ def speed(args) -> None:
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
-    lengths = [int(x) for x in args.lengths.split(",")]
-    conc = [int(x) for x in args.concurrency.split(",")]
+    if args.cells:  # LENGTHxREQUESTS[:REPS],...
+        cells = []
+        for cell in args.cells.split(","):
+            size, _, reps = cell.partition(":")
+            length, n = size.split("x")
+            cells.append((int(length), int(n), int(reps or args.reps)))
+    else:
+        cells = [(int(length), int(n), args.reps) for length in args.lengths.split(",")
+                 for n in args.concurrency.split(",")]
+    lengths = [length for length, _, _ in cells]
     stem = json.loads(args.stem)
     limit = max(lengths) + 64
     engines = {"vllm": engine(args.model, None, max_model_len=limit),
@@ -171,29 +179,30 @@ def speed(args) -> None:
     for llm in engines.values():
         first_token_s(llm, [random_prompt(rng, 512, vocab)])
     rows = []
-    for length in lengths:
-        for n in conc:
-            times = {name: [] for name in engines}
-            stem_vllm.reset_stats(engines["stem"])
-            for rep in range(args.reps):
-                order = list(engines) if rep % 2 == 0 else list(reversed(engines))
-                for name in order:
-                    prompts = [random_prompt(rng, length, vocab) for _ in range(n)]
-                    times[name].append(first_token_s(engines[name], prompts))
-                    print(f"  {length} x{n} {name}: {times[name][-1]:.1f} s", flush=True)
-            density = stem_vllm.stats(engines["stem"])["density"]
-            ratios = [a / b for a, b in zip(times["vllm"], times["stem"])]
-            rows.append((length, n, statistics.median(times["vllm"]),
-                         statistics.median(times["stem"]), ratios, density))
+    for length, n, reps in cells:
+        times = {name: [] for name in engines}
+        stem_vllm.reset_stats(engines["stem"])
+        for rep in range(reps):
+            order = list(engines) if rep % 2 == 0 else list(reversed(engines))
+            for name in order:
+                prompts = [random_prompt(rng, length, vocab) for _ in range(n)]
+                times[name].append(first_token_s(engines[name], prompts))
+                print(f"  {length} x{n} {name}: {times[name][-1]:.1f} s", flush=True)
+        density = stem_vllm.stats(engines["stem"])["density"]
+        ratios = [a / b for a, b in zip(times["vllm"], times["stem"])]
+        rows.append((length, n, times, ratios, density))
+    command = (f"--cells {args.cells}" if args.cells else
+               f"--lengths {args.lengths} --concurrency {args.concurrency} --reps {args.reps}")
     lines = [f"\n### Time to first token, vLLM's backend against Stem ({args.stem})\n",
-             header(), "", f"`python benchmarks/vllm_bench.py speed --lengths {args.lengths} "
-             f"--concurrency {args.concurrency} --reps {args.reps}`", "",
-             "| tokens | requests | vLLM (s) | Stem (s) | speed-up, median [min, max] | "
-             "density |", "|---|---|---|---|---|---|"]
-    for length, n, tv, ts, ratios, density in rows:
-        dens = "-" if density is None else f"{density:.0%}"
-        lines.append(f"| {length} | {n} | {tv:.1f} | {ts:.1f} | {statistics.median(ratios):.2f}x "
-                     f"[{min(ratios):.2f}, {max(ratios):.2f}] | {dens} |")
+             header(), "", f"`python benchmarks/vllm_bench.py speed {command}`", "",
+             "| tokens | requests | runs | vLLM (s) | Stem (s) | speed-up, median [min, max] | "
+             "density of the Stem rows |", "|---|---|---|---|---|---|---|"]
+    for length, n, times, ratios, density in rows:
+        dens = "- (every row dense)" if density is None else f"{density:.0%}"
+        tv, ts = (" / ".join(f"{t:.1f}" for t in times[k]) for k in ("vllm", "stem"))
+        lines.append(f"| {length} | {n} | {len(ratios)} | {tv} | {ts} | "
+                     f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}] "
+                     f"| {dens} |")
     record("\n".join(lines), args.record)
 
 
@@ -439,6 +448,8 @@ def main(argv=None) -> None:
     sub.choices["speed"].add_argument("--lengths", default="8192,16384,32768")
     sub.choices["speed"].add_argument("--concurrency", default="1,4")
     sub.choices["speed"].add_argument("--reps", type=int, default=2)
+    sub.choices["speed"].add_argument("--cells", default="",
+                                      help="LENGTHxREQUESTS[:REPS],... instead of the grid")
     sub.choices["passkey"].add_argument("--lengths", default="16384,32768")
     sub.choices["passkey"].add_argument("--trials", default="20,10")
     sub.choices["passkey"].add_argument("--results", default="benchmarks/vllm_passkey.jsonl")
