@@ -243,18 +243,18 @@ def test_stem_path_with_tensor_parallel_2(model):
 def test_sparse_rows_equal_stem_attention_on_the_same_inputs(model):
     run = cached(model, "sparse", SPARSE, check_rows=True)
     rec = run["record"]
-    assert rec["rows"] > 20 and rec["selection_mismatches"] == 0
+    assert rec["rows"] > 20 and rec["selection_mismatches"] == 0, rec
     assert rec["max_error"] < 1e-5, rec
-    assert rec["kinds"].get("continuation", 0) > 0 and rec["kinds"].get("prefix hit", 0) > 0
-    assert rec["unaligned"] > 0  # chunks starting inside a block
+    assert rec["kinds"].get("continuation", 0) > 0 and rec["kinds"].get("prefix hit", 0) > 0, rec
+    assert rec["unaligned"] > 0, rec  # chunks starting inside a block
     stats = run["stats"]
-    assert stats["density"] < 0.7
+    assert stats["density"] < 0.7, stats
     assert set(stats["layers"]) == {f"model.layers.{i}.self_attn.attn" for i in range(2)}
     for layer in stats["layers"].values():
-        assert 0 < layer["kept"] < layer["visible"]
+        assert 0 < layer["kept"] < layer["visible"], stats
     # Two Stem layers per checked row, one row per layer call: the counts agree.
     sparse_rows = sum(v for k, v in stats["rows"].items() if k.startswith("sparse"))
-    assert sparse_rows == rec["rows"]
+    assert sparse_rows == rec["rows"], (stats, rec)
 
 
 def test_each_prefill_logs_one_line_with_its_density(model):
