@@ -75,6 +75,11 @@ def convert(out: Path) -> None:
           f"rope {model.config.rope_parameters}")
 
 
+def _window(path: Path) -> int:
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(path).max_position_embeddings
+
+
 def _require_model(path: Path) -> None:
     if not (path / "config.json").exists():
         raise SystemExit(f"no converted model in {path}: run "
@@ -157,7 +162,8 @@ def speed(args) -> None:
     _require_model(args.model)
     from transformers import AutoConfig
 
-    vocab = AutoConfig.from_pretrained(args.model).vocab_size
+    config = AutoConfig.from_pretrained(args.model)
+    vocab, window = config.vocab_size, config.max_position_embeddings
     if args.cells:  # LENGTHxREQUESTS[:REPS],...
         cells = []
         for cell in args.cells.split(","):
@@ -167,9 +173,10 @@ def speed(args) -> None:
     else:
         cells = [(int(length), int(n), args.reps) for length in args.lengths.split(",")
                  for n in args.concurrency.split(",")]
-    lengths = [length for length, _, _ in cells]
+    # A prompt and its first token fit the window: "32768" is 32,760 tokens.
+    cells = [(min(length, window - 8), n, reps) for length, n, reps in cells]
     stem = json.loads(args.stem)
-    limit = max(lengths) + 64
+    limit = min(max(length for length, _, _ in cells) + 64, window)
     engines = {"vllm": engine(args.model, None, max_model_len=limit),
                "stem": engine(args.model, stem, max_model_len=limit)}
     import stem_indexer.integrations.vllm as stem_vllm
@@ -319,7 +326,9 @@ def passkey(args) -> None:
     if results.exists():
         done = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
     configs = {"vllm": None, "default": json.loads(args.stem)}
-    limit = max(lengths) + 64
+    window = _window(args.model)
+    lengths = [min(length, window - 16) for length in lengths]
+    limit = min(max(lengths) + 64, window)
     engines = {name: engine(args.model, stem, max_model_len=limit)
                for name, stem in configs.items()}
     params = SamplingParams(max_tokens=8, temperature=0.0)
@@ -418,13 +427,15 @@ def _agreement_run(args) -> None:
                 sets[f"{p}/{trace.layer}/{h}/{first + b}"] = trace.indices[h, b, :n].tolist()
 
     backend.observe(keep)
-    llm = engine(args.model, json.loads(args.stem), max_model_len=args.length + 64,
+    window = _window(args.model)
+    length = min(args.length, window - 32)
+    llm = engine(args.model, json.loads(args.stem), max_model_len=min(length + 64, window),
                  max_num_batched_tokens=args.mnbt or None)
     params = SamplingParams(max_tokens=16, temperature=0.0)
     tokens = []
     for i in range(args.prompts):
         rng = random.Random(f"agree-{i}")
-        ids = passkey_prompt(tok, args.length, rng.random(), rng.randrange(10000, 100000))
+        ids = passkey_prompt(tok, length, rng.random(), rng.randrange(10000, 100000))
         out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
         tokens.append(list(out[0].outputs[0].token_ids))
     print("AGREEMENT " + json.dumps({"sets": sets, "tokens": tokens,
