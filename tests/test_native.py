@@ -177,9 +177,11 @@ def test_attention_kernel_builds_and_binds_where_a_compiler_exists():
 def test_status_reports_every_kernel(fresh_native):
     from stem_indexer.ops import sparse_attention as sa
     report = native.status()
-    selection, attention = report.split("; attention: ", 1)
+    selection, rest = report.split("; attention: ", 1)
+    attention, scores = rest.split("; scores: ", 1)
     assert selection == "selection: " + native.status(native.SELECT_ROWS)
     assert attention == sa.status()
+    assert scores == native.bf16_scores_status()
 
 
 @pytest.mark.parametrize("env, why", [
@@ -347,3 +349,85 @@ def test_overflowing_dots_select_as_the_reference_on_other_instruction_sets(mkl,
     proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- #
+# The bfloat16 products of the scores
+# --------------------------------------------------------------------------- #
+
+needs_bf16_scores = pytest.mark.skipif(not native.bf16_scores_available(16),
+                                       reason=native.bf16_scores_status())
+
+
+@needs_bf16_scores
+@pytest.mark.parametrize("heads,m,n,k", [(1, 1, 1, 16), (2, 33, 70, 16), (3, 64, 512, 128),
+                                         (1, 100, 65, 2048), (2, 5, 0, 16)])
+def test_bf16_scores_equal_the_float32_product(heads, m, n, k):
+    """Integer-valued inputs: exactly the float32 product of the upcast
+    inputs; others within float32 summation error. Keys strided by row."""
+    gen = torch.Generator().manual_seed(m + n + k)
+    assert native.bf16_scores_available(k)
+    for integers in (True, False):
+        def make(*shape):
+            if integers:
+                return torch.randint(-8, 9, shape, generator=gen).bfloat16()
+            return torch.randn(shape, generator=gen).bfloat16()
+        a, keys = make(heads, m, k), make(heads, n, k + 6)[..., 3:k + 3]
+        c = torch.full((heads, m, native.SCORE_LD), math.nan)
+        native.scores_bf16(a, keys, c)
+        want = a.double() @ keys.double().transpose(1, 2)
+        if integers:
+            assert torch.equal(c[..., :n], (a.float() @ keys.float().transpose(1, 2)))
+        elif n:
+            err = float((c[..., :n].double() - want).abs().max())
+            assert err <= 1e-6 * k * float(want.abs().max() + 1)
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16-products", "float32-gemm"])
+def test_scores_on_either_product_select_as_the_reference(bf16, monkeypatch):
+    """Integer-valued inputs select exactly as the reference whichever way
+    the scores are multiplied (bfloat16 where the CPU has it; strided keys
+    and elsewhere float32), native and torch selection alike."""
+    if bf16 and not native.bf16_scores_available(20):
+        pytest.skip(native.bf16_scores_status())
+    calls = []
+    real = native.scores_bf16
+    monkeypatch.setattr(native, "scores_bf16", lambda *a: (calls.append(1), real(*a)))
+    if not bf16:
+        monkeypatch.setattr(native, "bf16_scores_available", lambda df: False)
+    gen = torch.Generator().manual_seed(9)
+    kflat = torch.randint(-3, 4, (2, 2, 20, 70), generator=gen).bfloat16()
+    inputs = dict(qflat=torch.randint(-3, 4, (2, 4, 70, 20), generator=gen).bfloat16(),
+                  kflat=kflat.transpose(2, 3).contiguous(), vbias=torch.zeros(2, 2, 70),
+                  q_seq_lens=torch.tensor([1120, 900], dtype=torch.int32),
+                  kv_seq_lens=torch.tensor([1120, 1000], dtype=torch.int32))
+    params = dict(stem_block_size=16, stem_stride=4)
+    want = stem_indexer_reference(**inputs, **params)
+    assert bool((want[1] < want[1].amax()).any())  # rows rank
+    for kind in ("native", "torch"):
+        with monkeypatch.context() as m:
+            if kind == "torch":
+                m.setattr(native, "kernel", lambda: None)
+            for keys in (inputs["kflat"], kflat.transpose(2, 3)):  # contiguous, strided
+                out = stem_indexer(**{**inputs, "kflat": keys}, **params)
+                assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1]), kind
+    assert bool(calls) == bf16
+
+
+@needs_bf16_scores
+def test_bf16_scores_probe_failure_falls_back_with_the_reason(monkeypatch):
+    """A micro-kernel that fails its probe for a Df (here: a child that
+    aborts, as an uncaught C++ exception would): float32 GEMMs for that Df,
+    the reason in status(), one warning; odd Df never take bfloat16."""
+    import warnings as w
+    from stem_indexer.ops import sparse_attention as sa
+    monkeypatch.setattr(native, "_bf16_probed", {})
+    monkeypatch.setattr(native, "_warned", set())
+    monkeypatch.setattr(sa, "PROBE_CODE", "import os; os.abort()")
+    with pytest.warns(RuntimeWarning, match="float32 GEMM for Df=24 .*signal"):
+        assert not native.bf16_scores_available(24)
+    with w.catch_warnings():
+        w.simplefilter("error")
+        assert not native.bf16_scores_available(24)  # probed once, warned once
+    assert "float32 GEMM for Df=24" in native.status()
+    assert not native.bf16_scores_available(17)

@@ -393,6 +393,22 @@ def test_probe_reports_a_child_that_fails(fresh_probe, monkeypatch, code, how):
 
 
 @needs_cpublas
+def test_a_clean_probe_is_remembered_in_the_cache(fresh_probe, monkeypatch, tmp_path):
+    """Later processes (here: a later probe) skip the child once it succeeded."""
+    from _helpers import native_on_cache
+    children = []
+    real = sa._probe_child
+    monkeypatch.setattr(sa, "_probe_child", lambda *a: (children.append(1), real(*a))[1])
+    monkeypatch.setattr(sa, "PROBE_CODE", "print('ok')")
+    with native_on_cache(tmp_path):
+        calls, sizes = sa._probe_calls(16, 8)
+        assert sa.probe(calls, sizes) is None and sa.probe(calls, sizes) is None
+        assert len(children) == 1 and len(list(tmp_path.glob("brgemm-probe-*.ok"))) == 1
+        monkeypatch.setattr(sa, "PROBE_CODE", "import os; os.abort()")  # another key
+        assert sa.probe(calls, sizes) is not None and len(children) == 2
+
+
+@needs_cpublas
 def test_unusable_amx_widens_with_the_reason(fresh_probe, monkeypatch):
     """A CPU that could pack for AMX but whose micro-kernel fails its probe:
     bf16 runs widened (bit for bit as bf16='widen'), with one warning and

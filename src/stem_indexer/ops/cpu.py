@@ -16,8 +16,12 @@ How the rows of a tile of the metadata's work plan (one batch, query blocks
    ``* 1/R^2`` and ``+ vbias`` written into the tile's score buffer. Query
    blocks are the outer row index, so the rows that can pick a key block
    form a suffix and a causal tile computes little more than its triangle
-   (``gemm_blocks``). bf16 operands are upcast into float32 buffers: keys
-   once per batch when small (``KEY_CACHE_BYTES``), else one
+   (``gemm_blocks``). On CPUs with bfloat16 dot products (AVX512-BF16, AMX)
+   the bf16 operands are multiplied by oneDNN's micro-kernel into float32
+   (``native.scores_bf16``, keys repacked in pairs in cache): products
+   exact, sums in float32, so integer-valued inputs score exactly as with
+   float32 GEMMs. Elsewhere bf16 operands are upcast into float32 buffers:
+   keys once per batch when small (``KEY_CACHE_BYTES``), else one
    ``key_chunk`` at a time.
 3. Exact top-k and the output rows, by the native kernel where it is built
    (``native.py``; the default wherever a C compiler exists): per row, a
@@ -246,10 +250,17 @@ def release_workspace() -> None:
         _pool.clear()
 
 
+def _bf16_gemm(kflat_b: torch.Tensor) -> bool:
+    """The scores of these keys come from bfloat16 products (``_scores``)."""
+    return (kflat_b.device.type == "cpu" and kflat_b.dtype == torch.bfloat16
+            and kflat_b.stride(-1) == 1 and native.bf16_scores_available(kflat_b.shape[-1]))
+
+
 def _batch_keys(kflat_b: torch.Tensor, kb: int, ws: _Workspace) -> torch.Tensor:
-    """The batch's key blocks: a float32 copy when small, else the input."""
+    """The batch's key blocks: a float32 copy when small, else the input (as
+    is for the bfloat16 GEMM)."""
     nk, _, df = kflat_b.shape
-    if 4 * nk * kb * df > KEY_CACHE_BYTES:
+    if 4 * nk * kb * df > KEY_CACHE_BYTES or _bf16_gemm(kflat_b):
         return kflat_b
     return ws.take("key_cache", (nk, kb, df), torch.float32).copy_(kflat_b[:, :kb])
 
@@ -332,9 +343,10 @@ def _scores(q, keys_b, vbias_b, lo, hi, cand_end, scale, width, ws, exact=None):
         prod = (exact(lo, hi) * scale).view(nk, group, c, hi - lo).transpose(1, 2)
         torch.add(prod, vbias_b[:, None, None, lo:hi], out=scores[..., :hi - lo])
         return scores
-    qf = ws.take("queries", (nk, c, group, df), torch.float32)
+    bf16 = _bf16_gemm(keys_b)  # bfloat16 operands where they lie, float32 products
+    qf = ws.take("queries", (nk, c, group, df), torch.bfloat16 if bf16 else torch.float32)
     qf.copy_(q.view(nk, group, c, df).transpose(1, 2))  # upcast and reorder in one pass
-    cached = keys_b.dtype == torch.float32
+    cached = keys_b.dtype == torch.float32 or bf16
     chunk = hi - lo if cached else key_chunk(nk, df)
     kc, held = None, None
     for u0, u1, j0, j1, r in gemm_blocks(cand_end.tolist(), lo, hi, chunk):
@@ -344,8 +356,13 @@ def _scores(q, keys_b, vbias_b, lo, hi, cand_end, scale, width, ws, exact=None):
             kc = ws.take("keys", (nk, u1 - u0, df), torch.float32).copy_(keys_b[:, u0:u1])
             held = u0
         rows = qf[:, r:].reshape(nk, (c - r) * group, df)
-        prod = ws.take("product", (nk, (c - r) * group, j1 - j0), torch.float32)
-        torch.bmm(rows, kc[:, j0 - held:j1 - held].transpose(1, 2), out=prod)
+        if bf16:  # the keys where they lie; rows SCORE_LD apart
+            wide = ws.take("product", (nk, (c - r) * group, native.SCORE_LD), torch.float32)
+            native.scores_bf16(rows, kc[:, j0:j1], wide)
+            prod = wide[..., :j1 - j0]
+        else:
+            prod = ws.take("product", (nk, (c - r) * group, j1 - j0), torch.float32)
+            torch.bmm(rows, kc[:, j0 - held:j1 - held].transpose(1, 2), out=prod)
         prod.mul_(scale)  # then + vbias: the contract's two roundings
         torch.add(prod.view(nk, c - r, group, j1 - j0), vbias_b[:, None, None, j0:j1],
                   out=scores[:, r:, :, j0 - lo:j1 - lo])

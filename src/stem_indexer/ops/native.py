@@ -81,6 +81,8 @@ SELECT_ROWS = Library("select_rows", {
     "stem_select_rows": (ctypes.c_int, [_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64,
                                         _i64, _i64, ctypes.c_int, _ptr, _i64, _i64,
                                         ctypes.c_int]),
+    "stem_scores_bf16": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64,
+                                        _i64, _ptr, _i64, ctypes.c_int]),
 })
 
 _lock = threading.Lock()
@@ -107,7 +109,8 @@ def status(lib: Library | None = None) -> str:
     """
     if lib is None:
         from . import sparse_attention  # imports this module
-        return f"selection: {status(SELECT_ROWS)}; attention: {sparse_attention.status()}"
+        return (f"selection: {status(SELECT_ROWS)}; attention: {sparse_attention.status()}; "
+                f"scores: {bf16_scores_status()}")
     load(lib)
     cdll, why = _loaded[lib.source]
     return ("native: " if cdll is not None else "torch fallback: ") + why
@@ -136,6 +139,7 @@ def reset() -> None:
     with _lock:
         _loaded.clear()
         _warned.clear()
+        _bf16_probed.clear()
 
 
 # --------------------------------------------------------------------------- #
@@ -261,6 +265,88 @@ def _compile(lib: Library, compiler: list[str], out: str) -> str | None:
         if proc.returncode == 0:
             return None
     return f"compiling {lib.path.name} failed: {proc.stderr.strip()[-500:]}"
+
+
+# --------------------------------------------------------------------------- #
+# bfloat16 products of the scores
+# --------------------------------------------------------------------------- #
+
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo: bfloat16 dot products
+SCORE_ROWS, SCORE_COLS, SCORE_LD = 32, 64, 512  # as csrc/select_rows.c
+_bf16_lock = threading.Lock()
+_bf16_probed: dict[int, str | None] = {}  # Df -> why unusable, or None
+
+
+@functools.lru_cache(maxsize=1)
+def _bf16_base() -> tuple[tuple[int, int] | None, str]:
+    """torch's brgemm and brgemm_release, or None and why not."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"no oneDNN micro-kernel in torch on {platform.machine()}"
+    if not set(_cpu_flags().split()) & set(BF16_CPU_FLAGS):
+        return None, "the CPU has no bfloat16 dot product instructions"
+    from . import sparse_attention  # imports this module
+    found = sparse_attention._torch_blas()[0]
+    names = sparse_attention._CPUBLAS[:2]
+    if not found or not all(found.get(n) for n in names):
+        return None, "torch exports no cpublas::brgemm"
+    return (found[names[0]], found[names[1]]), "torch's cpublas::brgemm (oneDNN)"
+
+
+def bf16_scores_status() -> str:
+    """How the CPU path multiplies bfloat16 scores, and why."""
+    fns, why = _bf16_base()
+    if fns is None or load(SELECT_ROWS) is None:
+        return f"float32 GEMM ({why if fns is None else 'no selection kernel'})"
+    failed = [f"float32 GEMM for Df={df} ({reason})"
+              for df, reason in sorted(_bf16_probed.items()) if reason]
+    return "; ".join([f"bfloat16 products on {why}", *failed])
+
+
+def bf16_scores_available(df: int) -> bool:
+    """Scores of Df-element bfloat16 vectors can be multiplied in bfloat16
+    here (``scores_bf16``): a CPU with bfloat16 dot products, torch's brgemm,
+    the selection kernel built, Df even, and the micro-kernel's calls for
+    this Df made once in a child process (``sparse_attention.probe``: an
+    exception in them would abort the process). A failed probe is reported
+    (status(), one warning) and the float32 GEMMs run instead."""
+    fns = _bf16_base()[0]
+    if fns is None or df % 2 or df < 2 or load(SELECT_ROWS) is None:
+        return False
+    with _bf16_lock:
+        if df not in _bf16_probed:
+            from . import sparse_attention
+            calls = [(m, SCORE_COLS, df, df, SCORE_COLS, SCORE_LD, 0)
+                     for m in range(1, SCORE_ROWS + 1)]
+            sizes = (SCORE_ROWS * df, df * SCORE_COLS, SCORE_ROWS * SCORE_LD)
+            _bf16_probed[df] = sparse_attention.probe(calls, sizes)
+        why = _bf16_probed[df]
+    if why is not None:
+        report_fallback("bfloat16 scores", bf16_scores_status())
+    return why is None
+
+
+def scores_bf16(a: torch.Tensor, keys: torch.Tensor, c: torch.Tensor) -> None:
+    """``c[h, :, :n] = a[h] @ keys[h]^T`` in float32 for bfloat16 ``a``
+    (H, m, k) (rows contiguous) and ``keys`` (H, n, k) (unit stride along k);
+    ``c`` float32 (H, m, SCORE_LD) (columns up to n rounded to SCORE_COLS are
+    written too). Products of two bfloat16 values are exact in float32 and are
+    summed in float32: integer-valued inputs give exactly a float32 GEMM's
+    results (the bfloat16 dot product instructions treat subnormal inputs as
+    zero: a difference below 2^-126 per product elsewhere). Only after
+    ``bf16_scores_available(k)``."""
+    heads, m, k = a.shape
+    n = keys.shape[1]
+    assert a.dtype == keys.dtype == torch.bfloat16 and c.dtype == torch.float32
+    assert a.stride(2) == 1 and a.stride(1) == k and keys.stride(2) == 1 and keys.shape[2] == k
+    assert c.shape == (heads, m, SCORE_LD) and c.stride(1) == SCORE_LD and c.stride(2) == 1
+    assert n <= SCORE_LD and _bf16_probed[k] is None
+    fns = (ctypes.c_void_p * 2)(*_bf16_base()[0])
+    code = load(SELECT_ROWS).stem_scores_bf16(
+        fns, heads, m, n, k, a.data_ptr(), a.stride(0), keys.data_ptr(), keys.stride(0),
+        keys.stride(1), c.data_ptr(), c.stride(0), torch.get_num_threads())
+    if code == -2:
+        raise MemoryError("stem_scores_bf16: no memory for its packed keys")
+    assert code == 0, "stem_scores_bf16 refused its arguments"
 
 
 # --------------------------------------------------------------------------- #

@@ -28,9 +28,11 @@ in one GEMM) with an online softmax in float32. How the products are made:
 The AMX micro-kernel is C++: an exception it threw could not unwind through
 the C kernel, OpenMP and ctypes, and would abort the process. So before the
 first AMX call for a (D, block size), a child process makes every call of
-the shapes the kernel will make (``amx_probe``); where the child does not
-finish cleanly, bfloat16 is widened instead, with one warning and the reason
-in ``status()`` (and ``bf16="amx"`` is refused).
+the shapes the kernel will make (``amx_probe``; a clean result is remembered
+in the cache directory); where the child does not finish cleanly, bfloat16
+is widened instead, with one warning and the reason in ``status()`` (and
+``bf16="amx"`` is refused). The CPU indexer's bfloat16 scores use the same
+micro-kernel and the same probe (``native.bf16_scores_available``).
 
 The GEMMs come from ``libtorch_cpu.so`` (MKL's BLAS and the cpublas functions
 are exported on x86 builds; the C++ names encode their parameter types, so a
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import os
 import platform
 import subprocess
@@ -53,6 +56,8 @@ import threading
 
 import torch
 
+from .. import _env
+from .._files import write_atomic
 from . import native
 
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -195,10 +200,48 @@ def amx_probe(dim: int, block_size: int) -> str | None:
 
 
 def _run_probe(dim: int, block_size: int) -> str | None:
+    return probe(*_probe_calls(dim, block_size))
+
+
+def probe(calls: list[tuple[int, ...]], sizes: tuple[int, int, int]) -> str | None:
+    """Why torch's brgemm cannot be used for these ``calls`` (M, N, K, lda,
+    ldb, ldc, add_C; B in VNNI pairs), or None: they are made in a child
+    process on zero buffers of ``sizes`` (A, B, C elements), where an
+    exception that aborts harms nothing. A clean result is remembered in the
+    native kernels' cache directory (where it is this user's alone), keyed by
+    torch's library, this CPU and the calls, so that later processes skip it."""
     found = _torch_blas()[0]
-    if not found or not all(found[n] for n in _CPUBLAS):
+    if not found or not all(found[n] for n in _CPUBLAS[:2]):
         return "torch exports no cpublas::brgemm"
-    calls, sizes = _probe_calls(dim, block_size)
+    memo = _probe_memo(calls, sizes)
+    if memo is not None and not native._untrusted(memo.parent) and not native._untrusted(memo):
+        try:
+            if memo.read_text() == "ok\n":
+                return None
+        except OSError:
+            pass
+    why = _probe_child(calls, sizes)
+    if why is None and memo is not None and not native._untrusted(memo.parent):
+        try:
+            write_atomic(memo, "ok\n")
+        except OSError:
+            pass
+    return why
+
+
+def _probe_memo(calls, sizes):
+    """Where a clean probe of these calls is remembered (None: nowhere)."""
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        st = os.stat(lib)
+    except OSError:
+        return None
+    key = repr((torch.__version__, lib, st.st_size, st.st_mtime_ns, native._cpu_flags(),
+                PROBE_CODE, calls, sizes)).encode()
+    return _env.cache_dir() / f"brgemm-probe-{hashlib.sha256(key).hexdigest()[:16]}.ok"
+
+
+def _probe_child(calls, sizes) -> str | None:
     path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
     cmd = [sys.executable, "-c", PROBE_CODE, path, _CPUBLAS[0], _CPUBLAS[1],
            ";".join(",".join(map(str, c)) for c in calls), *map(str, sizes)]

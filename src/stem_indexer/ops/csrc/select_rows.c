@@ -12,7 +12,10 @@
  * (scale, then + vbias), so nothing here depends on floating-point flags.
  * Built with -fopenmp where the compiler has it (the loop over rows is then
  * shared by threads), serial otherwise.
+ *
+ * Also here: the bfloat16 score products (stem_scores_bf16, at the end).
  */
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -169,4 +172,88 @@ int stem_select_rows(int64_t nk, int64_t c, int64_t group, const int64_t *s2,
         free(keys);
     }
     return failed ? -1 : 0;
+}
+
+/* --------------------------------------------------------------------------
+ * bfloat16 products of the scores, on torch's at::native::cpublas::brgemm
+ * (oneDNN's micro-kernel; on CPUs with bfloat16 dot products): products of
+ * two bfloat16 values are exact in float32, and summed in float32.
+ * -------------------------------------------------------------------------- */
+
+typedef void (*brgemm_t)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool,
+                         const uint16_t *, const uint16_t *, float *, bool);
+typedef void (*release_t)(bool);
+
+/* One call's block: SCORE_ROWS rows (fewer at the end) by SCORE_COLS keys,
+ * with leading dimensions SCORE_COLS for B and SCORE_LD for C: the calls then
+ * take at most SCORE_ROWS configurations per K, all made by ops/native.py's
+ * probe first (an exception in one could not unwind through C and OpenMP). */
+#define SCORE_ROWS 32
+#define SCORE_COLS 64
+#define SCORE_LD 512
+
+static inline uint32_t load32(const uint16_t *p)
+{
+    uint32_t w;
+    memcpy(&w, p, 4);
+    return w;
+}
+
+/* Keys [0, valid) of `keys` (row stride `row`) into pk in VNNI pairs:
+ * pk[w][j] = elements 2w, 2w + 1 of key j, zero for j >= valid. */
+static void pack_keys(const uint16_t *keys, int64_t row, int64_t k, int64_t valid,
+                      uint32_t *pk)
+{
+    for (int64_t w0 = 0; w0 < k / 2; w0 += 16) { /* 64 bytes of each key at a time */
+        int64_t w1 = w0 + 16 < k / 2 ? w0 + 16 : k / 2;
+        for (int64_t j = 0; j < SCORE_COLS; j++)
+            for (int64_t w = w0; w < w1; w++)
+                pk[w * SCORE_COLS + j] = j < valid ? load32(keys + j * row + 2 * w) : 0;
+    }
+}
+
+/* For each of `heads` heads h: c[h] (m x n, row stride SCORE_LD; columns up
+ * to n rounded to SCORE_COLS are written too) = a[h] (m x k bf16, row stride
+ * k) times keys[h]^T (n keys of k bf16, row stride key_row); k even. Each
+ * task packs SCORE_COLS keys of one head in VNNI pairs (in cache) and
+ * multiplies them with a group of rows. fns: {brgemm, brgemm_release}.
+ * Returns 0, -1 for arguments the probe did not cover, -2 without memory. */
+int stem_scores_bf16(void *const *fns, int64_t heads, int64_t m, int64_t n, int64_t k,
+                     const uint16_t *a, int64_t a_head, const uint16_t *keys, int64_t key_head,
+                     int64_t key_row, float *c, int64_t c_head, int threads)
+{
+    brgemm_t brgemm = (brgemm_t)fns[0];
+    release_t release = (release_t)fns[1];
+    if (heads < 0 || m < 0 || n < 0 || n > SCORE_LD || k < 2 || k % 2 || key_row < k ||
+        !brgemm || !release)
+        return -1;
+    int64_t mt = (m + SCORE_ROWS - 1) / SCORE_ROWS, nt = (n + SCORE_COLS - 1) / SCORE_COLS;
+    int64_t groups = 1; /* row groups: enough tasks for the threads */
+    while (groups < mt && heads * nt * groups < 2 * (int64_t)threads)
+        groups++;
+    int64_t per = groups ? (mt + groups - 1) / groups : 0, tasks = heads * nt * groups;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        uint32_t *pk = malloc(sizeof(uint32_t) * (size_t)(k / 2) * SCORE_COLS);
+        failed = pk == NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; t++) {
+            int64_t h = t / (nt * groups), j = t / groups % nt, g = t % groups;
+            int64_t i0 = g * per, i1 = i0 + per < mt ? i0 + per : mt;
+            if (pk == NULL || i0 >= i1)
+                continue;
+            int64_t valid = n - j * SCORE_COLS < SCORE_COLS ? n - j * SCORE_COLS : SCORE_COLS;
+            pack_keys(keys + h * key_head + j * SCORE_COLS * key_row, key_row, k, valid, pk);
+            for (int64_t i = i0; i < i1; i++) {
+                int64_t rows = m - i * SCORE_ROWS < SCORE_ROWS ? m - i * SCORE_ROWS : SCORE_ROWS;
+                brgemm(rows, SCORE_COLS, k, k, SCORE_COLS, SCORE_LD, false,
+                       a + h * a_head + i * SCORE_ROWS * k, (const uint16_t *)pk,
+                       c + h * c_head + i * SCORE_ROWS * SCORE_LD + j * SCORE_COLS, true);
+            }
+        }
+        free(pk);
+        release(true);
+    }
+    return failed ? -2 : 0;
 }
