@@ -312,12 +312,16 @@ def test_nonfinite_values_act_as_in_dense_attention(isa, dtype, causal):
     exactly where dense softmax attention over each query's visible keys puts
     them, on every instruction set of the softmax; padding still leaks
     nothing (it holds NaN here)."""
+    check_nonfinite(isa, dtype, causal, BF16_MODES if dtype == torch.bfloat16 else ["auto"])
+
+
+def check_nonfinite(isa, dtype, causal, modes, seeds=range(3)):
     tol = 2e-5 if dtype == torch.float32 else 3e-2
-    for seed in range(3):
+    for seed in seeds:
         case = make_case(30 + seed, batch=2, hq=4, hkv=2, sq=70, skv=90, dim=24, bs=16,
                          causal=causal, dtype=dtype, q_lens=[70, 41], kv_lens=[90, 53], p=0.6)
         case = plant(plant_specials(case, seed), math.nan)
-        for mode in BF16_MODES if dtype == torch.bfloat16 else ["auto"]:
+        for mode in modes:
             try:
                 out, lse = sa.sparse_attention(**case, lse=True, isa=isa, bf16=mode)
             except ValueError:
@@ -425,3 +429,28 @@ def test_unusable_amx_widens_with_the_reason(fresh_probe, monkeypatch):
     assert "AMX micro-kernel unusable for D=32, block 16" in sa.status()
     with pytest.raises(ValueError, match="signal"):
         sa.sparse_attention(**case, bf16="amx")
+
+
+@needs_cpublas
+@pytest.mark.parametrize("causal", [True, False])
+def test_amx_path_through_the_micro_kernel_here(fresh_probe, monkeypatch, causal):
+    """The AMX path (packed K/V, torch's brgemm, bfloat16 P) forced on this
+    CPU, where oneDNN's micro-kernel passes its probe without AMX too:
+    accuracy, NaN and inf as dense attention, padding and unseen keys."""
+    if sa.amx_available():
+        pytest.skip("AMX here: the other tests run this path")
+    if sa.amx_probe(24, 16) is not None or sa.amx_probe(32, 32) is not None:
+        pytest.skip(f"the micro-kernel does not run here: {sa.amx_probe(24, 16)}")
+    monkeypatch.setattr(sa, "amx_available", lambda: True)
+    check(make_case(42, sq=150, skv=170, bs=32, dim=32, causal=causal, dtype=torch.bfloat16,
+                    q_lens=[150], kv_lens=[161]), bf16="amx")
+    check_nonfinite("auto", torch.bfloat16, causal, ["amx"], seeds=range(2))
+    case = make_case(40, hq=2, hkv=1, sq=64, dim=32, bs=32, dtype=torch.bfloat16, p=1.0,
+                     empty=0.0, causal=causal)
+    for name in ("k", "v"):
+        x = case[name].clone()
+        x[:, :, 40] = math.nan  # key 40: seen by queries 40.. only (all, without causal)
+        case[name] = x
+    out = sa.sparse_attention(**case, bf16="amx")
+    assert bool(out[:, :, 40:].isnan().all())
+    assert bool(out[:, :, :40].isfinite().all()) == causal

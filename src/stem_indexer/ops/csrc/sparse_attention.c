@@ -666,9 +666,10 @@ static int finite_rows(const struct job *jb, const char *x, int64_t n)
 static int gemm_pv_ok(const struct job *jb, const struct scratch *sc, const struct row *rw,
                       int ncols, int64_t kv_len)
 {
-    if (sees_all(jb, sc, rw) && ncols == rw->ncols)
+    int all = sees_all(jb, sc, rw);
+    if (all && ncols == rw->ncols)
         return 1;
-    int c0 = visible(sc, rw, 0);
+    int c0 = all ? rw->ncols : visible(sc, rw, 0);
     size_t row = (size_t)jb->dim * esize(jb);
     for (int p = 0; p < rw->np; p++) {
         const struct piece *pc = &sc->pieces[p];
@@ -687,8 +688,9 @@ static int gemm_pv_ok(const struct job *jb, const struct scratch *sc, const stru
 static void pv_exact(const struct job *jb, const struct scratch *sc, const struct row *rw)
 {
     int64_t d = jb->dim;
+    int all = sees_all(jb, sc, rw);
     for (int t = 0; t < rw->nq; t++) {
-        int c = visible(sc, rw, t);
+        int c = all ? rw->ncols : visible(sc, rw, t);
         float *o = sc->o + (size_t)t * d;
         for (int p = 0; p < rw->np; p++) {
             const struct piece *pc = &sc->pieces[p];
