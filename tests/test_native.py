@@ -174,7 +174,7 @@ def test_attention_kernel_builds_and_binds_where_a_compiler_exists():
         assert attention._backend("auto", torch.zeros(1, 1, 4, 8, dtype=dtype)) == "native"
 
 
-def test_status_reports_every_kernel(fresh_native):
+def test_status_reports_every_kernel():
     from stem_indexer.ops import sparse_attention as sa
     report = native.status()
     selection, rest = report.split("; attention: ", 1)
