@@ -3,10 +3,10 @@
 
 A tiny random Llama made here (2 layers, 4 query / 2 KV heads, head dim 32)
 runs through ``vllm.LLM`` with KV pages and Stem blocks of 32 tokens and
-``max_num_batched_tokens=97``: a 2,400-token prompt arrives in 25 chunks
-whose boundaries are not multiples of the block, beside shorter prompts that
-decode meanwhile (mixed batches), and a second prompt sharing its first 2,000
-tokens is a prefix-cache hit. Each configuration runs in a process of its own
+``max_num_batched_tokens=97``: a 2,400-token prompt arrives in about 25
+chunks whose boundaries are not multiples of the block, beside two shorter
+prompts that decode meanwhile (mixed batches), and a second prompt sharing
+its first 2,000 tokens is a prefix-cache hit. Each configuration runs in a process of its own
 (``tests/vllm_engine.py``); the comparisons are between those runs, against
 vLLM's own backend, or, row by row, against ``stem_attention`` on the same
 queries, keys and values.
@@ -65,8 +65,9 @@ def _prompts() -> list[list[dict]]:
     medium = [rng.randrange(3, 512) for _ in range(300)]
     short = [rng.randrange(3, 512) for _ in range(40)]
     hit = long[:2000] + [rng.randrange(3, 512) for _ in range(150)]
-    return [[{"prompt": long, "max_tokens": 6}, {"prompt": medium, "max_tokens": 12},
-             {"prompt": short, "max_tokens": 16}],
+    # The short prompts first: they decode while the long one's chunks prefill.
+    return [[{"prompt": short, "max_tokens": 24}, {"prompt": medium, "max_tokens": 24},
+             {"prompt": long, "max_tokens": 6}],
             [{"prompt": hit, "max_tokens": 6}]]
 
 
@@ -202,6 +203,45 @@ def test_rows_the_budget_keeps_whole_run_vllms_kernel_bit_for_bit(model):
     assert not any(k.startswith("sparse") for k in rows)
 
 
+@pytest.fixture(scope="module")
+def windowed_model(tmp_path_factory, model) -> str:
+    """The tiny model as a Mistral whose layers attend over a 64-token window."""
+    import shutil
+
+    import torch
+    import transformers
+
+    out = tmp_path_factory.mktemp("tiny-mistral")
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=4096, sliding_window=64, tie_word_embeddings=False)
+    transformers.MistralForCausalLM(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(model) / name, out / name)
+    return str(out)
+
+
+def test_sliding_window_layers_run_vllms_kernel_and_say_so(windowed_model):
+    want = run_engine(windowed_model, None)
+    run = run_engine(windowed_model, {**SPARSE, "dense_above": 1.0})
+    assert run["outputs"] == want["outputs"]
+    rows = run["stats"]["rows"]
+    assert rows.get("dense:sliding window", 0) > 0, rows
+    assert not any(k.startswith("sparse") for k in rows), rows
+
+
+def test_a_quantised_kv_cache_runs_vllms_kernel_and_says_so(model):
+    engine = {"kv_cache_dtype": "fp8"}
+    want = run_engine(model, None, engine=engine)
+    run = run_engine(model, {**SPARSE, "dense_above": 1.0}, engine=engine)
+    assert run["outputs"] == want["outputs"]
+    rows = run["stats"]["rows"]
+    assert rows.get("dense:kv cache dtype fp8", 0) > 0, rows
+    assert not any(k.startswith("sparse") for k in rows), rows
+
+
 # --------------------------------------------------------------------------- #
 # Stem's path with a budget that keeps every block: vLLM's results
 # --------------------------------------------------------------------------- #
@@ -250,6 +290,7 @@ def test_sparse_rows_equal_stem_attention_on_the_same_inputs(model):
     assert rec["max_error"] < 1e-5, rec
     assert rec["kinds"].get("continuation", 0) > 0 and rec["kinds"].get("prefix hit", 0) > 0, rec
     assert rec["unaligned"] > 0, rec  # chunks starting inside a block
+    assert rec["beside_other_rows"] > 0, rec  # Stem rows in steps with decodes
     stats = run["stats"]
     assert stats["density"] < 0.7, stats
     assert set(stats["layers"]) == {f"model.layers.{i}.self_attn.attn" for i in range(2)}

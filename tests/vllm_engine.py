@@ -61,6 +61,7 @@ def _checker(settings, record: dict):
         record["selection_mismatches"] += not same
         record["kinds"][row.kind] = record["kinds"].get(row.kind, 0) + 1
         record["unaligned"] += row.context % bs != 0
+        record["beside_other_rows"] += row.start > 0  # other rows come first in the step
 
     return check
 
@@ -76,7 +77,7 @@ def main() -> None:
         kwargs.update(attention_backend="CUSTOM", additional_config={"stem": spec["stem"]})
     llm = LLM(model=spec["model"], seed=0, **kwargs)
     record = {"rows": 0, "max_error": 0.0, "selection_mismatches": 0, "kinds": {},
-              "unaligned": 0}
+              "unaligned": 0, "beside_other_rows": 0}
     if spec.get("check_rows"):
         from stem_indexer.integrations.vllm import backend
         from stem_indexer.integrations.vllm.settings import StemSettings
