@@ -396,7 +396,7 @@ def agreement(args) -> None:
     total_tok = sum(len(a) for a in one["tokens"])
     lines = [f"\n### Chunked against one-shot Stem prefill ({args.stem})\n", header(), "",
              f"`python benchmarks/vllm_bench.py agreement --length {args.length} --prompts "
-             f"{args.prompts}`; chunks: {chunked['chunks']}", "",
+             f"{args.prompts}`; chunks that ran Stem per prompt: {chunked['chunks']}", "",
              "| rows compared | kept sets equal | mean Jaccard | greedy continuations equal | "
              "greedy tokens equal |", "|---|---|---|---|---|",
              f"| {len(keys)} | {equal / len(keys):.1%} | {jaccard:.3f} | "
