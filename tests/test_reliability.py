@@ -330,6 +330,45 @@ def test_many_threads_get_the_same_results_and_bounded_scratch():
     assert cpu.kept_bytes() <= cpu.WORKSPACE_KEEP_BYTES
 
 
+
+def test_threads_at_once_on_a_case_that_opens_thread_teams(monkeypatch):
+    """As above, on a case big enough that each call fills its output with a
+    thread team and ranks rows with torch's thread count (the sizes below
+    which one thread does the work are passed, and the selection kernel is
+    seen called with 2 threads): every thread's result is the reference's."""
+    if native.kernel() is None:
+        pytest.skip(native.status())
+    gen = torch.Generator().manual_seed(7)
+    nq, nk, blocks = 8, 2, 384
+    args = dict(qflat=torch.randn(1, nq, blocks, 16, generator=gen).bfloat16(),
+                kflat=torch.randn(1, nk, blocks, 16, generator=gen).bfloat16(),
+                vbias=torch.randn(1, nk, blocks, generator=gen),
+                q_seq_lens=torch.tensor([blocks * 16], dtype=torch.int32),
+                kv_seq_lens=torch.tensor([blocks * 16], dtype=torch.int32))
+    params = dict(PARAMS, stem_stride=16, k_block_num_bias_medium=24)
+    assert nq * blocks * blocks > cpu.SMALL_OUTPUT
+    want = stem_indexer.stem_indexer_reference(**args, **params)
+    lib, teams = native.kernel(), []
+    select = lib.stem_select_rows
+
+    def spy(*a):
+        teams.append(a[-1])
+        return select(*a)
+
+    monkeypatch.setattr(lib, "stem_select_rows", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(3) as pool:
+            outs = list(pool.map(lambda _: stem_indexer.stem_indexer(**args, **params),
+                                 range(6)))
+    finally:
+        torch.set_num_threads(before)
+    assert 2 in teams
+    for out in outs:
+        assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+
 # --------------------------------------------------------------------------- #
 # Command lines
 # --------------------------------------------------------------------------- #

@@ -454,3 +454,25 @@ def test_amx_path_through_the_micro_kernel_here(fresh_probe, monkeypatch, causal
     out = sa.sparse_attention(**case, bf16="amx")
     assert bool(out[:, :, 40:].isnan().all())
     assert bool(out[:, :, :40].isfinite().all()) == causal
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_python_threads_at_once_each_equal_the_reference(dtype):
+    """Several Python threads in the kernel at once, each with a thread team
+    of its own (torch's thread count is 2 here, so every call opens an
+    OpenMP team: the kernel has no size below which it runs serially): each
+    output is the reference's, and bit-identical to the same call alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cases = [make_case(40 + n, batch=2, hq=4, hkv=2, sq=260, bs=32, dtype=dtype,
+                           q_lens=[260, 199]) for n in range(3)]
+        alone = [check(case) for case in cases]
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(lambda n: (n % 3, check(cases[n % 3])), range(12)))
+    finally:
+        torch.set_num_threads(before)
+    for n, out in outs:
+        assert torch.equal(out, alone[n])
