@@ -7,7 +7,8 @@ at which the budget starts to drop blocks):
   attention layer runs through the integration, soft-capping and sliding
   windows included);
 * the ``tight`` preset runs Stem (sparse) on every full-attention layer and
-  leaves sliding-window layers dense, with finite logits that really differ.
+  sliding-window attention (``stats["window"]``, ``stem_indexer.window``) on
+  sliding-window layers, with finite logits that really differ.
 
 Gemma 2 caps its attention logits (``attn_logit_softcapping``): the cap is
 applied on the Stem path and on the dense fallback alike (checked on large
@@ -103,7 +104,7 @@ def test_family_runs_stem_on_full_attention_layers(family, registered, monkeypat
     full-attention layer runs Stem, and each such layer's output is the
     float64 reference on the indexer's own selection for that layer's q/k/v
     (scale and soft-cap as the model passes them); sliding-window layers
-    stay dense."""
+    run the windowed path, never the dense 4-D mask."""
     model, config = _model(family)
     ids = torch.randint(3, 128, (1, 1024), generator=torch.Generator().manual_seed(1))
     eager = _logits(model, "eager", ids)
@@ -126,7 +127,8 @@ def test_family_runs_stem_on_full_attention_layers(family, registered, monkeypat
     types = getattr(config, "layer_types", None) or ["full_attention"] * 2
     full = types.count("full_attention")
     assert counts.get("stem", 0) == full
-    assert counts.get("dense:mask", 0) == len(types) - full  # sliding windows stay dense
+    assert counts.get("window", 0) == len(types) - full  # sliding windows at window cost
+    assert "dense:mask" not in counts
     assert torch.isfinite(sparse).all()
     assert len(calls) == full
     params = dict(**PRESETS["tight"], **BLOCKING)

@@ -19,12 +19,18 @@ What runs where
   block): ``stem_attention`` on the valid tokens of every sequence.
 * **Decode** and other short queries: dense ``scaled_dot_product_attention``
   through transformers' own ``sdpa_attention_forward``.
+* **Sliding-window layers** (Mistral, Gemma 2/3 local layers: transformers'
+  ``sliding_window_causal_mask_function``) at prefill:
+  ``stem_indexer.window.sliding_window_attention``, the same result as SDPA
+  with the sliding mask at a cost of queries x window instead of queries x
+  keys (``stats["window"]``; decode steps there run dense SDPA with the
+  sliding mask).
 * **Dense as well**, with the exact mask transformers would give SDPA, whenever
-  the mask is not "causal over each sequence's valid tokens": sliding-window
-  or chunked layers, packed sequences, custom ``or``/``and`` mask functions,
-  4-D masks passed by the caller, padding with holes, position biases, and
-  dropout during training (Stem has no dropout), and calls that record
-  autograd (Stem attention is inference-only).
+  the mask is neither "causal over each sequence's valid tokens" nor
+  transformers' plain sliding window: chunked layers, packed sequences, custom
+  ``or``/``and`` mask functions, 4-D masks passed by the caller, padding with
+  holes, position biases, and dropout during training (Stem has no dropout),
+  and calls that record autograd (Stem attention is inference-only).
 
 Masks
 -----
@@ -33,8 +39,12 @@ For a plain causal mask the mask function returns what FlashAttention's does:
 ``None`` when every token is valid and queries and keys coincide, otherwise
 the boolean 2-D key-validity mask ``(batch, kv_length)``, queries aligned to
 the last ``q_length`` keys. The attention function reads each sequence's valid
-run from it. Any other mask is built by transformers' ``sdpa_mask`` and reaches
-the attention function as a 4-D mask, which always means dense attention.
+run from it. For transformers' sliding-window causal mask of window W it
+returns the same key-validity mask as int32, ``W`` at valid keys and ``-W``
+at padding: the window travels with the mask (the model's ``sliding_window``
+keyword is not needed, and a causal layer never reads one). Any other mask is
+built by transformers' ``sdpa_mask`` and reaches the attention function as a
+4-D mask, which always means dense attention.
 
 Padding
 -------
@@ -71,6 +81,7 @@ try:
         AttentionMaskInterface,
         causal_mask_function,
         sdpa_mask,
+        sliding_window_causal_mask_function,
     )
 except ImportError as exc:  # pragma: no cover - exercised only without transformers
     raise ImportError(
@@ -82,6 +93,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 from ..attention import stem_attention
 from ..checks import check_stem_options
 from ..contract import IndexerParams, check_int, fail
+from ..window import _windowed, sliding_window_mask
 
 # The first release whose mask functions are called with (q_length, q_offset)
 # rather than cache_position: the signature stem_mask takes. pyproject.toml's
@@ -129,6 +141,38 @@ _DENSE_KWARGS = ("position_bias",)
 # --------------------------------------------------------------------------- #
 
 
+def _sliding_window_of(mask_function: Callable) -> int | None:
+    """W when ``mask_function`` is transformers' own
+    ``sliding_window_causal_mask_function(W)`` (told by its structure: the
+    ``and`` of ``sliding_window_overlay(W)`` and ``causal_mask_function``),
+    else None. A mask function built another way (an extra ``or``/``and``
+    function, packed sequences) is not recognised and stays dense."""
+    ref = sliding_window_causal_mask_function(1)
+
+    def cells(fn) -> dict[str, Any]:
+        code = getattr(fn, "__code__", None)
+        if code is None or not fn.__closure__:
+            return {}
+        return dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__)))
+
+    if getattr(mask_function, "__code__", None) is not ref.__code__:
+        return None
+    parts, ref_parts = cells(mask_function).get("mask_functions"), cells(ref)["mask_functions"]
+    if (not isinstance(parts, tuple) or len(parts) != 2 or parts[1] is not causal_mask_function
+            or getattr(parts[0], "__code__", None) is not ref_parts[0].__code__):
+        return None
+    window = cells(parts[0]).get("sliding_window")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        return None
+    return window
+
+
+def _window_form(valid: torch.Tensor, window: int) -> torch.Tensor:
+    """The compact form of a sliding-window causal mask: int32 ``(batch,
+    kv_length)``, ``window`` at valid keys and ``-window`` at padding."""
+    return torch.where(valid, window, -window).to(torch.int32)
+
+
 def stem_mask(
     batch_size: int,
     q_length: int,
@@ -140,16 +184,22 @@ def stem_mask(
     local_size: int | None = None,
     **kwargs: Any,
 ) -> torch.Tensor | None:
-    """The mask for Stem attention: compact for plain causal masks, else ``sdpa_mask``.
+    """The mask for Stem attention: compact for plain causal and sliding-window
+    causal masks, else ``sdpa_mask``.
 
     Registered with ``AttentionMaskInterface``; transformers calls it with the
     keyword arguments of ``sdpa_mask``. For a plain causal mask whose queries
     are the last ``q_length`` of ``kv_length`` keys (no cache, or a dynamic
     cache), it returns ``None`` when all tokens are valid and
     ``q_length == kv_length``, else the 2-D boolean key-validity mask
-    ``(batch_size, kv_length)``. Anything else (another mask function, a
-    static cache's offsets, a local window) returns ``sdpa_mask``'s result: a
-    4-D boolean mask or ``None``, as SDPA would get it.
+    ``(batch_size, kv_length)``. For transformers' sliding-window causal mask
+    (``sliding_window_causal_mask_function(W)``, ``local_size=W``) whose
+    queries are the last keys (no cache, a dynamic or a dynamic sliding-window
+    cache), it returns the same key-validity mask as int32: ``W`` at valid
+    keys, ``-W`` at padding, so the window travels with the mask. Anything
+    else (another mask function, a static cache's offsets, chunked attention)
+    returns ``sdpa_mask``'s result: a 4-D boolean mask or ``None``, as SDPA
+    would get it.
     """
     plain_causal = (
         mask_function is causal_mask_function
@@ -159,6 +209,18 @@ def stem_mask(
         and (attention_mask is None
              or (attention_mask.dim() == 2 and attention_mask.shape[-1] == kv_length))
     )
+    window = None if plain_causal else _sliding_window_of(mask_function)
+    if (window is not None and local_size == window
+            and isinstance(q_offset, int) and isinstance(kv_offset, int)
+            and q_offset + q_length == kv_offset + kv_length
+            and (attention_mask is None
+                 or (attention_mask.dim() == 2
+                     and attention_mask.shape[-1] == kv_offset + kv_length))):
+        if attention_mask is None:
+            valid = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device"))
+        else:
+            valid = attention_mask[:, kv_offset:].to(torch.bool)
+        return _window_form(valid, window)
     if plain_causal:
         if attention_mask is None:
             if q_length == kv_length:
@@ -251,7 +313,8 @@ class StemAttention:
 
     ``stats`` counts which path each call took: ``"stem"`` (sparse attention
     ran on valid tokens at the start of each sequence), ``"stem-rotated"``
-    (the same, padding before the valid tokens rotated away) or
+    (the same, padding before the valid tokens rotated away),
+    ``"window"`` (a sliding-window layer's prefill, at window cost) or
     ``"dense:<reason>"``: ``decode``, ``dropout``, ``autograd``, ``mask``,
     ``mask-holes``, ``position_bias``, or, from ``stem_attention`` itself,
     ``budget keeps every block`` (prompts the budget keeps whole, below about
@@ -331,6 +394,10 @@ class StemAttention:
         compact = attention_mask is not None and attention_mask.dim() == 2
         if attention_mask is not None and not compact:
             return dense("mask")
+        window = None
+        if compact and attention_mask.dtype != torch.bool:  # stem_mask's sliding-window form
+            window = int(attention_mask.abs().amax())
+            attention_mask = attention_mask > 0
         reason = None
         if q_len < self.min_prefill_tokens:
             reason = "decode"
@@ -340,6 +407,9 @@ class StemAttention:
             reason = "autograd"  # Stem attention is inference-only
         elif any(kwargs.get(k) is not None for k in _DENSE_KWARGS):
             reason = next(k for k in _DENSE_KWARGS if kwargs.get(k) is not None)
+        if window is not None:
+            return self._window(module, query, key, value, attention_mask, window, reason,
+                                dense, scaling, kwargs.get("softcap"))
         if compact:
             valid = attention_mask
             runs = None if reason else _Runs(valid, q_len)
@@ -362,6 +432,25 @@ class StemAttention:
             key, value = key[:, :, :q_len], value[:, :, :q_len]
         out = self._stem(module, query, key, value, rotated=False, causal=bool(causal),
                          scale=scaling, softcap=kwargs.get("softcap"))
+        return out.transpose(1, 2).contiguous(), None
+
+    def _window(self, module, query, key, value, valid: torch.Tensor, window: int,
+                reason: str | None, dense: Callable, scaling, softcap):
+        """A sliding-window layer: ``sliding_window_attention`` (query x window
+        work) on the key-validity mask, or dense SDPA with the sliding mask
+        for ``reason`` (decode, dropout, ...)."""
+        q_len, kv_len = query.shape[2], key.shape[2]
+        if valid.shape != (query.shape[0], kv_len) or kv_len < q_len:
+            raise ValueError(f"attn_implementation={self.name!r}: a sliding-window mask for "
+                             f"{valid.shape[-1]} keys reached a layer with {kv_len} keys and "
+                             f"{q_len} queries")
+        if reason:
+            if q_len == 1 and kv_len <= window and bool(valid.all()):
+                return dense(reason, None)
+            return dense(reason, sliding_window_mask(valid, q_len, window))
+        self.stats["window"] += 1
+        scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+        out = _windowed(query, key, value, window, valid, scale, softcap, None)
         return out.transpose(1, 2).contiguous(), None
 
     def _stem_padded(self, module, query, key, value, runs: _Runs, scaling,
