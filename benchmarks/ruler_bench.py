@@ -1,0 +1,334 @@
+"""RULER-style retrieval (``benchmarks/ruler.py``) and long-text perplexity,
+dense SDPA against Stem's presets, on a real model; resumable.
+
+    python benchmarks/ruler_bench.py --model gemma3                 # the planned cells
+    python benchmarks/ruler_bench.py --model gemma3 --lengths 8K --tasks passkey \\
+        --trials 2 --configs dense,default                          # a short look
+    python benchmarks/ruler_bench.py --model smollm2                # 16K, RoPE x4 (YaRN)
+    python benchmarks/ruler_bench.py --model gemma3 --perplexity 2 --lengths 16K,32K
+    python benchmarks/ruler_bench.py --table                        # QUALITY.md's tables
+
+Models (``model_quality.load_model``): ``gemma3``, Gemma-3-270M (base,
+Q4_K_M) in its own 32K window, nothing scaled: a 32K cell is 32,720 tokens,
+so that the longest answer still fits the 32,768 positions; every prompt
+starts with its BOS token. ``smollm2``, SmolLM2-135M-Instruct with its RoPE
+scaled x4 by YaRN (a 32K window), as in ``model_quality.py --long``.
+
+Every trial is appended to the results file (default
+``benchmarks/ruler_results.jsonl``) as one JSON line: model, task, length,
+config, trial, seed, found, answer, seconds, and what else it saw (the
+expected values; for Stem configurations the density of the call's sparse
+layers and the paths it took, ``paths``; the git commit, the load average).
+A run skips every (model, task, length, config, trial) already there, so it
+can stop at any point (``--stop-after``, or killed: a torn last line is
+ignored) and resume later. The same seeded prompt goes to every
+configuration of a trial, dense first.
+
+``--perplexity N``: N disjoint windows of the Python documentation's text
+(``pydoc_data.topics``) per length instead of the retrieval tasks, each a JSON
+line with its summed next-token NLL; the table gives each configuration's
+perplexity and its change against dense over the windows both have run.
+
+``--table`` prints the tables from the file: successes / trials with the
+Wilson 95% interval and the trial count of each cell, per model and length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import model_quality as mq
+import ruler
+from common import git_sha, machine
+
+RESULTS = Path(__file__).resolve().with_name("ruler_results.jsonl")
+# Trials per task and cell (length: trials), the planned run of each model.
+TRIALS = {"gemma3": {8192: 10, 16384: 30, 32768: 20}, "smollm2": {16384: 20}}
+DEFAULT_CONFIGS = ("dense", "default", "tight")
+MAX_POSITIONS = 32768  # both models' windows (SmolLM2's once scaled x4)
+TITLES = {"gemma3": "Gemma-3-270M (base, Q4_K_M), its own 32K window",
+          "smollm2": "SmolLM2-135M-Instruct, RoPE scaled x4 (YaRN)"}
+KEY = ("model", "task", "length", "config", "trial")
+
+
+class Trial(NamedTuple):
+    model: str
+    task: str
+    length: int
+    config: str
+    trial: int
+
+
+def cell_length(task: str, nominal: int) -> int:
+    """The prompt's tokens for a cell of ``nominal`` tokens: room left within
+    the window for the longest answer (perplexity needs none)."""
+    if task == "perplexity":
+        return min(nominal, MAX_POSITIONS)
+    return min(nominal, MAX_POSITIONS - max(ruler.ANSWER_TOKENS.values()) - 8)
+
+
+# --------------------------------------------------------------------------- #
+# The results file
+# --------------------------------------------------------------------------- #
+
+
+def read(path: Path) -> list[dict]:
+    """Every complete JSON line of ``path`` (a torn last line is skipped)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def append(path: Path, row: dict) -> None:
+    """One JSON line, flushed to disk; after a torn line it starts a new one."""
+    text = json.dumps(row, sort_keys=True) + "\n"
+    with path.open("ab+") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell():
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                text = "\n" + text
+        f.write(text.encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def done_keys(rows: list[dict]) -> set[tuple]:
+    return {tuple(row[k] for k in KEY) for row in rows}
+
+
+def plan(model: str, tasks, trials: dict[int, int], configs, done: set[tuple]) -> list[Trial]:
+    """What is left to run, trial after trial (every task and configuration of
+    one trial together), so that a stopped run leaves even cells."""
+    out = []
+    for nominal, count in trials.items():
+        for trial in range(count):
+            for task in tasks:
+                length = cell_length(task, nominal)
+                out += [t for config in configs
+                        if (t := Trial(model, task, length, config, trial)) not in done]
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Running
+# --------------------------------------------------------------------------- #
+
+
+def answer(model, tok, ids: list[int], max_new_tokens: int) -> str:
+    """The greedy continuation (the prefill keeps only the last position's logits)."""
+    import torch
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
+                             do_sample=False, logits_to_keep=1,
+                             pad_token_id=tok.pad_token_id or tok.eos_token_id or 0)
+    return tok.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+def run(args, todo: list[Trial], echo) -> int:
+    import torch
+    dtype = mq.default_dtype()
+    tok, model = mq.load_model(args.model, dtype,
+                               rope_factor=4.0 if args.model == "smollm2" else None)
+    names = sorted({t.config for t in todo}, key=lambda n: n != "dense")
+    fns = mq.register({n: mq.CONFIGS[n] for n in names})
+    prefix = mq.model_prefix(args.model, tok)
+    gen = ruler.Generator(lambda text: tok(text, add_special_tokens=False).input_ids, prefix)
+    echo(f"{machine()}; {args.model} in {dtype}; {len(todo)} trials to run")
+    common = dict(git=git_sha(), dtype=str(dtype).replace("torch.", ""))
+    windows: dict[int, list] = {}
+    started, count = time.perf_counter(), 0
+    for t in todo:
+        if args.stop_after and time.perf_counter() - started > args.stop_after:
+            echo(f"stopping after {args.stop_after} s: {len(todo) - count} trials left")
+            break
+        model.set_attn_implementation(mq._impl(fns, t.config))
+        if t.config in fns:
+            fns[t.config].reset_stats()
+        seed = args.seed * 100_000 + t.trial
+        row = dict(t._asdict(), seed=seed, **common)
+        begin = time.perf_counter()
+        if t.task == "perplexity":
+            if t.length not in windows:
+                windows[t.length] = mq.text_windows(tok, t.length, args.perplexity, prefix)
+            with torch.no_grad():
+                nll, _ = mq._scores(model, windows[t.length][t.trial], mq.lm_rows(model))
+            row.update(nll=nll, tokens=t.length - 1)
+        else:
+            sample = gen.sample(t.task, t.length, seed)
+            text = answer(model, tok, sample.ids, sample.max_new_tokens)
+            row.update(found=ruler.score(sample.expected, text), answer=text,
+                       expected=list(sample.expected))
+            if t.task == "vartrack":
+                row["exact"] = ruler.exact_names(sample.expected, text)
+        row["seconds"] = round(time.perf_counter() - begin, 2)
+        if t.config in fns:
+            fn = fns[t.config]
+            row["density"] = (round(fn.kept_pairs / fn.visible_pairs, 4)
+                              if fn.visible_pairs else None)
+            row["paths"] = dict(fn.stats)
+        row["load"] = round(os.getloadavg()[0], 2)
+        append(args.results, row)
+        count += 1
+        echo(f"{t.task} {t.length} {t.config} trial {t.trial}: "
+             + (f"nll/token {row['nll'] / row['tokens']:.4f}" if t.task == "perplexity"
+                else f"{'found' if row['found'] else 'missed'} {row['answer']!r}")
+             + f" ({row['seconds']:.0f} s)")
+    return count
+
+
+# --------------------------------------------------------------------------- #
+# Tables
+# --------------------------------------------------------------------------- #
+
+
+def _order(configs) -> list[str]:
+    known = list(mq.CONFIGS)
+    return sorted(configs, key=lambda c: (known.index(c) if c in known else len(known), c))
+
+
+def _k(length: int) -> str:
+    return f"{round(length / 1024)}K"
+
+
+def tables(rows: list[dict]) -> list[str]:
+    """Markdown tables of the rows: per model and length, successes / trials
+    [Wilson 95%] per configuration and task (with the mean seconds of a
+    trial); then perplexity as the change against dense."""
+    rows = list({tuple(r[k] for k in KEY): r for r in rows}.values())  # last one wins
+    lines = []
+    for model in sorted({r["model"] for r in rows}):
+        mine = [r for r in rows if r["model"] == model]
+        retrieval = [r for r in mine if r["task"] != "perplexity"]
+        for length in sorted({r["length"] for r in retrieval}):
+            cell = collections.defaultdict(list)
+            for r in retrieval:
+                if r["length"] == length:
+                    cell[r["config"], r["task"]].append(r)
+            tasks = [t for t in ruler.TASKS if any(k[1] == t for k in cell)]
+            configs = _order({k[0] for k in cell})
+            lines += ["", f"{TITLES.get(model, model)}, {_k(length)} ({length:,} tokens): "
+                      "successes / trials [Wilson 95%]", "",
+                      "| configuration | " + " | ".join(tasks) + " | s / trial |",
+                      "|---|" + "---|" * (len(tasks) + 1)]
+            for config in configs:
+                cells, seconds = [], []
+                for task in tasks:
+                    got = cell.get((config, task), [])
+                    k, n = sum(bool(r["found"]) for r in got), len(got)
+                    lo, hi = mq.wilson(k, n)
+                    cells.append(f"{k}/{n} [{lo:.0%}, {hi:.0%}]" if n else "-")
+                    seconds += [r["seconds"] for r in got]
+                mean = f"{sum(seconds) / len(seconds):.0f}" if seconds else "-"
+                lines.append(f"| {config} | " + " | ".join(cells) + f" | {mean} |")
+        ppl = [r for r in mine if r["task"] == "perplexity"]
+        if ppl:
+            lengths = sorted({r["length"] for r in ppl})
+            by = {(r["config"], r["length"], r["trial"]): r for r in ppl}
+            lines += ["", f"{TITLES.get(model, model)}: perplexity of the Python documentation "
+                      "(change against dense over the windows both ran; windows)", "",
+                      "| configuration | " + " | ".join(_k(n) for n in lengths) + " |",
+                      "|---|" + "---|" * len(lengths)]
+            for config in _order({r["config"] for r in ppl}):
+                cells = []
+                for n in lengths:
+                    wins = sorted(w for c, m, w in by if c == config and m == n
+                                  and ("dense", n, w) in by)
+                    if not wins:
+                        cells.append("-")
+                        continue
+
+                    def value(c):
+                        return math.exp(sum(by[c, n, w]["nll"] for w in wins)
+                                        / sum(by[c, n, w]["tokens"] for w in wins))
+                    p, d = value(config), value("dense")
+                    count = f"{len(wins)} window{'s' if len(wins) > 1 else ''}"
+                    cells.append(f"{p:.3f} ({p / d - 1:+.2%}; {count})")
+                lines.append(f"| {config} | " + " | ".join(cells) + " |")
+    return lines
+
+
+# --------------------------------------------------------------------------- #
+# Command line
+# --------------------------------------------------------------------------- #
+
+
+def _length(text: str) -> int:
+    text = text.strip().upper()
+    return int(text[:-1]) * 1024 if text.endswith("K") else int(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=mq.MODELS, default="gemma3")
+    parser.add_argument("--tasks", default=",".join(ruler.TASKS),
+                        help=f"comma-separated, from {', '.join(ruler.TASKS)}")
+    parser.add_argument("--lengths", help="comma-separated (8K or 8192); default the model's "
+                        f"planned cells ({TRIALS})")
+    parser.add_argument("--trials", type=int,
+                        help="trials per task and cell (default: the planned count per length)")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help=f"comma-separated, from {', '.join(mq.CONFIGS)}")
+    parser.add_argument("--perplexity", type=int, default=0, metavar="N",
+                        help="N perplexity windows per length instead of the retrieval tasks")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop-after", type=float, default=0, metavar="SECONDS",
+                        help="start no trial after this long (0: run everything left)")
+    parser.add_argument("--table", action="store_true", help="print the tables and stop")
+    args = parser.parse_args(argv)
+    if args.table:
+        print("\n".join(tables(read(args.results))).strip())
+        return 0
+    tasks = [t.strip() for t in args.tasks.split(",")]
+    configs = [c.strip() for c in args.configs.split(",")]
+    if any(t not in ruler.TASKS for t in tasks):
+        parser.error(f"--tasks: choose from {ruler.TASKS}; got {tasks}")
+    if any(c not in mq.CONFIGS for c in configs):
+        parser.error(f"--configs: choose from {list(mq.CONFIGS)}; got {configs}")
+    try:
+        lengths = ([_length(x) for x in args.lengths.split(",")] if args.lengths
+                   else list(TRIALS[args.model]))
+    except ValueError:
+        parser.error("--lengths: comma-separated token counts (8192 or 8K)")
+    if not all(1024 <= n <= MAX_POSITIONS for n in lengths):
+        parser.error(f"--lengths: each from 1K to {MAX_POSITIONS} tokens (the window)")
+    if args.trials is not None and args.trials < 1:
+        parser.error("--trials must be >= 1")
+    if args.perplexity < 0:
+        parser.error("--perplexity must be >= 0")
+    if args.perplexity:
+        tasks, trials = ["perplexity"], {n: args.perplexity for n in lengths}
+    else:
+        trials = {n: args.trials or TRIALS[args.model].get(n, 10) for n in lengths}
+    started = time.perf_counter()
+
+    def echo(text: str) -> None:
+        print(f"[{time.perf_counter() - started:6.0f} s] {text}", flush=True)
+
+    todo = plan(args.model, tasks, trials, configs, done_keys(read(args.results)))
+    if not todo:
+        echo("every trial asked for is in the results file")
+        return 0
+    count = run(args, todo, echo)
+    echo(f"{count} trials appended to {args.results}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

