@@ -265,7 +265,8 @@ def test_stem_attention_is_the_indexer_selection(causal):
     attention over exactly the indexer's selection (with scale/stride folded)."""
     q, k, v = qkv(2, 4, 2, 1100, 1100, 8, 15)
     lens = [1100, 900]
-    out = stem_attention(q, k, v, causal=causal, q_lens=lens, kv_lens=lens, **SMALL)
+    out = stem_attention(q, k, v, causal=causal, q_lens=lens, kv_lens=lens, dense_above=1.0,
+                         **SMALL)
     inputs = stem_indexer.stem_inputs(q, k, v, q_lens=lens, kv_lens=lens, scale=8 ** -0.5 / 4,
                                       stem_block_size=16, stem_stride=4)
     idx, seq_len = stem_indexer.stem_indexer(*inputs, causal=causal, stem_block_size=16,
@@ -285,7 +286,7 @@ def test_stem_attention_parameters_reach_the_indexer(change):
     attention on exactly the indexer's selection with that parameter: the
     float64 masked reference on the blocks the op keeps."""
     q, k, v = qkv(1, 2, 2, 1100, 1100, 8, 16)
-    out = stem_attention(q, k, v, **change, **SMALL)
+    out = stem_attention(q, k, v, **change, dense_above=1.0, **SMALL)
     oam = {name: change[name] for name in ("oam", "oam_lambda") if name in change}
     indexer = {name: value for name, value in change.items() if name not in oam}
 
@@ -528,11 +529,11 @@ def test_dense_when_the_budget_keeps_every_block_is_the_contracts_rule(q_len, kv
     listed.scatter_(-1, torch.where(idx >= 0, idx, kmax).long(), True)
     reach = _reachable(q_len, kv_len, 16, qmax, kmax)
     assert bool((listed[..., :kmax] | ~reach).all()) is exact  # every reached block listed
-    _, info = stem_attention(q, k, v, return_info=True, **SMALL)
+    _, info = stem_attention(q, k, v, return_info=True, dense_above=1.0, **SMALL)
     assert (info.path == "dense") is exact
     if exact:  # the rule alone sends the call to dense attention
         monkeypatch.setattr(stem_indexer.contract, "dense_is_exact", lambda *args: False)
-        out, info = stem_attention(q, k, v, return_info=True, **SMALL)
+        out, info = stem_attention(q, k, v, return_info=True, dense_above=1.0, **SMALL)
         assert info.path == "sparse"
         dense = dense_attention(q, k, v)
         torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)

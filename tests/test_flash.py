@@ -258,7 +258,7 @@ def test_softcap_on_the_dense_and_sparse_paths(backend):
     q, k, v = qkv(1, 2, 1, 1100, 1100, 8, 8)
     q = q * 4
     capped, info = stem_attention(q, k, v, softcap=5.0, backend=backend, return_info=True,
-                                  **SMALL)
+                                  dense_above=1.0, **SMALL)
     assert info.path == "sparse" and info.backend == backend
     inputs = stem_indexer.stem_inputs(q, k, v, scale=scale / 4, **SMALL)
     idx, seq_len = stem_indexer.stem_indexer(*inputs, **SMALL)

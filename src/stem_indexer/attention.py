@@ -38,8 +38,9 @@ attention where sparsity cannot help (see its docstring).
 This module is the public API; each part has its own home: the argument
 checks in ``checks.py``, dense attention in ``dense.py``, the choice of path
 and kernel and the pipeline's body in ``dispatch.py``, the two functions'
-custom ops in ``attention_ops.py``, and the rule "dense when the budget keeps
-every block" in ``contract.dense_is_exact``, beside the budget.
+custom ops in ``attention_ops.py``, and the rules "dense when the budget keeps
+every block" (``contract.dense_is_exact``) and "dense when it keeps more than
+``dense_above`` of the pairs" (``contract.budget_pairs``) beside the budget.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from ._renamed import take_renamed
 from .checks import (BACKENDS, MAX_HEADS, _check_backend, _check_inference,  # noqa: F401
                      _check_layout, _check_scale, _check_selection, _check_softcap,
                      check_backend_fits, check_stem_options)
+from . import contract
 from .contract import PARAM_NAMES, ceil_div, check_bool, check_int, fail
 from .contract import dense_is_exact as _dense_is_exact  # noqa: F401  (its former home)
 from .dense import dense_attention
@@ -127,8 +129,8 @@ def stem_attention(
     q_lens: Lengths = None, kv_lens: Lengths = None, num_prompt_tokens: Lengths = None,
     preset: str = "default",
     oam: bool = True, oam_lambda: float = DEFAULT_OAM_LAMBDA, indexer_scale: float | None = None,
-    min_q_blocks: int = 2, backend: str = "auto", return_lse: bool = False,
-    return_info: bool = False, **indexer_params,
+    min_q_blocks: int = 2, dense_above: float | None = None, backend: str = "auto",
+    return_lse: bool = False, return_info: bool = False, **indexer_params,
 ) -> torch.Tensor | tuple:
     """Stem attention in one call: Q/K/V -> indexer -> block-sparse attention.
 
@@ -150,6 +152,14 @@ def stem_attention(
         min_q_blocks: below this many query blocks (``ceil(max q_len / Bs)``),
             e.g. single-token decode, dense attention is used: the indexer
             reads every key to score it, so it cannot save work there.
+        dense_above: dense attention is used when the budget keeps more than
+            this share of the causally visible (query block, key block) pairs
+            (``contract.budget_pairs``, counted from the budget before any
+            score): there, scoring every block costs more than the dropped
+            pairs save, and dense attention is exact. ``1.0``: never for this
+            reason. Default (None): ``contract.default_dense_above`` for q's
+            device and dtype, the measured break-even (``contract.DENSE_ABOVE``;
+            ``benchmarks/WINDOW.md``, "Where Stem steps aside").
         backend: ``block_sparse_attention``'s backend.
         return_lse: also return the float32 log-sum-exp [B, Hq, Sq] of the
             scores attended (for merging partial results).
@@ -169,7 +179,9 @@ def stem_attention(
     ``dense_attention``) is used when the indexer would keep, in every row,
     every key block the row can see (short sequences: budgets below 56 prompt
     blocks keep all): the result is then the sparse path's, and ``info``
-    says ``"dense"``.
+    says ``"dense"``. It is also used, exact rather than sparse, when the
+    budget keeps more than ``dense_above`` of the visible pairs (``info``:
+    ``"dense"``, reason ``"budget keeps most blocks"``).
 
     The indexer aligns causality on blocks (its last query block sees its
     last key block). When ``kv_len - q_len`` is not a multiple of the block
@@ -190,6 +202,9 @@ def stem_attention(
     softcap = _check_softcap(who, softcap)
     for name, flag in (("return_lse", return_lse), ("return_info", return_info)):
         check_bool(who, name, flag)
+    contract.check_dense_above(who, dense_above)
+    if dense_above is None:
+        dense_above = contract.default_dense_above(q.device, q.dtype)
     _check_inference(who, q, k, v)
     if return_info and torch.compiler.is_compiling():
         fail(who, "return_info", "is not available under torch.compile (it reads the "
@@ -202,6 +217,6 @@ def stem_attention(
     out, lse, info = torch.ops.stem_indexer.stem_attention(
         q, k, v, qlen, kvlen, prompt, *(getattr(params, f) for f in PARAM_NAMES),
         scale, softcap, oam, float(oam_lambda), indexer_scale, min_q_blocks, backend,
-        return_lse)
+        return_lse, float(dense_above))
     extra = ((lse,) if return_lse else ()) + ((StemInfo.decode(info),) if return_info else ())
     return (out, *extra) if extra else out

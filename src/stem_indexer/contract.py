@@ -34,6 +34,10 @@ __all__ = [
     "row_budget",
     "reach_blocks",
     "dense_is_exact",
+    "budget_pairs",
+    "DENSE_ABOVE",
+    "default_dense_above",
+    "check_dense_above",
     "rank_keys",
     "check_indexer_inputs",
     "check_metadata_inputs",
@@ -304,6 +308,64 @@ def dense_is_exact(q_lens: torch.Tensor, kv_lens: torch.Tensor, prompt: torch.Te
         if bool((s2 < reach_blocks(i, q_lens[b], kv_lens[b], bs, params.causal)).any()):
             return False
     return True
+
+
+def budget_pairs(q_lens: torch.Tensor, kv_lens: torch.Tensor, prompt: torch.Tensor,
+                 params: IndexerParams) -> tuple[int, int]:
+    """``(kept, visible)``: the (query block, key block) pairs the indexer
+    will keep and the causally visible ones, per query head, summed over the
+    batch, from the budget alone (before any score is computed): each row
+    keeps its forced blocks (sink and window) and ``min(K, candidates)`` of
+    the rest, every head alike. Host int64 lengths per batch; ``prompt`` the
+    prompt lengths in tokens (as ``dense_is_exact``)."""
+    bs = params.stem_block_size
+    qb, kb = ceil_div(q_lens, bs), ceil_div(kv_lens, bs)
+    p = ceil_div(prompt, bs)
+    ks = prompt_budget(p, params)
+    kept = visible = 0
+    for b in range(q_lens.shape[0]):
+        n, m = int(qb[b]), int(kb[b])
+        if n == 0 or m == 0:
+            continue
+        i = torch.arange(n)
+        s2 = visible_blocks(i, n, m, params.causal)
+        sink_end, cand_end = candidate_range(s2, params.initial_blocks, params.window_size)
+        budget = row_budget(i + m - n, p[b], ks[b], params.alpha)
+        picks = torch.minimum(budget, cand_end - sink_end)
+        kept += int((sink_end + (s2 - cand_end) + picks).sum())
+        visible += int(s2.sum())
+    return kept, visible
+
+
+# Stem steps aside (dense attention) when the budget keeps more than this
+# share of the visible block pairs: there, scoring every block costs more
+# than the dropped pairs save. Measured break-evens (benchmarks/WINDOW.md,
+# "Where Stem steps aside"), per device type and dtype; other dtypes on CPU
+# run the gather backend (slower per kept pair), hence a lower share.
+DENSE_ABOVE: dict[tuple[str, torch.dtype], float] = {
+    ("cpu", torch.float32): 0.9,
+    ("cpu", torch.bfloat16): 0.9,
+    ("cuda", torch.bfloat16): 0.6,
+    ("cuda", torch.float16): 0.6,
+    ("cuda", torch.float32): 0.6,
+}
+_DENSE_ABOVE_OTHER = 0.6
+
+
+def default_dense_above(device: torch.device | str, dtype: torch.dtype) -> float:
+    """The ``dense_above`` that ``stem_attention`` uses for q on ``device`` in ``dtype``."""
+    return DENSE_ABOVE.get((torch.device(device).type, dtype), _DENSE_ABOVE_OTHER)
+
+
+def check_dense_above(who: str, value) -> None:
+    """``dense_above`` is None (the default for the device and dtype) or a
+    number with ``0 < dense_above <= 1`` (1: never step aside for it)."""
+    if value is None:
+        return
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not (math.isfinite(value) and 0.0 < value <= 1.0)):
+        fail(who, "dense_above", "must be None or a number with 0 < dense_above <= 1",
+             repr(value))
 
 
 # --------------------------------------------------------------------------- #

@@ -1,8 +1,9 @@
 """Which path and which kernel run a checked call, and running them.
 
 ``_stem`` is the body of ``stem_attention``: dense attention where the
-budget keeps every block (``contract.dense_is_exact``) or there are too few
-query blocks, else ``prepare.stem_inputs`` -> indexer metadata -> indexer ->
+budget keeps every block (``contract.dense_is_exact``), more than
+``dense_above`` of the visible block pairs (``contract.budget_pairs``), or
+there are too few query blocks, else ``prepare.stem_inputs`` -> indexer metadata -> indexer ->
 block-sparse attention. ``_run`` runs block-sparse attention on the kernel
 that ``_backend`` picks (see ``attention.py``'s docstring for the backends).
 """
@@ -128,8 +129,9 @@ class StemInfo(NamedTuple):
     """What one ``stem_attention`` call did (``return_info=True``).
 
     ``path`` is ``"sparse"`` (the indexer chose the blocks) or ``"dense"``,
-    with ``reason``: ``"decode"`` (fewer than ``min_q_blocks`` query blocks)
-    or ``"budget keeps every block"`` (short sequences). ``backend`` is the
+    with ``reason``: ``"decode"`` (fewer than ``min_q_blocks`` query blocks),
+    ``"budget keeps every block"`` (short sequences) or ``"budget keeps most
+    blocks"`` (more than ``dense_above`` of the visible pairs). ``backend`` is the
     kernel that ran (``"native"``, ``"flex"``, ``"gather"`` or ``"sdpa"``).
     ``density`` = ``kept_pairs / visible_pairs``: attended (query block, key
     block) pairs over the causally visible ones, all batches and heads.
@@ -157,7 +159,7 @@ class StemInfo(NamedTuple):
 
 _PATHS = ("sparse", "dense")
 
-_REASONS = ("", "decode", "budget keeps every block")
+_REASONS = ("", "decode", "budget keeps every block", "budget keeps most blocks")
 
 _KERNELS = ("native", "flex", "gather", "sdpa")
 
@@ -183,7 +185,7 @@ def _dense_lists(qlen, kvlen, bs: int, causal: bool, hq: int, qmax: int, kmax: i
     return torch.where(idx < lengths[..., None], idx, -1), lengths
 
 def _stem(q, k, v, qlen, kvlen, prompt, params: IndexerParams, scale, softcap, oam, oam_lambda,
-          indexer_scale, min_q_blocks, backend, want_lse):
+          indexer_scale, min_q_blocks, backend, want_lse, dense_above: float = 1.0):
     """The body of ``stem_attention`` on checked arguments: (out, lse, info)."""
     hq, hkv = q.shape[1], k.shape[1]
     bs, stride = params.stem_block_size, params.stem_stride
@@ -195,6 +197,10 @@ def _stem(q, k, v, qlen, kvlen, prompt, params: IndexerParams, scale, softcap, o
         reason = "decode"
     elif contract.dense_is_exact(qlen, kvlen, prompt, params):
         reason = "budget keeps every block"
+    elif dense_above < 1.0:
+        kept, seen = contract.budget_pairs(qlen, kvlen, prompt, params)
+        if seen and kept > dense_above * seen:
+            reason = "budget keeps most blocks"
     if reason and not (want_lse or softcap):
         out = _dense(q, k, v, params.causal, scale, qlen, kvlen)
         return out, None, StemInfo("dense", reason, "sdpa", visible, visible)

@@ -92,7 +92,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 
 from ..attention import stem_attention
 from ..checks import check_stem_options
-from ..contract import IndexerParams, check_int, fail
+from ..contract import IndexerParams, check_dense_above, check_int, fail
 from ..window import _windowed, sliding_window_mask
 
 # The first release whose mask functions are called with (q_length, q_offset)
@@ -318,7 +318,9 @@ class StemAttention:
     ``"dense:<reason>"``: ``decode``, ``dropout``, ``autograd``, ``mask``,
     ``mask-holes``, ``position_bias``, or, from ``stem_attention`` itself,
     ``budget keeps every block`` (prompts the budget keeps whole, below about
-    56 blocks with the default preset). ``kept_pairs`` and ``visible_pairs``
+    56 blocks with the default preset) and ``budget keeps most blocks`` (more
+    than ``dense_above`` of the visible block pairs: on CPU, 8K tokens with
+    the default preset). ``kept_pairs`` and ``visible_pairs``
     add up the (query block, key block) pairs of the calls that ran Stem, so
     ``kept_pairs / visible_pairs`` is their density; ``layer_pairs`` keeps
     the same per layer (``density_by_layer()``).
@@ -486,7 +488,7 @@ def _stem_arguments() -> list[str]:
 
 
 def register(name: str = "stem", *, min_prefill_tokens: int | None = None,
-             **stem_kwargs: Any) -> StemAttention:
+             dense_above: float | None = None, **stem_kwargs: Any) -> StemAttention:
     """Make ``attn_implementation=name`` run Stem attention in transformers models.
 
     Registers an attention function and a mask function under ``name``
@@ -498,6 +500,11 @@ def register(name: str = "stem", *, min_prefill_tokens: int | None = None,
         name: the ``attn_implementation`` name.
         min_prefill_tokens: calls with fewer query tokens (decode) use dense
             SDPA; default one Stem block (``stem_block_size``).
+        dense_above: ``stem_attention``'s: a prefill whose budget keeps more
+            than this share of the visible block pairs runs dense attention
+            (``stats["dense:budget keeps most blocks"]``); default
+            ``contract.default_dense_above`` of the layer's device and dtype,
+            ``1.0`` never for that reason.
         **stem_kwargs: keyword arguments for every ``stem_attention`` call
             (``preset``, ``stem_block_size``, ``stem_stride``, ``alpha``,
             ``initial_blocks``, ``window_size``, ``oam``, ``oam_lambda``,
@@ -526,6 +533,9 @@ def register(name: str = "stem", *, min_prefill_tokens: int | None = None,
             fail(who, key, f"is not an argument of stem_attention (those that can be fixed: "
                  f"{', '.join(allowed)})", repr(value))
     check_stem_options(who, **stem_kwargs)
+    check_dense_above(who, dense_above)
+    if dense_above is not None:
+        stem_kwargs["dense_above"] = dense_above
     if min_prefill_tokens is None:
         min_prefill_tokens = stem_kwargs.get("stem_block_size", IndexerParams.stem_block_size)
     check_int(who, "min_prefill_tokens", min_prefill_tokens, 1)
