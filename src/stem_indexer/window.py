@@ -38,11 +38,14 @@ _SCORES_PER_GROUP = 1 << 25
 
 
 def default_chunk(window: int) -> int:
-    """Queries per chunk: half the window, at least 64 (rounded up to 64).
+    """Queries per chunk: a quarter of the window rounded up to a multiple of
+    64, within [64, 512].
 
-    Each query pays ``chunk + window - 1`` keys: a smaller chunk wastes fewer
-    of them but gathers K and V more often (``benchmarks/WINDOW.md``)."""
-    return max(64, ceil_div(max(window // 2, 1), 64) * 64)
+    Each query pays ``chunk + window - 1`` keys, so a smaller chunk wastes
+    fewer of them; but each chunk holds its own ``chunk + window - 1`` keys
+    (a view of K and V for batch 1, a copy otherwise), and the attention
+    kernel gains little below 64 queries (``benchmarks/WINDOW.md``)."""
+    return min(512, max(64, ceil_div(max(window // 4, 1), 64) * 64))
 
 
 def sliding_window_mask(key_valid: torch.Tensor, q_len: int, window: int) -> torch.Tensor:

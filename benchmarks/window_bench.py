@@ -1,0 +1,190 @@
+"""Sliding-window attention at window cost against SDPA with the sliding mask (CPU).
+
+One sliding-window layer of Gemma-3-270M's shape by default (B=1, 4 query
+heads, 1 KV head, D=256, window W=512), random Q/K/V, queries = keys = S:
+
+* ``sdpa``: ``scaled_dot_product_attention`` with the 4-D boolean sliding
+  mask transformers builds for such a layer (what the transformers
+  integration ran for sliding layers before: S x S work);
+* ``window``: ``stem_indexer.window.sliding_window_attention`` (chunks of
+  queries on their ``chunk + W - 1`` keys: S x W work).
+
+The two calls alternate, ``--reps`` times after a warm-up; reported: the
+median time of each, the median of the per-turn ratios sdpa / window with
+their [min, max], and the largest difference between the two outputs.
+
+    python benchmarks/window_bench.py --seqs 2048                 # a quick run
+    python benchmarks/window_bench.py --seqs 8192,16384,32768 --record benchmarks/WINDOW.md
+    python benchmarks/window_bench.py --seqs 8192 --chunks 128,256,512,1024  # chunk sizes
+
+``--dense-above`` measures instead where ``stem_attention`` stops paying off
+(the break-even behind ``contract.DENSE_ABOVE``): at one length (``--seqs``,
+one value), B=1, 8 query and 2 KV heads, D=128 (``ATTENTION.md``'s shape),
+budgets ``Ks`` from ``--budgets`` (``k_block_num_bias_medium`` with rate 0,
+so every row's budget is Ks blocks; at 8K the default budget is 42 of 64),
+``stem_attention(dense_above=1.0)`` (always sparse) against dense causal
+SDPA, interleaved; the density is the kept share of the visible pairs.
+
+    python benchmarks/window_bench.py --dense-above --seqs 8192 --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from common import cpu_flags, git_sha, interleaved_runs, machine, write_atomic
+from stem_indexer.window import default_chunk, sliding_window_attention, sliding_window_mask
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def measure(seq: int, dtype: torch.dtype, heads: int, kv_heads: int, dim: int, window: int,
+            chunk: int | None, reps: int) -> dict:
+    gen = torch.Generator().manual_seed(seq)
+    q = torch.randn(1, heads, seq, dim, generator=gen).to(dtype)
+    k, v = (torch.randn(1, kv_heads, seq, dim, generator=gen).to(dtype) for _ in range(2))
+    mask = sliding_window_mask(torch.ones(1, seq, dtype=torch.bool), seq, window)
+    gqa = heads != kv_heads
+    outs = {}
+
+    def sdpa():
+        outs["sdpa"] = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+    def windowed():
+        outs["window"] = sliding_window_attention(q, k, v, window, chunk=chunk)
+
+    with torch.inference_mode():
+        runs = interleaved_runs({"sdpa": sdpa, "window": windowed}, reps=reps, warmup=1)
+    ratios = [a / b for a, b in zip(runs["sdpa"], runs["window"])]
+    err = (outs["sdpa"].float() - outs["window"].float()).abs().max().item()
+    return dict(sdpa=statistics.median(runs["sdpa"]), window=statistics.median(runs["window"]),
+                ratio=statistics.median(ratios), lo=min(ratios), hi=max(ratios), err=err)
+
+
+def measure_budget(seq: int, dtype: torch.dtype, budget: int, reps: int) -> dict:
+    import stem_indexer
+
+    gen = torch.Generator().manual_seed(seq)
+    q = torch.randn(1, 8, seq, 128, generator=gen).to(dtype)
+    k, v = (torch.randn(1, 2, seq, 128, generator=gen).to(dtype) for _ in range(2))
+    kwargs = dict(k_block_num_rate_medium=0.0, k_block_num_bias_medium=budget,
+                  k_block_num_rate_large=0.0, k_block_num_bias_large=budget, dense_above=1.0)
+    info = []
+
+    def dense():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    def stem():
+        info[:] = [stem_indexer.stem_attention(q, k, v, return_info=True, **kwargs)[1]]
+
+    with torch.inference_mode():
+        runs = interleaved_runs({"dense": dense, "stem": stem}, reps=reps, warmup=1)
+    ratios = [a / b for a, b in zip(runs["dense"], runs["stem"])]
+    return dict(density=info[0].density, path=info[0].path,
+                dense=statistics.median(runs["dense"]), stem=statistics.median(runs["stem"]),
+                ratio=statistics.median(ratios), lo=min(ratios), hi=max(ratios))
+
+
+def dense_above_table(seq: int, dtypes: list[str], budgets: list[int], reps: int) -> tuple:
+    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    header = [f"Machine: {machine()}; {cpu_flags()}; git {git_sha()}; load average at the "
+              f"start {load} (1/5/15 min); B=1, Hq=8, Hkv=2, D=128, causal, {_tokens(seq)} "
+              f"tokens, blocks of 128, stride 16; {reps} turns, the two calls alternating.",
+              "",
+              "| dtype | budget Ks (blocks) | density | dense SDPA ms | stem_attention ms | "
+              "dense / stem, median [min, max] |",
+              "|---|---|---|---|---|---|"]
+    print("\n".join(header), flush=True)
+    lines = []
+    for name in dtypes:
+        for budget in budgets:
+            r = measure_budget(seq, DTYPES[name], budget, reps)
+            assert r["path"] == "sparse", r
+            line = (f"| {name} | {budget} | {r['density']:.1%} | {r['dense']:.0f} | "
+                    f"{r['stem']:.0f} | {r['ratio']:.2f}x [{r['lo']:.2f}, {r['hi']:.2f}] |")
+            lines.append(line)
+            print(line, flush=True)
+    return header, lines
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", default="2048", help="comma-separated token counts")
+    parser.add_argument("--dtypes", default="bf16,fp32")
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=1)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--chunks", default="",
+                        help="comma-separated queries per chunk (default: default_chunk(W))")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--dense-above", action="store_true",
+                        help="the density sweep of stem_attention against dense attention")
+    parser.add_argument("--budgets", default="8,16,24,32,40,48,56",
+                        help="with --dense-above: budgets Ks in blocks")
+    parser.add_argument("--record", type=Path, help="append the table to this markdown file")
+    args = parser.parse_args(argv)
+    if args.record is not None and not args.record.parent.is_dir():
+        parser.error(f"--record: directory {args.record.parent} does not exist")
+    seqs = [int(s) for s in args.seqs.split(",")]
+    dtypes = args.dtypes.split(",")
+    for name in dtypes:
+        if name not in DTYPES:
+            parser.error(f"--dtypes: {name!r} is not one of {', '.join(DTYPES)}")
+    chunks = [int(c) for c in args.chunks.split(",")] if args.chunks else [None]
+    if args.dense_above:
+        if len(seqs) != 1:
+            parser.error("--dense-above takes one length in --seqs")
+        header, lines = dense_above_table(seqs[0], dtypes, [int(b) for b in
+                                                            args.budgets.split(",")], args.reps)
+        _finish(args, argv, header, lines)
+        return 0
+    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    header = [f"Machine: {machine()}; {cpu_flags()}; git {git_sha()}; load average at the "
+              f"start {load} (1/5/15 min); B=1, Hq={args.heads}, Hkv={args.kv_heads}, "
+              f"D={args.dim}, W={args.window}; {args.reps} turns, the two calls alternating.",
+              "",
+              "| tokens | dtype | chunk | SDPA with the sliding mask ms | windowed ms | "
+              "SDPA / windowed, median [min, max] | max abs diff |",
+              "|---|---|---|---|---|---|---|"]
+    print("\n".join(header), flush=True)
+    lines = []
+    for seq in seqs:
+        for name in dtypes:
+            for chunk in chunks:
+                r = measure(seq, DTYPES[name], args.heads, args.kv_heads, args.dim,
+                            args.window, chunk, args.reps)
+                used = chunk or default_chunk(min(args.window, seq))
+                line = (f"| {_tokens(seq)} | {name} | {used} | {r['sdpa']:.1f} | "
+                        f"{r['window']:.1f} | {r['ratio']:.2f}x [{r['lo']:.2f}, {r['hi']:.2f}] "
+                        f"| {r['err']:.1e} |")
+                lines.append(line)
+                print(line, flush=True)
+    _finish(args, argv, header, lines)
+    return 0
+
+
+def _finish(args, argv, header, lines) -> None:
+    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"\nload average at the end {load}")
+    if args.record is not None:
+        command = "python benchmarks/window_bench.py " + " ".join(argv or sys.argv[1:])
+        write_atomic(args.record, "\n".join(["", f"Command: `{command}`", "", *header, *lines,
+                                             "", f"Load average at the end: {load}.", ""]),
+                     append=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
