@@ -8,6 +8,7 @@ beside it; run them from the repository root, e.g. ``python benchmarks/x.py``).
   CUDA events on a GPU and ``time.perf_counter`` on CPU;
 * ``interleaved_ms({...})``: several functions timed in turns, so that
   machine noise hits all of them alike (ratios from one run);
+  ``interleaved_runs`` keeps every turn's times, for the spread of a ratio;
 * ``write_atomic(path, text)``: results files appear whole or not at all.
 """
 
@@ -36,6 +37,25 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+# The instruction-set flags that decide which kernels run (lscpu's names).
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+
+
+def cpu_flags() -> str:
+    """lscpu's model name and which of ``FLAGS`` the CPU has."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "lscpu unavailable"
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    model = " ".join(fields.get("Model name", "?").split())
+    have = set(fields.get("Flags", "").split())
+    family = fields.get("CPU family", "?").strip()
+    number = fields.get("Model", "?").strip()
+    flags = " ".join(f if f in have else f"no {f}" for f in FLAGS)
+    return f"{model} (family {family}, model {number}): {flags}"
 
 
 def machine(device: str = "cpu") -> str:
@@ -80,9 +100,10 @@ def median_ms(fn: Callable[[], object], *, reps: int = 5, warmup: int = 1,
     return statistics.median(_once_ms(fn, device) for _ in range(reps))
 
 
-def interleaved_ms(fns: dict[str, Callable[[], object]], *, reps: int = 5, warmup: int = 1,
-                   device: str = "cpu") -> dict[str, float]:
-    """Median ms of each function, the functions called in turns."""
+def interleaved_runs(fns: dict[str, Callable[[], object]], *, reps: int = 5, warmup: int = 1,
+                     device: str = "cpu") -> dict[str, list[float]]:
+    """Every ms of each function, the functions called in turns (entry i of
+    each list is from the same turn, so per-turn ratios give the spread)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -90,7 +111,14 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], *, reps: int = 5, warmu
     for _ in range(reps):
         for name, fn in fns.items():
             times[name].append(_once_ms(fn, device))
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def interleaved_ms(fns: dict[str, Callable[[], object]], *, reps: int = 5, warmup: int = 1,
+                   device: str = "cpu") -> dict[str, float]:
+    """Median ms of each function, the functions called in turns."""
+    runs = interleaved_runs(fns, reps=reps, warmup=warmup, device=device)
+    return {name: statistics.median(t) for name, t in runs.items()}
 
 
 def write_atomic(path: str | os.PathLike, text: str, *, append: bool = False) -> None:

@@ -7,9 +7,16 @@ reports in one run:
 
 * ``op``: the op's median time (metadata prebuilt, as a model would reuse it);
 * ``gemm``: the op with its selection stubbed out: the score GEMMs over the
-  key blocks each row can pick, in the op's own blocking (bf16 operands
-  upcast into reused float32 buffers, batched SGEMMs, ``* 1/R^2 + vbias``),
-  plus the output's allocation; so op/gemm is what selecting costs on top;
+  key blocks each row can pick, in the op's own blocking (bf16 products on
+  oneDNN's micro-kernel where the CPU has bf16 dot products, else bf16
+  operands upcast into reused float32 buffers and batched SGEMMs;
+  ``* 1/R^2 + vbias``), plus the output's allocation; so op/gemm is what
+  selecting costs on top;
+* ``bf16 GEMM`` and ``f32 GEMM``: plain ``torch.matmul`` of every causally
+  visible (query block, key block) pair, in bfloat16 and in float32
+  (operands converted before the clock), nothing else: the floor. ``op /
+  faster GEMM`` is the op against the faster of the two, per interleaved
+  turn (median and [min, max] over the turns);
 * ``plain``: the version a user would write: one full float32 score matmul
   per (batch, KV head), mask, stable descending sort per row, take the budget;
 * the ratios op/gemm and plain/op, and the op's peak extra memory (resident
@@ -30,6 +37,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -40,7 +48,7 @@ from unittest import mock
 import torch
 
 import stem_indexer  # noqa: F401  (registers the ops)
-from common import git_sha, interleaved_ms, machine, write_atomic
+from common import cpu_flags, git_sha, interleaved_ms, interleaved_runs, machine, write_atomic
 from stem_indexer import contract
 from stem_indexer.contract import IndexerParams, ceil_div
 from stem_indexer.ops import native
@@ -143,6 +151,43 @@ def scores_only(inputs: dict, metadata: torch.Tensor, params: IndexerParams):
     def run():
         with mock.patch.object(native, "select_rows", lambda *args: None):
             return run_op(inputs, metadata, params)
+    return run
+
+
+def visible_gemm(inputs: dict, params: IndexerParams, dtype: torch.dtype, tile: int = 32):
+    """A closure computing the scores of every causally visible (query block,
+    key block) pair with plain ``torch.matmul`` in ``dtype`` (bfloat16:
+    oneDNN's bf16 GEMM, bf16 out; float32: SGEMM on operands converted before
+    the clock starts), ``tile`` query blocks per matmul against the keys the
+    tile's last row sees, into preallocated outputs. No scale, bias or
+    selection: the GEMM floor the op is held to."""
+    qflat, kflat = inputs["qflat"].to(dtype), inputs["kflat"].to(dtype)
+    batch, nq, _, df = qflat.shape
+    nk = kflat.shape[1]
+    group = nq // nk
+    bs = params.stem_block_size
+    jobs = []
+    for b in range(batch):
+        qb = ceil_div(int(inputs["q_seq_lens"][b]), bs)
+        kb = ceil_div(int(inputs["kv_seq_lens"][b]), bs)
+        if qb == 0 or kb == 0:
+            continue
+        s2 = contract.visible_blocks(torch.arange(qb), qb, kb, params.causal)
+        for r0 in range(0, qb, tile):
+            r1 = min(r0 + tile, qb)
+            upper = int(s2[r0:r1].max())
+            if upper:
+                jobs.append((b, r0, r1, upper))
+    largest = max((group * (r1 - r0) * upper for _, r0, r1, upper in jobs), default=1)
+    scratch = torch.empty(nk, largest, dtype=dtype)
+
+    def run():
+        for b, r0, r1, upper in jobs:
+            for n in range(nk):
+                q = qflat[b, n * group:(n + 1) * group, r0:r1].reshape(-1, df)
+                out = scratch[n, :q.shape[0] * upper].view(q.shape[0], upper)
+                torch.matmul(q, kflat[b, n, :upper].T, out=out)
+        return scratch
     return run
 
 
@@ -253,8 +298,14 @@ def measure_shape(shape: Shape) -> dict:
     exact, check_seconds = _check(shape, inputs, params, out)
     del out
 
-    ms = interleaved_ms({"op": lambda: run_op(inputs, metadata, params),
-                         "gemm": scores_only(inputs, metadata, params)}, reps=shape.repeat)
+    runs = interleaved_runs({"op": lambda: run_op(inputs, metadata, params),
+                             "gemm": scores_only(inputs, metadata, params),
+                             "bf16": visible_gemm(inputs, params, torch.bfloat16),
+                             "f32": visible_gemm(inputs, params, torch.float32)},
+                            reps=shape.repeat)
+    ms = {name: statistics.median(t) for name, t in runs.items()}
+    # op / the faster GEMM of the visible pairs, per turn: the median and spread
+    floor = [t / min(a, b) for t, a, b in zip(runs["op"], runs["bf16"], runs["f32"])]
     ms["plain"] = interleaved_ms({"plain": lambda: plain_indexer(inputs, params)},
                                  reps=max(1, shape.repeat // 2), warmup=0)["plain"]
     flops = 2.0 * visible_pairs(inputs, params) * shape.q_heads * shape.dim
@@ -263,6 +314,8 @@ def measure_shape(shape: Shape) -> dict:
         "check_exact": exact, "check_seconds": round(check_seconds, 1),
         "op_ms": ms["op"], "gemm_ms": ms["gemm"], "plain_ms": ms["plain"],
         "op_over_gemm": ms["op"] / ms["gemm"], "plain_over_op": ms["plain"] / ms["op"],
+        "bf16_ms": ms["bf16"], "f32_ms": ms["f32"],
+        "op_over_floor": statistics.median(floor), "floor_spread": [min(floor), max(floor)],
         "gemm_gflops": flops / ms["gemm"] / 1e6,
         "in_mib": in_bytes / 2**20, "out_mib": out_bytes / 2**20, "peak_extra_mib": peak,
         "mem_ratio": (None if peak is None
@@ -277,16 +330,20 @@ def measure_shape(shape: Shape) -> dict:
 # --------------------------------------------------------------------------- #
 
 
-COLUMNS = ("shape", "threads", "op ms", "gemm ms", "op/gemm", "plain ms", "plain/op",
-           "gemm GFLOP/s", "peak extra MiB", "in+out MiB", "mem ratio", "selection", "check")
+COLUMNS = ("shape", "threads", "op ms", "gemm ms", "op/gemm", "bf16 GEMM ms", "f32 GEMM ms",
+           "op / faster GEMM [min, max]", "plain ms", "plain/op", "gemm GFLOP/s",
+           "peak extra MiB", "in+out MiB", "mem ratio", "selection", "check")
 
 
 def format_row(r: dict) -> list[str]:
     check = f"{r['check']} {'identical' if r['check_exact'] else 'within CONTRACT.md section 5'}"
     peak = "n/a" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.0f}"
     ratio = "n/a" if r["mem_ratio"] is None else f"{r['mem_ratio']:.2f}"
+    lo, hi = r["floor_spread"]
     return [r["shape"], str(r["threads"]), f"{r['op_ms']:.1f}", f"{r['gemm_ms']:.1f}",
-            f"{r['op_over_gemm']:.2f}", f"{r['plain_ms']:.0f}", f"{r['plain_over_op']:.1f}",
+            f"{r['op_over_gemm']:.2f}", f"{r['bf16_ms']:.1f}", f"{r['f32_ms']:.1f}",
+            f"{r['op_over_floor']:.2f} [{lo:.2f}, {hi:.2f}]",
+            f"{r['plain_ms']:.0f}", f"{r['plain_over_op']:.1f}",
             f"{r['gemm_gflops']:.0f}", peak, f"{r['in_mib'] + r['out_mib']:.0f}", ratio,
             r["selection"], check]
 
@@ -315,6 +372,7 @@ def run(names: list[str], *, threads: list[int | None] = (None,), out: Path | No
     if out is not None:
         stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         text = [f"## {stamp} - git {git_sha()}", "", f"- machine: {machine()}",
+                f"- lscpu: {cpu_flags()}",
                 f"- command: `{command_line}`", "", markdown_table(rows), ""]
         write_atomic(out, "\n".join(text) + "\n", append=True)
     return rows
@@ -351,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     command_line = " ".join([*settings, "python benchmarks/indexer_bench.py",
                              f"--shapes {','.join(names)}"]
                             + ([f"--threads {args.threads}"] if args.threads else []))
-    print(f"machine: {machine()}; git {git_sha()}")
+    print(f"machine: {machine()}; {cpu_flags()}; git {git_sha()}")
     print(" | ".join(COLUMNS), flush=True)
     run(names, threads=threads, out=args.out, command_line=command_line)
     return 0

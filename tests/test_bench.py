@@ -60,10 +60,35 @@ def test_gemm_line_is_the_op_without_its_selection(monkeypatch):
     assert selected == []  # the closure stubs the selection out itself
 
 
+def test_gemm_floor_multiplies_every_visible_pair(monkeypatch):
+    """The bf16 / float32 GEMM lines compute the scores of every causally
+    visible (query block, key block) pair: with one query block per matmul
+    exactly those, with tiles of them at least those; and the values are
+    the products."""
+    inputs = TINY.make_inputs()
+    params = TINY.params
+    want = bench.visible_pairs(inputs, params) * TINY.q_heads
+    real = torch.matmul
+    for tile, exact in ((1, True), (32, False)):
+        done = []
+
+        def spy(a, b, *, out):
+            done.append(a.shape[0] * b.shape[1])
+            return real(a, b, out=out)
+
+        monkeypatch.setattr(torch, "matmul", spy)
+        bench.visible_gemm(inputs, params, torch.float32, tile=tile)()
+        assert (sum(done) == want) if exact else (sum(done) >= want)
+    monkeypatch.setattr(torch, "matmul", real)
+    last = bench.visible_gemm(inputs, params, torch.float32, tile=10**6)()
+    q, k = inputs["qflat"][2, 2:4].float().reshape(-1, 32), inputs["kflat"][2, 1, :5].float()
+    assert torch.equal(last[1, :q.shape[0] * 5].view(-1, 5), q @ k.T)
+
+
 def test_measure_shape_runs_and_checks():
     row = bench.measure_shape(TINY)
     assert row["check_exact"] and row["shape"] == "T"
-    for key in ("op_ms", "gemm_ms", "plain_ms"):
+    for key in ("op_ms", "gemm_ms", "plain_ms", "bf16_ms", "f32_ms", "op_over_floor"):
         assert row[key] > 0
     table = bench.markdown_table([row])
     assert table.count("\n") == 2 and "| T |" in table
