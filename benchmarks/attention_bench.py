@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import stem_indexer
-from common import git_sha, interleaved_ms, machine, write_atomic
+from common import cpu_flags, git_sha, interleaved_runs, machine, write_atomic
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -82,20 +83,25 @@ def measure(seq: int, dtype: torch.dtype, heads: int, kv_heads: int, dim: int, r
     exact = restricted_error(q, k, v, out, idx, lens, 128, scale, 8, gen)
     vs_dense = (out.float() - ref.float()).abs().max().item()
     del ref
-    ms = interleaved_ms({"dense": dense, "stem": stem, "sparse": sparse}, reps=reps)
-    return {"seq": seq, "dtype": str(dtype).replace("torch.", ""), "density": info.density,
+    runs = interleaved_runs({"dense": dense, "stem": stem, "sparse": sparse}, reps=reps)
+    ms = {name: statistics.median(t) for name, t in runs.items()}
+    turns = [d / s for d, s in zip(runs["dense"], runs["stem"])]
+    return {"spread": (min(turns), max(turns)),
+            "seq": seq, "dtype": str(dtype).replace("torch.", ""), "density": info.density,
             "path": info.path, "backend": info.backend, "E": ms["dense"] * info.density /
             ms["sparse"], "dense": ms["dense"], "stem": ms["stem"], "sparse": ms["sparse"],
             "exact": exact, "vs_dense": vs_dense}
 
 
-COLUMNS = ("tokens", "dtype", "density", "dense s", "stem_attention s", "dense / stem",
+COLUMNS = ("tokens", "dtype", "density", "dense s", "stem_attention s",
+           "dense / stem, median [min, max]",
            "block-sparse s", "E", "max err vs same blocks", "max err vs dense")
 
 
 def row(r: dict) -> str:
     cells = [f"{r['seq'] // 1024}K", r["dtype"], f"{r['density']:.1%}", f"{r['dense'] / 1e3:.2f}",
-             f"{r['stem'] / 1e3:.2f}", f"{r['dense'] / r['stem']:.2f}x",
+             f"{r['stem'] / 1e3:.2f}",
+             f"{r['dense'] / r['stem']:.2f}x [{r['spread'][0]:.2f}, {r['spread'][1]:.2f}]",
              f"{r['sparse'] / 1e3:.2f}", f"{r['E']:.2f}", f"{r['exact']:.1e}",
              f"{r['vs_dense']:.1e}"]
     return "| " + " | ".join(cells) + " |"
@@ -121,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     seqs = [int(s) for s in args.seqs.split(",")]
     header = [f"Machine: {machine()}; git {git_sha()}; B=1, Hq={args.heads}, "
               f"Hkv={args.kv_heads}, D={args.dim}, causal, preset {args.preset}; medians of "
-              f"{args.reps}, the three calls alternating.", "",
+              f"{args.reps} turns, the three calls alternating; [min, max] of the turns' "
+              "ratios.", f"lscpu: {cpu_flags()}", "",
               "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     print("\n".join(header), flush=True)
     lines = []

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 import stem_indexer
-from common import git_sha, machine, median_ms, write_atomic
+from common import git_sha, interleaved_runs, machine, write_atomic
 from stem_indexer import contract
 from stem_indexer.attention import block_sparse_attention
 
@@ -93,15 +94,20 @@ def run(seq: int, device: str, reps: int, lines: list[str]) -> bool:
     err = max(float((got[0, h, i * bs:(i + 1) * bs].float() - r).abs().max())
               for (h, i), r in ref.items())
     ok_check = err < 2e-2
-    t_dense = median_ms(dense, device=device, reps=reps)
-    t_sparse = median_ms(sparse, device=device, reps=reps)
-    t_index = median_ms(indexer, device=device, reps=reps)
-    t_call = median_ms(one_call, device=device, reps=reps)
+    runs = interleaved_runs({"dense": dense, "sparse": sparse, "indexer": indexer,
+                             "call": one_call}, device=device, reps=reps)
+    t_dense, t_sparse, t_index, t_call = (statistics.median(runs[n])
+                                          for n in ("dense", "sparse", "indexer", "call"))
     speedup = t_dense / t_sparse
     efficiency = t_dense * density / t_sparse
     target = seq < 131072 or device != "cuda" or speedup >= 3.0
+
+    def spread(name):  # dense / name per turn: [min, max]
+        turns = [d / x for d, x in zip(runs["dense"], runs[name])]
+        return f"[{min(turns):.2f}, {max(turns):.2f}]"
     lines.append(f"| {seq} | {density:.1%} | {t_index:.2f} | {t_sparse:.2f} | {t_dense:.2f} "
-                 f"| {speedup:.2f}x | {efficiency:.2f} | {t_call:.2f} | {t_dense / t_call:.2f}x "
+                 f"| {speedup:.2f}x {spread('sparse')} | {efficiency:.2f} | {t_call:.2f} "
+                 f"| {t_dense / t_call:.2f}x {spread('call')} "
                  f"| {err:.1e} | {'ok' if ok_check else 'FAIL'} |")
     print(lines[-1], flush=True)
     return ok_check and target
@@ -118,8 +124,9 @@ def main(argv=None) -> int:
         print("no CUDA device; use --dry-run", file=sys.stderr)
         return 2
     lines = [f"# Stem sparse prefill vs dense attention ({machine(device)})", "",
-             f"git {git_sha()}, bf16, B=1, causal; times in ms (medians); E = dense x "
-             "density / sparse", "",
+             f"git {git_sha()}, bf16, B=1, causal; times in ms (medians of {args.reps} "
+             "turns, the four calls alternating); speed-ups with [min, max] over the turns; "
+             "E = dense x density / sparse", "",
              "| tokens | density | indexer | sparse attn | dense SDPA | dense/sparse | E "
              "| stem_attention | dense/stem_attention | max err | check |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
