@@ -119,9 +119,6 @@ def _windowed(q, k, v, window, key_valid, scale, softcap, chunk):
     size = min(chunk or default_chunk(window), sq)
     n = ceil_div(sq, size)
     span = size + window - 1
-    # Chunk c's queries are q[c*size : (c+1)*size]; its keys start at key
-    # position off + c*size - (window - 1): in K padded by window - 1 zeros on
-    # the left (and right up to the last chunk's end), at off + c*size.
     right = n * size - sq
     # Chunk c's queries are q[c*size : (c+1)*size]; its keys are the span
     # keys from position base + c*size, base = off - (window - 1): K is cut

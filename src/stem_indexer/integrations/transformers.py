@@ -319,8 +319,8 @@ class StemAttention:
     ``mask-holes``, ``position_bias``, or, from ``stem_attention`` itself,
     ``budget keeps every block`` (prompts the budget keeps whole, below about
     56 blocks with the default preset) and ``budget keeps most blocks`` (more
-    than ``dense_above`` of the visible block pairs: on CPU, 8K tokens with
-    the default preset). ``kept_pairs`` and ``visible_pairs``
+    than ``dense_above`` of the visible block pairs: on CPU in float32,
+    7.5K tokens with the default preset). ``kept_pairs`` and ``visible_pairs``
     add up the (query block, key block) pairs of the calls that ran Stem, so
     ``kept_pairs / visible_pairs`` is their density; ``layer_pairs`` keeps
     the same per layer (``density_by_layer()``).
