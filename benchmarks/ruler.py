@@ -18,12 +18,19 @@ Tasks (after RULER, Hsieh et al. 2024, whose templates these follow):
   name every variable of the chain (``exact`` also requires that it names no
   other 5-letter capitalised name).
 
-Filler (the haystack): the text of the Python documentation's topics,
-``pydoc_data.topics`` (shipped with the standard library: the same text the
-perplexity runs of ``model_quality.py`` read), from a seeded offset, its
-paragraphs joined in order. Keys, numbers and variable names are drawn so
-that none occurs in that text: each expected value appears in the prompt
-exactly where its needle is.
+Filler (the haystack), both shipped with the standard library, per task as
+RULER chooses between its repeated "noise" sentences and natural essays:
+
+* ``zen`` for ``passkey`` and ``vartrack`` (RULER: noise): the Zen of
+  Python, ``this.s`` decoded (rot13), repeated: a haystack the needles stand
+  out from;
+* ``docs`` for ``multikey`` and ``multivalue`` (RULER: essays): the text of
+  the Python documentation's topics, ``pydoc_data.topics`` (the text the
+  perplexity runs of ``model_quality.py`` read), its paragraphs in order.
+
+Either starts at a seeded offset. Keys, numbers and variable names are drawn
+so that none occurs in the filler's text: each expected value appears in the
+prompt exactly where its needle is.
 
 Prompts are token ids: ``Generator(encode)`` takes the model's tokenizer as
 a function from text to ids (no special tokens); ``prefix`` (e.g. the BOS
@@ -75,13 +82,16 @@ NOUNS = ("anchor", "badger", "candle", "dolphin", "engine", "falcon", "garden", 
          "island", "jacket", "kettle", "lantern", "meadow", "needle", "orchard", "pepper",
          "quarry", "river", "saddle", "tunnel", "umbrella", "valley", "walnut", "yacht")
 VAR_NAME = re.compile(r"\b[A-Z]{5}\b")
+FILLERS = ("zen", "docs")
+TASK_FILLER = {"passkey": "zen", "multikey": "docs", "multivalue": "docs", "vartrack": "zen"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Sample:
     """One prompt: ``ids`` (exactly ``length`` tokens), the values the answer
     must contain (``expected``), the needles' texts and where their ids start
-    in ``ids`` (``at``, in order of appearance), and the answer's token budget."""
+    in ``ids`` (``at``, in order of appearance), the answer's token budget and
+    the filler used."""
 
     task: str
     length: int
@@ -91,10 +101,21 @@ class Sample:
     needles: tuple[str, ...]
     at: tuple[int, ...]
     max_new_tokens: int
+    filler: str
 
 
-def filler_text() -> str:
-    """The haystack's text (``pydoc_data.topics``, in the standard library)."""
+def filler_text(kind: str = "docs") -> str:
+    """The haystack's text: ``docs``, the documentation's topics
+    (``pydoc_data.topics``); ``zen``, the Zen of Python (``this.s`` read from
+    the module's source and decoded; importing ``this`` would print it)."""
+    if kind == "zen":
+        import ast
+        import codecs
+        import importlib.util
+        tree = ast.parse(open(importlib.util.find_spec("this").origin).read())
+        encoded = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                       and getattr(n.targets[0], "id", None) == "s")
+        return codecs.decode(encoded, "rot13") + "\n\n"
     from pydoc_data.topics import topics
     return "\n\n".join(topics[k] for k in sorted(topics))
 
@@ -111,26 +132,43 @@ def exact_names(expected: Sequence[str], answer: str) -> bool:
 
 class Generator:
     """Samples of the tasks for one tokenizer (``encode``: text to ids, no
-    special tokens), each prompt starting with ``prefix``."""
+    special tokens), each prompt starting with ``prefix``; ``filler``: one of
+    ``FILLERS`` for every task (default: ``TASK_FILLER``'s), or ``text``,
+    the filler's text itself."""
 
     def __init__(self, encode: Callable[[str], list[int]], prefix: Sequence[int] = (),
-                 text: str | None = None):
+                 text: str | None = None, filler: str | None = None):
+        if filler is not None and filler not in FILLERS:
+            fail("Generator", "filler", f"must be None or one of {', '.join(FILLERS)}",
+                 repr(filler))
         self.encode = encode
         self.prefix = list(prefix)
-        self.text = filler_text() if text is None else text
-        self._filler: list[int] | None = None
+        self.text = text
+        self.filler = filler
+        self._texts: dict[str, str] = {}
+        self._ids: dict[str, list[int]] = {}
 
-    def filler_ids(self) -> list[int]:
-        if self._filler is None:
-            self._filler = list(self.encode(self.text))
-        return self._filler
+    def filler_of(self, task: str) -> str:
+        """The filler a task's prompts use ("text" when given one)."""
+        return "text" if self.text is not None else self.filler or TASK_FILLER[task]
+
+    def filler_text(self, kind: str) -> str:
+        if kind not in self._texts:
+            self._texts[kind] = self.text if kind == "text" else filler_text(kind)
+        return self._texts[kind]
+
+    def filler_ids(self, kind: str) -> list[int]:
+        if kind not in self._ids:
+            self._ids[kind] = list(self.encode(self.filler_text(kind)))
+        return self._ids[kind]
 
     # -- values that do not occur in the filler -------------------------------
 
-    def _fresh(self, rng: random.Random, draw: Callable[[], str], taken: set[str]) -> str:
+    def _fresh(self, rng: random.Random, draw: Callable[[], str], taken: set[str],
+               text: str) -> str:
         for _ in range(1000):
             value = draw()
-            if value not in taken and value not in self.text:
+            if value not in taken and value not in text:
                 taken.add(value)
                 return value
         raise RuntimeError("could not draw a value absent from the filler")  # pragma: no cover
@@ -144,13 +182,16 @@ class Generator:
             fail(who, "length", "must be an int", repr(length))
         rng = random.Random(f"{task}:{length}:{seed}")
         taken: set[str] = set()
+        kind = self.filler_of(task)
+        text = self.filler_text(kind)
 
         def number(digits: int) -> str:
             return self._fresh(rng, lambda: str(rng.randrange(10 ** (digits - 1), 10 ** digits)),
-                               taken)
+                               taken, text)
 
         def key() -> str:
-            return self._fresh(rng, lambda: f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}", taken)
+            return self._fresh(rng, lambda: f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}", taken,
+                               text)
 
         if task == "passkey":
             value = number(5)
@@ -173,7 +214,7 @@ class Generator:
         else:  # vartrack
             value = number(5)
             names = [self._fresh(rng, lambda: "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
-                                                      for _ in range(5)), taken)
+                                                      for _ in range(5)), taken, text)
                      for _ in range(VARTRACK_HOPS + 1)]
             intro = VARTRACK_INTRO
             needles = [VARTRACK_NEEDLE.format(name=names[0], value=value)]
@@ -183,10 +224,11 @@ class Generator:
             expected, ordered = tuple(names), True
         if not ordered:
             rng.shuffle(needles)  # the asked needle anywhere among the others
-        return self._assemble(who, task, length, seed, rng, intro, needles, question, expected)
+        return self._assemble(who, task, length, seed, rng, intro, needles, question, expected,
+                              kind)
 
     def _assemble(self, who, task, length, seed, rng, intro, needles, question,
-                  expected) -> Sample:
+                  expected, kind) -> Sample:
         head = self.prefix + list(self.encode(intro))
         tail = list(self.encode(question))
         parts = [list(self.encode(n)) for n in needles]
@@ -194,7 +236,7 @@ class Generator:
         if room < 0:
             fail(who, "length", f"must be at least {length - room} tokens for {task} "
                  "(intro, needles and question)", length)
-        filler = self.filler_ids()
+        filler = self.filler_ids(kind)
         start = rng.randrange(len(filler))
         body = (filler[start:] + filler) * (room // len(filler) + 1)
         body = body[:room]
@@ -208,4 +250,4 @@ class Generator:
         ids += body[prev:] + tail
         assert len(ids) == length
         return Sample(task, length, seed, ids, tuple(expected), tuple(needles), tuple(at),
-                      ANSWER_TOKENS[task])
+                      ANSWER_TOKENS[task], kind)

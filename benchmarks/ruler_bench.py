@@ -17,8 +17,9 @@ scaled x4 by YaRN (a 32K window), as in ``model_quality.py --long``.
 Every trial is appended to the results file (default
 ``benchmarks/ruler_results.jsonl``) as one JSON line: model, task, length,
 config, trial, seed, found, answer, seconds, and what else it saw (the
-expected values; for Stem configurations the density of the call's sparse
-layers and the paths it took, ``paths``; the git commit, the load average).
+filler, the expected values; for Stem configurations the density of the
+call's sparse layers and the paths it took, ``paths``; the git commit, the
+load average).
 A run skips every (model, task, length, config, trial) already there, so it
 can stop at any point (``--stop-after``, or killed: a torn last line is
 ignored) and resume later. The same seeded prompt goes to every
@@ -30,7 +31,11 @@ line with its summed next-token NLL; the table gives each configuration's
 perplexity and its change against dense over the windows both have run.
 
 ``--table`` prints the tables from the file: successes / trials with the
-Wilson 95% interval and the trial count of each cell, per model and length.
+Wilson 95% interval and the trial count of each cell, per model and length;
+``(dense)`` marks a Stem cell none of whose calls ran sparse (below 56
+blocks every budget keeps every block, and on CPU a budget keeping over 90%
+of the block pairs runs dense attention: ``default`` at 8K; its selection
+there is ``default-sparse``).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ MAX_POSITIONS = 32768  # both models' windows (SmolLM2's once scaled x4)
 TITLES = {"gemma3": "Gemma-3-270M (base, Q4_K_M), its own 32K window",
           "smollm2": "SmolLM2-135M-Instruct, RoPE scaled x4 (YaRN)"}
 KEY = ("model", "task", "length", "config", "trial")
+SPARSE_PATHS = ("stem", "stem-rotated")  # the integration's stats of a sparse call
 
 
 class Trial(NamedTuple):
@@ -107,8 +113,19 @@ def append(path: Path, row: dict) -> None:
         os.fsync(f.fileno())
 
 
+def column(row: dict) -> str:
+    """The row's task as the tables and ``--tasks`` name it: ``task``, or
+    ``task@filler`` for a filler other than the task's own."""
+    task, filler = row["task"], row.get("filler")
+    return task if filler in (None, ruler.TASK_FILLER.get(task)) else f"{task}@{filler}"
+
+
+def key(row: dict) -> tuple:
+    return tuple(column(row) if k == "task" else row[k] for k in KEY)
+
+
 def done_keys(rows: list[dict]) -> set[tuple]:
-    return {tuple(row[k] for k in KEY) for row in rows}
+    return {key(row) for row in rows}
 
 
 def plan(model: str, tasks, trials: dict[int, int], configs, done: set[tuple]) -> list[Trial]:
@@ -147,7 +164,7 @@ def run(args, todo: list[Trial], echo) -> int:
     names = sorted({t.config for t in todo}, key=lambda n: n != "dense")
     fns = mq.register({n: mq.CONFIGS[n] for n in names})
     prefix = mq.model_prefix(args.model, tok)
-    gen = ruler.Generator(lambda text: tok(text, add_special_tokens=False).input_ids, prefix)
+    gens: dict[str, ruler.Generator] = {}
     echo(f"{machine()}; {args.model} in {dtype}; {len(todo)} trials to run")
     common = dict(git=git_sha(), dtype=str(dtype).replace("torch.", ""))
     windows: dict[int, list] = {}
@@ -169,11 +186,16 @@ def run(args, todo: list[Trial], echo) -> int:
                 nll, _ = mq._scores(model, windows[t.length][t.trial], mq.lm_rows(model))
             row.update(nll=nll, tokens=t.length - 1)
         else:
-            sample = gen.sample(t.task, t.length, seed)
+            task, _, filler = t.task.partition("@")
+            if filler not in gens:
+                gens[filler] = ruler.Generator(
+                    lambda text: tok(text, add_special_tokens=False).input_ids, prefix,
+                    filler=filler or None)
+            sample = gens[filler].sample(task, t.length, seed)
             text = answer(model, tok, sample.ids, sample.max_new_tokens)
-            row.update(found=ruler.score(sample.expected, text), answer=text,
-                       expected=list(sample.expected))
-            if t.task == "vartrack":
+            row.update(task=task, filler=sample.filler, found=ruler.score(sample.expected, text),
+                       answer=text, expected=list(sample.expected))
+            if task == "vartrack":
                 row["exact"] = ruler.exact_names(sample.expected, text)
         row["seconds"] = round(time.perf_counter() - begin, 2)
         if t.config in fns:
@@ -209,7 +231,7 @@ def tables(rows: list[dict]) -> list[str]:
     """Markdown tables of the rows: per model and length, successes / trials
     [Wilson 95%] per configuration and task (with the mean seconds of a
     trial); then perplexity as the change against dense."""
-    rows = list({tuple(r[k] for k in KEY): r for r in rows}.values())  # last one wins
+    rows = list({key(r): r for r in rows}.values())  # last one wins
     lines = []
     for model in sorted({r["model"] for r in rows}):
         mine = [r for r in rows if r["model"] == model]
@@ -218,8 +240,9 @@ def tables(rows: list[dict]) -> list[str]:
             cell = collections.defaultdict(list)
             for r in retrieval:
                 if r["length"] == length:
-                    cell[r["config"], r["task"]].append(r)
-            tasks = [t for t in ruler.TASKS if any(k[1] == t for k in cell)]
+                    cell[r["config"], column(r)].append(r)
+            tasks = sorted({k[1] for k in cell}, key=lambda c: (
+                ruler.TASKS.index(c.partition("@")[0]), c))
             configs = _order({k[0] for k in cell})
             lines += ["", f"{TITLES.get(model, model)}, {_k(length)} ({length:,} tokens): "
                       "successes / trials [Wilson 95%]", "",
@@ -231,7 +254,11 @@ def tables(rows: list[dict]) -> list[str]:
                     got = cell.get((config, task), [])
                     k, n = sum(bool(r["found"]) for r in got), len(got)
                     lo, hi = mq.wilson(k, n)
-                    cells.append(f"{k}/{n} [{lo:.0%}, {hi:.0%}]" if n else "-")
+                    note = ""
+                    if config != "dense" and n and not any(
+                            r.get("paths", {}).get(p) for r in got for p in SPARSE_PATHS):
+                        note = " (dense)"  # stem_attention ran dense attention in every layer
+                    cells.append(f"{k}/{n} [{lo:.0%}, {hi:.0%}]{note}" if n else "-")
                     seconds += [r["seconds"] for r in got]
                 mean = f"{sum(seconds) / len(seconds):.0f}" if seconds else "-"
                 lines.append(f"| {config} | " + " | ".join(cells) + f" | {mean} |")
@@ -277,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=mq.MODELS, default="gemma3")
     parser.add_argument("--tasks", default=",".join(ruler.TASKS),
-                        help=f"comma-separated, from {', '.join(ruler.TASKS)}")
+                        help=f"comma-separated, from {', '.join(ruler.TASKS)}; TASK@zen or "
+                             "TASK@docs: with that filler instead of the task's own")
     parser.add_argument("--lengths", help="comma-separated (8K or 8192); default the model's "
                         f"planned cells ({TRIALS})")
     parser.add_argument("--trials", type=int,
@@ -297,8 +325,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     tasks = [t.strip() for t in args.tasks.split(",")]
     configs = [c.strip() for c in args.configs.split(",")]
-    if any(t not in ruler.TASKS for t in tasks):
-        parser.error(f"--tasks: choose from {ruler.TASKS}; got {tasks}")
+    if any(t.partition("@")[0] not in ruler.TASKS
+           or t.partition("@")[2] not in ("", *ruler.FILLERS) for t in tasks):
+        parser.error(f"--tasks: choose from {ruler.TASKS}, each with @zen or @docs for "
+                     f"another filler; got {tasks}")
     if any(c not in mq.CONFIGS for c in configs):
         parser.error(f"--configs: choose from {list(mq.CONFIGS)}; got {configs}")
     try:

