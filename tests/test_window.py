@@ -263,6 +263,10 @@ def test_tiny_model_sliding_layers_run_windowed_and_equal_sdpa(name, fn):
     full = COMMON["num_hidden_layers"] - sliding
     assert dict(fn.stats) == {"window": sliding,
                               **({"dense:budget keeps every block": full} if full else {})}
+    types = getattr(model.config, "layer_types", None) or ["sliding_attention"] * 3
+    assert {layer: dict(paths) for layer, paths in fn.layer_stats.items()} == {
+        layer: {"window" if kind == "sliding_attention" else "dense:budget keeps every block": 1}
+        for layer, kind in enumerate(types)}
     tokens = {}
     for impl in ("sdpa", fn.name):
         model.set_attn_implementation(impl)

@@ -323,7 +323,8 @@ class StemAttention:
     7.5K tokens with the default preset). ``kept_pairs`` and ``visible_pairs``
     add up the (query block, key block) pairs of the calls that ran Stem, so
     ``kept_pairs / visible_pairs`` is their density; ``layer_pairs`` keeps
-    the same per layer (``density_by_layer()``).
+    the same per layer (``density_by_layer()``), and ``layer_stats`` the
+    paths per layer index (``module.layer_idx``).
     """
 
     def __init__(self, name: str, min_prefill_tokens: int, stem_kwargs: dict[str, Any]):
@@ -334,12 +335,19 @@ class StemAttention:
         self.kept_pairs = 0
         self.visible_pairs = 0
         self.layer_pairs: dict[int | None, list[int]] = collections.defaultdict(lambda: [0, 0])
+        self.layer_stats: dict[int | None, collections.Counter[str]] = \
+            collections.defaultdict(collections.Counter)
+
+    def _count(self, module, path: str) -> None:
+        self.stats[path] += 1
+        self.layer_stats[getattr(module, "layer_idx", None)][path] += 1
 
     def reset_stats(self) -> None:
         """Forget the counts and pairs so far (``stats``, the pairs, per layer too)."""
         self.stats.clear()
         self.kept_pairs = self.visible_pairs = 0
         self.layer_pairs.clear()
+        self.layer_stats.clear()
 
     def density_by_layer(self) -> dict[int | None, float]:
         """Kept / visible block pairs of the sparse calls, per layer index."""
@@ -352,14 +360,14 @@ class StemAttention:
         out, info = stem_attention(query, key, value, return_info=True, **kwargs,
                                    **self.stem_kwargs)
         if info.path == "sparse":
-            self.stats["stem-rotated" if rotated else "stem"] += 1
+            self._count(module, "stem-rotated" if rotated else "stem")
             self.kept_pairs += info.kept_pairs
             self.visible_pairs += info.visible_pairs
             pairs = self.layer_pairs[getattr(module, "layer_idx", None)]
             pairs[0] += info.kept_pairs
             pairs[1] += info.visible_pairs
         else:
-            self.stats[f"dense:{info.reason}"] += 1
+            self._count(module, f"dense:{info.reason}")
         return out
 
     def __repr__(self) -> str:
@@ -386,7 +394,7 @@ class StemAttention:
         q_len, kv_len = query.shape[2], key.shape[2]
 
         def dense(reason: str, mask: torch.Tensor | None = attention_mask):
-            self.stats[f"dense:{reason}"] += 1
+            self._count(module, f"dense:{reason}")
             if kwargs.get("softcap") is not None:  # SDPA cannot cap logits
                 return _eager_softcap(module, query, key, value, mask, dropout, scaling,
                                       kwargs["softcap"])
@@ -450,7 +458,7 @@ class StemAttention:
             if q_len == 1 and kv_len <= window and bool(valid.all()):
                 return dense(reason, None)
             return dense(reason, sliding_window_mask(valid, q_len, window))
-        self.stats["window"] += 1
+        self._count(module, "window")
         scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
         out = _windowed(query, key, value, window, valid, scale, softcap, None)
         return out.transpose(1, 2).contiguous(), None
