@@ -38,14 +38,15 @@ _SCORES_PER_GROUP = 1 << 25
 
 
 def default_chunk(window: int) -> int:
-    """Queries per chunk: a quarter of the window rounded up to a multiple of
-    64, within [64, 512].
+    """Queries per chunk: an eighth of the window rounded up to a multiple of
+    64, within [64, 512] (64 for W = 512).
 
     Each query pays ``chunk + window - 1`` keys, so a smaller chunk wastes
-    fewer of them; but each chunk holds its own ``chunk + window - 1`` keys
-    (a view of K and V for batch 1, a copy otherwise), and the attention
-    kernel gains little below 64 queries (``benchmarks/WINDOW.md``)."""
-    return min(512, max(64, ceil_div(max(window // 4, 1), 64) * 64))
+    fewer of them, but more chunks mean more, smaller kernel calls; at 4K
+    tokens and W = 512, 64 was the fastest of 64 to 512 in both dtypes
+    (``benchmarks/WINDOW.md``). Chunks are views of K and V (one padded
+    copy per sequence), so their overlap costs no memory."""
+    return min(512, max(64, ceil_div(max(window // 8, 1), 64) * 64))
 
 
 def sliding_window_mask(key_valid: torch.Tensor, q_len: int, window: int) -> torch.Tensor:
@@ -109,6 +110,10 @@ def sliding_window_attention(
 
 
 def _windowed(q, k, v, window, key_valid, scale, softcap, chunk):
+    if q.shape[0] > 1:  # one sequence at a time: its chunks stay views of K and V
+        return torch.cat([_windowed(q[b:b + 1], k[b:b + 1], v[b:b + 1], window,
+                                    None if key_valid is None else key_valid[b:b + 1], scale,
+                                    softcap, chunk) for b in range(q.shape[0])])
     batch, hq, sq, dim = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     if sq == 0:
