@@ -20,9 +20,10 @@ The RULER-style tasks on both models: ``ruler_bench.py``.
 ``--configs`` picks the configurations (default: dense and the three
 presets; the ablations ``default-no-oam``, ``tight-no-oam``,
 ``default-alpha0.7``, ``tight-alpha0.7`` on request, and ``default-sparse``:
-the default budget with ``dense_above=1.0``, its selection even where it
-keeps more than 90% of the block pairs, where ``stem_attention`` on CPU runs
-dense attention instead, as the 8K prompts' ``default`` now does). A ``differ:`` line is
+the default budget with ``dense_above=1.0``: its selection even where it
+keeps more of the block pairs than ``stem_attention``'s ``dense_above`` for
+the device and dtype (``contract.DENSE_ABOVE``), where it would run dense
+attention instead). A ``differ:`` line is
 printed for every prompt where configurations disagree; give its arguments
 to ``benchmarks/passkey_diagnose.py``.
 
@@ -81,7 +82,7 @@ CONFIGS = {  # name: stem_attention keyword arguments (None: dense SDPA)
     "default-alpha0.7": dict(preset="default", alpha=0.7),
     "tight-alpha0.7": dict(preset="tight", alpha=0.7),
     # the default budget's selection even where it keeps more than dense_above
-    # of the pairs (on CPU 90%: 8K tokens), where stem_attention runs dense
+    # of the pairs (contract.DENSE_ABOVE), where stem_attention runs dense
     "default-sparse": dict(preset="default", dense_above=1.0),
 }
 PRESET_CONFIGS = ("dense", "default", "balanced", "tight")

@@ -33,9 +33,10 @@ perplexity and its change against dense over the windows both have run.
 ``--table`` prints the tables from the file: successes / trials with the
 Wilson 95% interval and the trial count of each cell, per model and length;
 ``(dense)`` marks a Stem cell none of whose calls ran sparse (below 56
-blocks every budget keeps every block, and on CPU a budget keeping over 90%
-of the block pairs runs dense attention: ``default`` at 8K; its selection
-there is ``default-sparse``).
+blocks every budget keeps every block, and a budget keeping more than
+``dense_above`` of the block pairs, ``contract.DENSE_ABOVE`` for the device
+and dtype, runs dense attention; ``default-sparse`` is the default budget's
+selection whatever it keeps).
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@ SmolLM2:
   preset retrieves the key in at least as many trials as dense attention, less one.
 
 The default preset's tests pass ``dense_above=1.0``: at these lengths its
-budget keeps over 90% of the block pairs, where ``stem_attention`` would
-otherwise step aside to dense attention on CPU; the tests are about what its
-selection keeps.
+budget keeps 95-97% of the block pairs, where ``stem_attention`` steps aside
+to dense attention when that is more than ``dense_above`` for the device and
+dtype (``contract.DENSE_ABOVE``); the tests are about what its selection
+keeps.
 
 Gemma-3-270M (18 layers: 15 sliding-window layers of 512 tokens, 5/11/17
 global; bfloat16 where the CPU has it, as the benchmarks run it):
