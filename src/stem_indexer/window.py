@@ -12,9 +12,9 @@ S x S square: query ``t`` at key position ``p = t + kv_len - q_len``
 so ``window`` keys including its own. The queries are cut into chunks of
 ``chunk`` tokens; chunk ``c`` needs only the ``chunk + window - 1`` keys
 ending at its last query, taken as strided views of K and V (zeros before
-position 0, masked). One ``scaled_dot_product_attention`` call runs every
-chunk as a batch entry with the boolean mask restricted to those rows and
-columns: the cost is ``q_len x (chunk + window - 1)`` instead of
+position 0, masked). One ``scaled_dot_product_attention`` call per
+sequence runs its chunks as batch entries with the boolean mask restricted
+to those rows and columns: the cost is ``q_len x (chunk + window - 1)`` instead of
 ``q_len x kv_len``. With ``softcap`` (Gemma 2) the same chunks run the
 model's eager formula (SDPA cannot cap logits), in groups of chunks so that
 the score tensor stays small.
