@@ -40,10 +40,12 @@ def _checker(settings, record: dict):
         q[0, :, lead:] = trace.query.transpose(0, 1)
         prompt = [max(row.prompt, row.seq_len)]
         with torch.inference_mode():
+            # The backend chose Stem for this row; stem_attention must not step
+            # aside on its own density rule (dense_above=1.0: only keep-all).
             want = stem_indexer.stem_attention(
                 q, trace.key[None], trace.value[None], scale=trace.scale,
                 num_prompt_tokens=prompt, oam=settings.oam, oam_lambda=settings.oam_lambda,
-                min_q_blocks=0, **params)[0, :, lead:].transpose(0, 1)
+                min_q_blocks=0, dense_above=1.0, **params)[0, :, lead:].transpose(0, 1)
             inputs = stem_indexer.stem_inputs(q, trace.key[None], trace.value[None],
                                               stem_block_size=bs,
                                               stem_stride=settings.stride,
