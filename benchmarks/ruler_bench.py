@@ -316,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--perplexity", type=int, default=0, metavar="N",
                         help="N perplexity windows per length instead of the retrieval tasks")
     parser.add_argument("--results", type=Path, default=RESULTS)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the prompts' seed (trials are keyed by number: one seed a file)")
     parser.add_argument("--stop-after", type=float, default=0, metavar="SECONDS",
                         help="start no trial after this long (0: run everything left)")
     parser.add_argument("--table", action="store_true", help="print the tables and stop")
