@@ -7,6 +7,8 @@ chunked against one-shot prefill, on SmolLM2-135M with RoPE scaled x4 by YaRN.
     python benchmarks/vllm_bench.py pairs                    # one layer: cost per block pair
     python benchmarks/vllm_bench.py speed --lengths 8192,16384,32768 --concurrency 1,4
     python benchmarks/vllm_bench.py passkey --lengths 16384,32768 --trials 20,10
+    python benchmarks/vllm_bench.py passkey --table          # the results so far
+    python benchmarks/vllm_bench.py oneshot --trials 2,6,8   # transformers, one shot
     python benchmarks/vllm_bench.py agreement --length 16384
 
 * ``convert``: vLLM has no GGUF loader; transformers dequantises the GGUF of
@@ -26,6 +28,9 @@ chunked against one-shot prefill, on SmolLM2-135M with RoPE scaled x4 by YaRN.
 * ``passkey``: a 5-digit key in filler text, greedy answer, vLLM's backend
   against Stem; every trial is appended to ``--results`` (JSON lines) and a
   rerun resumes where that file stops.
+* ``oneshot``: passkey trials of that run prefilled in one shot by
+  transformers (Stem through its ``attn_implementation``) on the same model
+  and token ids, to tell a chunking effect from the budget's;
 * ``agreement``: the same prompts prefilled in one chunk and in vLLM's default
   chunks, both with Stem: the share of (layer, head, query block) rows whose
   kept blocks are equal, their mean Jaccard overlap, and the greedy
@@ -313,7 +318,26 @@ def _wilson(k: int, n: int) -> str:
     return f"{k}/{n} [{max(0, c - h):.0%}, {min(1, c + h):.0%}]"
 
 
+def _passkey_table(done: list[dict], lengths: list[int], configs) -> list[str]:
+    """The table of the trials in ``done``: per length and configuration,
+    successes / trials with the Wilson interval."""
+    lines = ["| tokens | " + " | ".join(configs) + " |", "|---|" + "---|" * len(configs)]
+    for length in lengths:
+        cells = []
+        for name in configs:
+            got = [d["found"] for d in done if d["length"] == length and d["config"] == name]
+            cells.append(_wilson(sum(got), len(got)))
+        lines.append(f"| {length} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def passkey(args) -> None:
+    if args.table:  # from the results file alone: no model, no engine
+        done = [json.loads(line) for line in Path(args.results).read_text().splitlines()
+                if line.strip()]
+        configs = list(dict.fromkeys(d["config"] for d in done))
+        print("\n".join(_passkey_table(done, sorted({d["length"] for d in done}), configs)))
+        return
     _require_model(args.model)
     from transformers import AutoTokenizer
     from vllm import SamplingParams
@@ -354,14 +378,36 @@ def passkey(args) -> None:
     lines = [f"\n### Passkey through vLLM, vLLM's backend against Stem ({args.stem})\n",
              header(), "", f"`python benchmarks/vllm_bench.py passkey --lengths {args.lengths} "
              f"--trials {args.trials}` (results: `{args.results}`)", "",
-             "| tokens | " + " | ".join(configs) + " |", "|---|" + "---|" * len(configs)]
-    for length in lengths:
-        cells = []
-        for name in configs:
-            got = [d["found"] for d in done if d["length"] == length and d["config"] == name]
-            cells.append(_wilson(sum(got), len(got)))
-        lines.append(f"| {length} | " + " | ".join(cells) + " |")
+             *_passkey_table(done, lengths, configs)]
     record("\n".join(lines), args.record)
+
+
+def oneshot(args) -> None:
+    """The passkey trials ``--trials`` (numbers, at ``--length``) of the engine
+    run, prefilled in one shot by transformers on the same converted model and
+    token ids, with Stem's settings: does a miss come from the chunking or
+    from the budget? Needs only the ``hf`` extra (no vLLM)."""
+    _require_model(args.model)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import stem_indexer.integrations.transformers as stem_hf
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).eval()
+    fn = stem_hf.register("stem-oneshot", dense_above=1.0, **json.loads(args.stem))
+    for t in (int(x) for x in args.trials.split(",")):
+        rng = random.Random(f"{args.length}-{t}")  # as ``passkey`` draws them
+        key, depth = rng.randrange(10000, 100000), rng.random()
+        ids = torch.tensor([passkey_prompt(tok, args.length, depth, key)])
+        for impl in ("sdpa", fn.name) if args.dense else (fn.name,):
+            model.set_attn_implementation(impl)
+            with torch.inference_mode():
+                out = model.generate(ids, max_new_tokens=8, do_sample=False)
+            text = tok.decode(out[0, ids.shape[1]:])
+            print(json.dumps({"length": args.length, "trial": t, "depth": round(depth, 3),
+                              "config": "dense" if impl == "sdpa" else "stem one-shot",
+                              "found": str(key) in text, "answer": text}), flush=True)
 
 
 # --------------------------------------------------------------------------- #
@@ -449,7 +495,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     stem_default = json.dumps({"preset": "default"})
-    for name in ("convert", "pairs", "speed", "passkey", "agreement", "_agreement_run"):
+    for name in ("convert", "pairs", "speed", "passkey", "oneshot", "agreement",
+                 "_agreement_run"):
         p = sub.add_parser(name)
         p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
         p.add_argument("--stem", default=stem_default, help="Stem's settings (JSON)")
@@ -464,6 +511,12 @@ def main(argv=None) -> None:
     sub.choices["passkey"].add_argument("--lengths", default="16384,32768")
     sub.choices["passkey"].add_argument("--trials", default="20,10")
     sub.choices["passkey"].add_argument("--results", default="benchmarks/vllm_passkey.jsonl")
+    sub.choices["passkey"].add_argument("--table", action="store_true",
+                                        help="print the table of the results file and stop")
+    sub.choices["oneshot"].add_argument("--length", type=int, default=16384)
+    sub.choices["oneshot"].add_argument("--trials", default="2", help="trial numbers")
+    sub.choices["oneshot"].add_argument("--dense", action="store_true",
+                                        help="also dense SDPA on each prompt")
     for name in ("agreement", "_agreement_run"):
         sub.choices[name].add_argument("--length", type=int, default=16384)
         sub.choices[name].add_argument("--prompts", type=int, default=3)
