@@ -52,6 +52,9 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB per engine; a 32K prompt takes 0.75
+# One engine step (a 4,096-token chunk late in a 32K prompt) can take minutes
+# on two shared cores; past vLLM's default of 300 s the engine shuts down.
+os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
 
 DEFAULT_MODEL = Path.home() / ".cache" / "stem_indexer" / "smollm2-135m-yarn4"
 ROPE_FACTOR = 4.0
