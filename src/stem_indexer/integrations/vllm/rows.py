@@ -113,16 +113,11 @@ def _row_blocks(row: Row, bs: int) -> tuple[int, int, int]:
 def plan_row(row: Row, settings: StemSettings) -> RowPlan:
     """How many block pairs the indexer will keep for ``row`` (every head
     alike), by the contract's budget: forced blocks plus ``min(K, candidates)``."""
-    params = settings.params
-    first, qb, kb = _row_blocks(row, settings.block_size)
-    i = torch.arange(first, first + qb)  # absolute = the row's position
-    s2 = contract.visible_blocks(i - first, qb, kb, True)
-    sink_end, cand_end = contract.candidate_range(s2, params.initial_blocks, params.window_size)
-    p = torch.tensor(ceil_div(max(row.prompt, row.seq_len), settings.block_size))
-    k = contract.row_budget(i, p, contract.prompt_budget(p, params), params.alpha)
-    picks = torch.minimum(k, cand_end - sink_end)
-    kept = sink_end + (s2 - cand_end) + picks
-    return RowPlan(int(kept.sum()), int(s2.sum()))
+    bs = settings.block_size
+    first = row.context // bs  # query blocks aligned to absolute positions
+    lengths = [[row.seq_len - first * bs], [row.seq_len], [max(row.prompt, row.seq_len)]]
+    q_lens, kv_lens, prompt = (torch.tensor(x, dtype=torch.int64) for x in lengths)
+    return RowPlan(*contract.budget_pairs(q_lens, kv_lens, prompt, settings.params))
 
 
 def context_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, pages: torch.Tensor,
