@@ -12,6 +12,10 @@ reports in one run:
   operands upcast into reused float32 buffers and batched SGEMMs;
   ``* 1/R^2 + vbias``), plus the output's allocation; so op/gemm is what
   selecting costs on top;
+* ``output``: the op's two outputs allocated alone, as the op allocates
+  them (indices filled with -1: hundreds of MiB at S4 and S5), in the same
+  turns: on a virtual machine whose fresh memory is slow and erratic to
+  touch, this is the part of ``op`` that is not computation;
 * ``bf16 GEMM`` and ``f32 GEMM``: plain ``torch.matmul`` of every causally
   visible (query block, key block) pair, in bfloat16 and in float32
   (operands converted before the clock), nothing else: the floor. ``op /
@@ -154,6 +158,19 @@ def scores_only(inputs: dict, metadata: torch.Tensor, params: IndexerParams):
     return run
 
 
+def output_only(inputs: dict):
+    """A closure allocating the op's two outputs alone, as the op does
+    (indices filled with -1, lengths with 0): on a machine where fresh memory
+    is slow to touch, the part of ``op`` that is not computation."""
+    batch, nq, qmax = inputs["qflat"].shape[:3]
+    kmax = inputs["kflat"].shape[2]
+
+    def run():
+        return (native.filled((batch, nq, qmax, kmax), -1, torch.int32),
+                torch.zeros((batch, nq, qmax), dtype=torch.int32))
+    return run
+
+
 def visible_gemm(inputs: dict, params: IndexerParams, dtype: torch.dtype, tile: int = 32):
     """A closure computing the scores of every causally visible (query block,
     key block) pair with plain ``torch.matmul`` in ``dtype`` (bfloat16:
@@ -286,7 +303,7 @@ def _check(shape: Shape, inputs: dict, params: IndexerParams, out) -> tuple[bool
     return exact, time.perf_counter() - start
 
 
-def measure_shape(shape: Shape) -> dict:
+def measure_shape(shape: Shape, repeat: int | None = None) -> dict:
     """Correctness, then times and memory, for one shape (this process)."""
     params = shape.params
     inputs = shape.make_inputs()
@@ -299,10 +316,11 @@ def measure_shape(shape: Shape) -> dict:
     del out
 
     runs = interleaved_runs({"op": lambda: run_op(inputs, metadata, params),
+                             "output": output_only(inputs),
                              "gemm": scores_only(inputs, metadata, params),
                              "bf16": visible_gemm(inputs, params, torch.bfloat16),
                              "f32": visible_gemm(inputs, params, torch.float32)},
-                            reps=shape.repeat)
+                            reps=repeat or shape.repeat)
     ms = {name: statistics.median(t) for name, t in runs.items()}
     # op / the faster GEMM of the visible pairs, per turn: the median and spread
     floor = [t / min(a, b) for t, a, b in zip(runs["op"], runs["bf16"], runs["f32"])]
@@ -312,7 +330,8 @@ def measure_shape(shape: Shape) -> dict:
     return {
         "shape": shape.name, "about": shape.about, "check": shape.check,
         "check_exact": exact, "check_seconds": round(check_seconds, 1),
-        "op_ms": ms["op"], "gemm_ms": ms["gemm"], "plain_ms": ms["plain"],
+        "op_ms": ms["op"], "output_ms": ms["output"], "gemm_ms": ms["gemm"],
+        "plain_ms": ms["plain"], "turns": len(runs["op"]),
         "op_over_gemm": ms["op"] / ms["gemm"], "plain_over_op": ms["plain"] / ms["op"],
         "bf16_ms": ms["bf16"], "f32_ms": ms["f32"],
         "op_over_floor": statistics.median(floor), "floor_spread": [min(floor), max(floor)],
@@ -330,7 +349,8 @@ def measure_shape(shape: Shape) -> dict:
 # --------------------------------------------------------------------------- #
 
 
-COLUMNS = ("shape", "threads", "op ms", "gemm ms", "op/gemm", "bf16 GEMM ms", "f32 GEMM ms",
+COLUMNS = ("shape", "threads", "turns", "op ms", "output ms", "gemm ms", "op/gemm",
+           "bf16 GEMM ms", "f32 GEMM ms",
            "op / faster GEMM [min, max]", "plain ms", "plain/op", "gemm GFLOP/s",
            "peak extra MiB", "in+out MiB", "mem ratio", "selection", "check")
 
@@ -340,7 +360,8 @@ def format_row(r: dict) -> list[str]:
     peak = "n/a" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.0f}"
     ratio = "n/a" if r["mem_ratio"] is None else f"{r['mem_ratio']:.2f}"
     lo, hi = r["floor_spread"]
-    return [r["shape"], str(r["threads"]), f"{r['op_ms']:.1f}", f"{r['gemm_ms']:.1f}",
+    return [r["shape"], str(r["threads"]), str(r.get("turns", "")), f"{r['op_ms']:.1f}",
+            f"{r['output_ms']:.1f}" if "output_ms" in r else "", f"{r['gemm_ms']:.1f}",
             f"{r['op_over_gemm']:.2f}", f"{r['bf16_ms']:.1f}", f"{r['f32_ms']:.1f}",
             f"{r['op_over_floor']:.2f} [{lo:.2f}, {hi:.2f}]",
             f"{r['plain_ms']:.0f}", f"{r['plain_over_op']:.1f}",
@@ -355,7 +376,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def run(names: list[str], *, threads: list[int | None] = (None,), out: Path | None = None,
-        command_line: str = "", echo=print) -> list[dict]:
+        command_line: str = "", echo=print, repeat: int | None = None) -> list[dict]:
     """Measure ``names`` with each thread count (each in a subprocess);
     optionally append the table to ``out``."""
     rows = []
@@ -363,6 +384,8 @@ def run(names: list[str], *, threads: list[int | None] = (None,), out: Path | No
         cmd = [sys.executable, __file__, "--child", name]
         if count:
             cmd += ["--threads", str(count)]
+        if repeat:
+            cmd += ["--repeat", str(repeat)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"benchmark {name} failed:\n{proc.stdout}\n{proc.stderr}")
@@ -388,18 +411,22 @@ def main(argv: list[str] | None = None) -> int:
                              "every shape with each (default: torch's, all cores)")
     parser.add_argument("--out", default=None, type=Path,
                         help=f"append the table to this markdown file (e.g. {DEFAULT_RESULTS})")
+    parser.add_argument("--repeat", type=int, default=None,
+                        help="interleaved turns per shape (default: the shape's own, 3 to 5)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
         threads = [int(t) for t in args.threads.split(",")] if args.threads else [None]
     except ValueError:
         parser.error(f"--threads must be a count or a comma-separated list; got {args.threads}")
+    if args.repeat is not None and args.repeat < 1:
+        parser.error(f"--repeat must be >= 1; got {args.repeat}")
     if any(t is not None and t < 1 for t in threads):
         parser.error(f"--threads must be >= 1; got {args.threads}")
     if args.child:
         if threads[0]:
             torch.set_num_threads(threads[0])
-        print(json.dumps(measure_shape(SHAPES[args.child])))
+        print(json.dumps(measure_shape(SHAPES[args.child], args.repeat)))
         return 0
     names = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = [n for n in names if n not in SHAPES]
@@ -408,10 +435,11 @@ def main(argv: list[str] | None = None) -> int:
     settings = [f"{name}={os.environ[name]}" for name in RECORDED_ENV if name in os.environ]
     command_line = " ".join([*settings, "python benchmarks/indexer_bench.py",
                              f"--shapes {','.join(names)}"]
-                            + ([f"--threads {args.threads}"] if args.threads else []))
+                            + ([f"--threads {args.threads}"] if args.threads else [])
+                            + ([f"--repeat {args.repeat}"] if args.repeat else []))
     print(f"machine: {machine()}; {cpu_flags()}; git {git_sha()}")
     print(" | ".join(COLUMNS), flush=True)
-    run(names, threads=threads, out=args.out, command_line=command_line)
+    run(names, threads=threads, out=args.out, command_line=command_line, repeat=args.repeat)
     return 0
 
 

@@ -360,27 +360,43 @@ needs_bf16_scores = pytest.mark.skipif(not native.bf16_scores_available(16),
 
 
 @needs_bf16_scores
-@pytest.mark.parametrize("heads,m,n,k", [(1, 1, 1, 16), (2, 33, 70, 16), (3, 64, 512, 128),
-                                         (1, 100, 65, 2048), (2, 5, 0, 16)])
-def test_bf16_scores_equal_the_float32_product(heads, m, n, k):
+@pytest.mark.parametrize("heads,group,m,n,k", [(1, 1, 1, 1, 16), (2, 3, 33, 70, 16),
+                                               (3, 1, 64, 512, 128), (1, 2, 100, 65, 2048),
+                                               (2, 2, 5, 0, 16), (2, 4, 40, 700, 16)])
+def test_bf16_scores_equal_the_float32_product(heads, group, m, n, k):
     """Integer-valued inputs: exactly the float32 product of the upcast
-    inputs; others within float32 summation error. Keys strided by row."""
-    gen = torch.Generator().manual_seed(m + n + k)
+    inputs, then ``* scale`` and ``+ bias`` rounded one after the other (as
+    the float32 path rounds them); others within float32 summation error.
+    Query rows of a longer buffer, keys strided by row, the output a strided
+    view whose other columns stay untouched."""
+    gen = torch.Generator().manual_seed(m + n + k + group)
     assert native.bf16_scores_available(k)
+    scale = float(torch.tensor(1 / 3.0))  # rounds: a fused multiply-add would differ
     for integers in (True, False):
         def make(*shape):
             if integers:
                 return torch.randint(-8, 9, shape, generator=gen).bfloat16()
             return torch.randn(shape, generator=gen).bfloat16()
-        a, keys = make(heads, m, k), make(heads, n, k + 6)[..., 3:k + 3]
-        c = torch.full((heads, m, native.SCORE_LD), math.nan)
-        native.scores_bf16(a, keys, c)
-        want = a.double() @ keys.double().transpose(1, 2)
-        if integers:
-            assert torch.equal(c[..., :n], (a.float() @ keys.float().transpose(1, 2)))
-        elif n:
-            err = float((c[..., :n].double() - want).abs().max())
-            assert err <= 1e-6 * k * float(want.abs().max() + 1)
+        a = make(heads, group, m + 3, k)[:, :, 2:m + 2]
+        keys = make(heads, n, k + 6)[..., 3:k + 3]
+        bias = torch.rand(heads, n + 5, generator=gen)[:, 2:n + 2]
+        wide = torch.full((heads, m, group, n + 9), math.nan)
+        for with_bias in (True, False):
+            out = wide[..., 4:n + 4]
+            native.scores_bf16(a, keys, out, scale, bias if with_bias else None)
+            assert wide[..., :4].isnan().all() and wide[..., n + 4:].isnan().all()
+            prod = (a.double() if not integers else a.float()) @ (
+                keys.double() if not integers else keys.float()).transpose(1, 2)[:, None]
+            prod = prod.transpose(1, 2)  # (heads, m, group, n)
+            if integers:
+                want = prod.mul_(scale)
+                if with_bias:
+                    want.add_(bias[:, None, None, :])
+                assert torch.equal(out, want)
+            elif n:
+                want = prod * scale + (bias[:, None, None, :].double() if with_bias else 0)
+                err = float((out.double() - want).abs().max())
+                assert err <= 1e-6 * k * float(want.abs().max() + 1)
 
 
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16-products", "float32-gemm"])
@@ -431,3 +447,48 @@ def test_bf16_scores_probe_failure_falls_back_with_the_reason(monkeypatch):
         assert not native.bf16_scores_available(24)  # probed once, warned once
     assert "float32 GEMM for Df=24" in native.status()
     assert not native.bf16_scores_available(17)
+
+
+# --------------------------------------------------------------------------- #
+# Large outputs on huge pages
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("elements", [1000, native.HUGE_PAGE_MIN_BYTES // 4 + 12345])
+def test_filled_equals_full_and_asks_huge_pages_for_the_aligned_interior(elements, monkeypatch):
+    """``filled`` gives torch.full's tensor; from HUGE_PAGE_MIN_BYTES on it
+    first asks madvise for huge pages over exactly the 2 MiB pages that lie
+    inside the tensor's memory (none outside it), and a refusal changes
+    nothing."""
+    asked = []
+
+    def madvise(start, length, advice):
+        asked.append((start, length, advice))
+        return -1  # refused: the values must not depend on it
+    monkeypatch.setattr(native, "_madvise", lambda: madvise)
+    out = native.filled((elements,), -1, torch.int32)
+    assert torch.equal(out, torch.full((elements,), -1, dtype=torch.int32))
+    if out.nbytes < native.HUGE_PAGE_MIN_BYTES:
+        assert asked == []
+        return
+    (start, length, advice), = asked
+    lo, hi = out.data_ptr(), out.data_ptr() + out.nbytes
+    assert advice == 14 and start % native.HUGE_PAGE == 0 and length % native.HUGE_PAGE == 0
+    assert lo <= start and start - lo < native.HUGE_PAGE  # the first whole page inside
+    assert start + length <= hi and hi - (start + length) < native.HUGE_PAGE
+
+
+def test_filled_without_transparent_huge_pages_on_request(tmp_path, monkeypatch):
+    """Where the kernel's mode is not ``madvise`` (``always``: pages come
+    unasked; ``never``), nothing is asked and the tensor is the same."""
+    for mode in ("[always] madvise never", "always madvise [never]"):
+        (tmp_path / "enabled").write_text(mode + "\n")
+        monkeypatch.setattr(native, "THP_MODE", tmp_path / "enabled")
+        native._madvise.cache_clear()
+        assert native._madvise() is None
+        out = native.filled((native.HUGE_PAGE_MIN_BYTES // 4 + 1,), 7, torch.int32)
+        assert bool((out == 7).all())
+    native._madvise.cache_clear()
+    monkeypatch.undo()  # this machine's own mode and madvise
+    big = (3, native.HUGE_PAGE_MIN_BYTES // 12 + 5)
+    assert torch.equal(native.filled(big, -1, torch.int32), torch.full(big, -1, dtype=torch.int32))

@@ -17,16 +17,20 @@ How the rows of a tile of the metadata's work plan (one batch, query blocks
    blocks are the outer row index, so the rows that can pick a key block
    form a suffix and a causal tile computes little more than its triangle
    (``gemm_blocks``). On CPUs with bfloat16 dot products (AVX512-BF16, AMX)
-   the bf16 operands are multiplied by oneDNN's micro-kernel into float32
-   (``native.scores_bf16``, keys repacked in pairs in cache): products
-   exact, sums in float32, so integer-valued inputs score exactly as with
-   float32 GEMMs. Elsewhere bf16 operands are upcast into float32 buffers:
+   the bf16 operands are multiplied where they lie by oneDNN's micro-kernel
+   into float32 (``native.scores_bf16``, keys repacked in pairs in cache),
+   and each product tile is scaled and biased (the same two roundings) as it
+   is stored: products exact, sums in float32, so integer-valued inputs
+   score exactly as with float32 GEMMs. Elsewhere bf16 operands are upcast
+   into float32 buffers:
    keys once per batch when small (``KEY_CACHE_BYTES``), else one
    ``key_chunk`` at a time.
 3. Exact top-k and the output rows, by the native kernel where it is built
    (``native.py``; the default wherever a C compiler exists): per row, a
    radix select over order-preserving integer keys finds the K-th best, and
-   one ascending pass writes sink ++ picks ++ window into the output.
+   one ascending pass writes sink ++ picks ++ window into the output (which
+   is allocated on huge pages where the kernel gives them on request:
+   ``native.filled``).
 4. Otherwise with torch operations, to the same results:
    a. exact top-k without ranking every score (``_top_blocks``): a lower
       bound of each row's K-th best score from group maxima, the few scores
@@ -111,7 +115,10 @@ def stem_indexer_forward(
     bs = params.stem_block_size
     small = batch * nq * qmax * kmax <= SMALL_OUTPUT  # filled faster than a team wakes
     with native.omp_threads(1 if small else torch.get_num_threads()):
-        indices = torch.full((batch, nq, qmax, kmax), -1, dtype=torch.int32, device=device)
+        if device.type == "cpu":
+            indices = native.filled((batch, nq, qmax, kmax), -1, torch.int32)
+        else:
+            indices = torch.full((batch, nq, qmax, kmax), -1, dtype=torch.int32, device=device)
         seq_len = torch.zeros((batch, nq, qmax), dtype=torch.int32, device=device)
 
     with native.omp_threads(1):  # bookkeeping: one value per row at most
@@ -343,26 +350,31 @@ def _scores(q, keys_b, vbias_b, lo, hi, cand_end, scale, width, ws, exact=None):
         prod = (exact(lo, hi) * scale).view(nk, group, c, hi - lo).transpose(1, 2)
         torch.add(prod, vbias_b[:, None, None, lo:hi], out=scores[..., :hi - lo])
         return scores
-    bf16 = _bf16_gemm(keys_b)  # bfloat16 operands where they lie, float32 products
-    qf = ws.take("queries", (nk, c, group, df), torch.bfloat16 if bf16 else torch.float32)
+    blocks = gemm_blocks(cand_end.tolist(), lo, hi, hi - lo)
+    if _bf16_gemm(keys_b):  # bfloat16 operands where they lie, float32 products
+        a = q.view(nk, group, c, df)
+        if a.stride(-1) != 1 or a.stride(-2) != df:
+            a = ws.take("queries", a.shape, torch.bfloat16).copy_(a)
+        bias = vbias_b if vbias_b.stride(-1) == 1 else vbias_b.contiguous()
+        for _, _, j0, j1, r in blocks:  # scaled and biased as they are stored
+            native.scores_bf16(a[:, :, r:], keys_b[:, j0:j1], scores[:, r:, :, j0 - lo:j1 - lo],
+                               scale, bias[:, j0:j1])
+        return scores
+    qf = ws.take("queries", (nk, c, group, df), torch.float32)
     qf.copy_(q.view(nk, group, c, df).transpose(1, 2))  # upcast and reorder in one pass
-    cached = keys_b.dtype == torch.float32 or bf16
-    chunk = hi - lo if cached else key_chunk(nk, df)
+    cached = keys_b.dtype == torch.float32
+    if not cached:
+        blocks = gemm_blocks(cand_end.tolist(), lo, hi, key_chunk(nk, df))
     kc, held = None, None
-    for u0, u1, j0, j1, r in gemm_blocks(cand_end.tolist(), lo, hi, chunk):
+    for u0, u1, j0, j1, r in blocks:
         if cached:
             kc, held = keys_b, 0
         elif held != u0:
             kc = ws.take("keys", (nk, u1 - u0, df), torch.float32).copy_(keys_b[:, u0:u1])
             held = u0
         rows = qf[:, r:].reshape(nk, (c - r) * group, df)
-        if bf16:  # the keys where they lie; rows SCORE_LD apart
-            wide = ws.take("product", (nk, (c - r) * group, native.SCORE_LD), torch.float32)
-            native.scores_bf16(rows, kc[:, j0:j1], wide)
-            prod = wide[..., :j1 - j0]
-        else:
-            prod = ws.take("product", (nk, (c - r) * group, j1 - j0), torch.float32)
-            torch.bmm(rows, kc[:, j0 - held:j1 - held].transpose(1, 2), out=prod)
+        prod = ws.take("product", (nk, (c - r) * group, j1 - j0), torch.float32)
+        torch.bmm(rows, kc[:, j0 - held:j1 - held].transpose(1, 2), out=prod)
         prod.mul_(scale)  # then + vbias: the contract's two roundings
         torch.add(prod.view(nk, c - r, group, j1 - j0), vbias_b[:, None, None, j0:j1],
                   out=scores[:, r:, :, j0 - lo:j1 - lo])
@@ -401,10 +413,7 @@ class _ExactDots:
     def where_needed(qflat_b, kflat_b, qb: int, kb: int) -> _ExactDots | None:
         """The batch's products if some may overflow (or the inputs hold NaN
         or inf), else None."""
-        q_lo, q_hi = torch.aminmax(qflat_b[:, :qb])  # NaN if any is
-        k_lo, k_hi = torch.aminmax(kflat_b[:, :kb])
-        q_max = max(-float(q_lo), float(q_hi))
-        k_max = max(-float(k_lo), float(k_hi))
+        q_max, k_max = _abs_max(qflat_b[:, :qb]), _abs_max(kflat_b[:, :kb])
         if qflat_b.shape[-1] * q_max * k_max < OVERFLOW_FREE:  # False for NaN and inf
             return None
         return _ExactDots(qflat_b, kflat_b, qb, kb)
@@ -422,6 +431,14 @@ class _ExactDots:
             return torch.stack([self._head(h)[r0:r1, lo:hi]
                                 for h in range(self.q.shape[0])]).to(self.q.device)
         return products
+
+
+def _abs_max(x: torch.Tensor) -> float:
+    """The largest magnitude in ``x`` (heads, rows, Df), NaN if any element
+    is. Head by head: torch reduces a contiguous head several times faster
+    than a view of the leading rows of every head at once."""
+    lo_hi = torch.stack([torch.stack(torch.aminmax(head)) for head in x])  # NaN if any is
+    return max(-float(lo_hi[:, 0].min()), float(lo_hi[:, 1].max()))
 
 
 def gemm_blocks(cand_ends: list[int], lo: int, hi: int, chunk: int):

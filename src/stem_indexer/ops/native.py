@@ -81,9 +81,10 @@ SELECT_ROWS = Library("select_rows", {
     "stem_select_rows": (ctypes.c_int, [_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64,
                                         _i64, _i64, ctypes.c_int, _ptr, _i64, _i64,
                                         ctypes.c_int]),
-    "stem_scores_bf16": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64,
-                                        _i64, _ptr, _i64, ctypes.c_int]),
-})
+    "stem_scores_bf16": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64,
+                                        _ptr, _i64, _i64, _ptr, _i64, _i64, _i64,
+                                        ctypes.c_float, _ptr, _i64, ctypes.c_int]),
+}, cflags=("-ffp-contract=off",))  # the scores' two roundings: never one fused multiply-add
 
 _lock = threading.Lock()
 _loaded: dict[str, tuple[ctypes.CDLL | None, str]] = {}
@@ -272,7 +273,7 @@ def _compile(lib: Library, compiler: list[str], out: str) -> str | None:
 # --------------------------------------------------------------------------- #
 
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo: bfloat16 dot products
-SCORE_ROWS, SCORE_COLS, SCORE_LD = 32, 64, 512  # as csrc/select_rows.c
+SCORE_ROWS, SCORE_COLS = 32, 64  # as csrc/select_rows.c
 _bf16_lock = threading.Lock()
 _bf16_probed: dict[int, str | None] = {}  # Df -> why unusable, or None
 
@@ -315,9 +316,9 @@ def bf16_scores_available(df: int) -> bool:
     with _bf16_lock:
         if df not in _bf16_probed:
             from . import sparse_attention
-            calls = [(m, SCORE_COLS, df, df, SCORE_COLS, SCORE_LD, 0)
+            calls = [(m, SCORE_COLS, df, df, SCORE_COLS, SCORE_COLS, 0)
                      for m in range(1, SCORE_ROWS + 1)]
-            sizes = (SCORE_ROWS * df, df * SCORE_COLS, SCORE_ROWS * SCORE_LD)
+            sizes = (SCORE_ROWS * df, df * SCORE_COLS, SCORE_ROWS * SCORE_COLS)
             _bf16_probed[df] = sparse_attention.probe(calls, sizes)
         why = _bf16_probed[df]
     if why is not None:
@@ -325,25 +326,38 @@ def bf16_scores_available(df: int) -> bool:
     return why is None
 
 
-def scores_bf16(a: torch.Tensor, keys: torch.Tensor, c: torch.Tensor) -> None:
-    """``c[h, :, :n] = a[h] @ keys[h]^T`` in float32 for bfloat16 ``a``
-    (H, m, k) (rows contiguous) and ``keys`` (H, n, k) (unit stride along k);
-    ``c`` float32 (H, m, SCORE_LD) (columns up to n rounded to SCORE_COLS are
-    written too). Products of two bfloat16 values are exact in float32 and are
-    summed in float32: integer-valued inputs give exactly a float32 GEMM's
-    results (the bfloat16 dot product instructions treat subnormal inputs as
-    zero: a difference below 2^-126 per product elsewhere). Only after
+def scores_bf16(a: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, scale: float = 1.0,
+                bias: torch.Tensor | None = None) -> None:
+    """``out[h, i, g] = (a[h, g, i] @ keys[h]^T) * scale + bias[h]`` in
+    float32, for bfloat16 ``a`` (H, G, m, k) (query head g of key head h; rows
+    contiguous) and ``keys`` (H, n, k) (unit stride along k), into float32
+    ``out`` (H, m, G, n) (unit stride along n, any other strides); ``bias``
+    float32 (H, n) (unit stride along n) or None (no sum). Rounded after the
+    product and after the sum, as ``(a @ keys^T).mul_(scale).add_(bias)``
+    rounds in float32 (the contract's two roundings, never one fused
+    multiply-add).
+
+    Products of two bfloat16 values are exact in float32 and are summed in
+    float32: integer-valued inputs give exactly a float32 GEMM's results (the
+    bfloat16 dot product instructions treat subnormal inputs as zero: a
+    difference below 2^-126 per product elsewhere). Only after
     ``bf16_scores_available(k)``."""
-    heads, m, k = a.shape
+    heads, group, m, k = a.shape
     n = keys.shape[1]
-    assert a.dtype == keys.dtype == torch.bfloat16 and c.dtype == torch.float32
-    assert a.stride(2) == 1 and a.stride(1) == k and keys.stride(2) == 1 and keys.shape[2] == k
-    assert c.shape == (heads, m, SCORE_LD) and c.stride(1) == SCORE_LD and c.stride(2) == 1
-    assert n <= SCORE_LD and _bf16_probed[k] is None
+    assert a.dtype == keys.dtype == torch.bfloat16 and out.dtype == torch.float32
+    assert a.stride(3) == 1 and (a.stride(2) == k or m <= 1)
+    assert keys.stride(2) == 1 and keys.shape == (heads, n, k)
+    assert out.shape == (heads, m, group, n) and (out.stride(3) == 1 or n <= 1)
+    if bias is not None:
+        assert bias.dtype == torch.float32 and bias.shape == (heads, n)
+        assert bias.stride(1) == 1 or n <= 1
+    assert _bf16_probed[k] is None
     fns = (ctypes.c_void_p * 2)(*_bf16_base()[0])
     code = load(SELECT_ROWS).stem_scores_bf16(
-        fns, heads, m, n, k, a.data_ptr(), a.stride(0), keys.data_ptr(), keys.stride(0),
-        keys.stride(1), c.data_ptr(), c.stride(0), torch.get_num_threads())
+        fns, heads, group, m, n, k, a.data_ptr(), a.stride(0), a.stride(1), keys.data_ptr(),
+        keys.stride(0), keys.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+        out.stride(2), float(scale), None if bias is None else bias.data_ptr(),
+        0 if bias is None else bias.stride(0), torch.get_num_threads())
     if code == -2:
         raise MemoryError("stem_scores_bf16: no memory for its packed keys")
     assert code == 0, "stem_scores_bf16 refused its arguments"
@@ -382,6 +396,50 @@ def omp_threads(n: int):
         return
     with thread_count(lib.omp_get_max_threads, lib.omp_set_num_threads, n):
         yield
+
+
+# --------------------------------------------------------------------------- #
+# Large outputs on huge pages
+# --------------------------------------------------------------------------- #
+
+# Outputs at least this large are asked to be backed by huge pages.
+HUGE_PAGE_MIN_BYTES = 8 << 20
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # Linux
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@functools.lru_cache(maxsize=1)
+def _madvise():
+    """libc's madvise where transparent huge pages are given on request
+    (mode ``madvise``; with ``always`` they come unasked), else None."""
+    try:
+        if "[madvise]" not in THP_MODE.read_text():
+            return None
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def filled(shape: tuple[int, ...], value: int, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.full(shape, value, dtype=dtype)`` on the CPU; when large, its
+    memory is first asked to be backed by huge pages (``madvise``, where the
+    kernel gives them on request).
+
+    A fresh output of hundreds of MiB is paid mostly in page faults on first
+    touch, one per 4 KiB page: with 2 MiB pages there are 512 times fewer
+    (at S5 of the indexer benchmark, 512 MiB of output: 190 ms instead of
+    40 ms here). Only a hint: the values are the same either way."""
+    out = torch.empty(shape, dtype=dtype)
+    fn = _madvise() if out.nbytes >= HUGE_PAGE_MIN_BYTES else None
+    if fn is not None:
+        start = -(-out.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+        end = (out.data_ptr() + out.nbytes) // HUGE_PAGE * HUGE_PAGE
+        if end > start:
+            fn(start, end - start, _MADV_HUGEPAGE)  # a refusal leaves small pages
+    return out.fill_(value)
 
 
 # --------------------------------------------------------------------------- #

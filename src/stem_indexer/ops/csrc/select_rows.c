@@ -185,12 +185,12 @@ typedef void (*brgemm_t)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, b
 typedef void (*release_t)(bool);
 
 /* One call's block: SCORE_ROWS rows (fewer at the end) by SCORE_COLS keys,
- * with leading dimensions SCORE_COLS for B and SCORE_LD for C: the calls then
- * take at most SCORE_ROWS configurations per K, all made by ops/native.py's
- * probe first (an exception in one could not unwind through C and OpenMP). */
+ * with leading dimension SCORE_COLS for B and for C (a tile in the thread's
+ * cache): the calls then take at most SCORE_ROWS configurations per K, all
+ * made by ops/native.py's probe first (an exception in one could not unwind
+ * through C and OpenMP). */
 #define SCORE_ROWS 32
 #define SCORE_COLS 64
-#define SCORE_LD 512
 
 static inline uint32_t load32(const uint16_t *p)
 {
@@ -212,44 +212,74 @@ static void pack_keys(const uint16_t *keys, int64_t row, int64_t k, int64_t vali
     }
 }
 
-/* For each of `heads` heads h: c[h] (m x n, row stride SCORE_LD; columns up
- * to n rounded to SCORE_COLS are written too) = a[h] (m x k bf16, row stride
- * k) times keys[h]^T (n keys of k bf16, row stride key_row); k even. Each
- * task packs SCORE_COLS keys of one head in VNNI pairs (in cache) and
- * multiplies them with a group of rows. fns: {brgemm, brgemm_release}.
- * Returns 0, -1 for arguments the probe did not cover, -2 without memory. */
-int stem_scores_bf16(void *const *fns, int64_t heads, int64_t m, int64_t n, int64_t k,
-                     const uint16_t *a, int64_t a_head, const uint16_t *keys, int64_t key_head,
-                     int64_t key_row, float *c, int64_t c_head, int threads)
+/* For each of `heads` key heads h, each of its `group` query heads g, each
+ * row i < m and each key j < n:
+ *     out[h][i][g][j] = (a[h][g][i] . keys[h][j]) * scale + bias[h][j]
+ * in float32, rounded after the product and again after the sum (the
+ * contract's two roundings; built with -ffp-contract=off, so never one fused
+ * multiply-add), without the bias where `bias` is NULL. Rows of a are k
+ * bf16 long and contiguous (query head (h, g) at a + h * a_head + g *
+ * a_sub); keys[h] holds n keys of k bf16 (row stride key_row), k even; out
+ * row (h, i, g) at out + h * out_head + i * out_row + g * out_sub, only
+ * columns [0, n) written. Each task packs SCORE_COLS keys of one head in VNNI
+ * pairs (in cache) and multiplies them with a group of rows of every query
+ * head of the group, tile by tile into the thread's SCORE_ROWS x SCORE_COLS
+ * product, which is scaled, biased and stored while in cache.
+ * fns: {brgemm, brgemm_release}. Returns 0, -1 for arguments the probe did
+ * not cover, -2 without memory. */
+int stem_scores_bf16(void *const *fns, int64_t heads, int64_t group, int64_t m, int64_t n,
+                     int64_t k, const uint16_t *a, int64_t a_head, int64_t a_sub,
+                     const uint16_t *keys, int64_t key_head, int64_t key_row, float *out,
+                     int64_t out_head, int64_t out_row, int64_t out_sub, float scale,
+                     const float *bias, int64_t bias_head, int threads)
 {
     brgemm_t brgemm = (brgemm_t)fns[0];
     release_t release = (release_t)fns[1];
-    if (heads < 0 || m < 0 || n < 0 || n > SCORE_LD || k < 2 || k % 2 || key_row < k ||
+    if (heads < 0 || group < 1 || m < 0 || n < 0 || k < 2 || k % 2 || key_row < k ||
         !brgemm || !release)
         return -1;
     int64_t mt = (m + SCORE_ROWS - 1) / SCORE_ROWS, nt = (n + SCORE_COLS - 1) / SCORE_COLS;
-    int64_t groups = 1; /* row groups: enough tasks for the threads */
-    while (groups < mt && heads * nt * groups < 2 * (int64_t)threads)
+    int64_t units = group * mt; /* (query head of the group, row tile) */
+    int64_t groups = 1;         /* parts of the units: enough tasks for the threads */
+    while (groups < units && heads * nt * groups < 2 * (int64_t)threads)
         groups++;
-    int64_t per = groups ? (mt + groups - 1) / groups : 0, tasks = heads * nt * groups;
+    int64_t per = (units + groups - 1) / groups, tasks = heads * nt * groups;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        uint32_t *pk = malloc(sizeof(uint32_t) * (size_t)(k / 2) * SCORE_COLS);
+        uint32_t *pk = malloc(sizeof(uint32_t) * ((size_t)(k / 2) * SCORE_COLS) +
+                              sizeof(float) * SCORE_ROWS * SCORE_COLS);
+        float *tile = (float *)(pk + (size_t)(k / 2) * SCORE_COLS);
         failed = pk == NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; t++) {
-            int64_t h = t / (nt * groups), j = t / groups % nt, g = t % groups;
-            int64_t i0 = g * per, i1 = i0 + per < mt ? i0 + per : mt;
-            if (pk == NULL || i0 >= i1)
+            int64_t h = t / (nt * groups), j = t / groups % nt, part = t % groups;
+            int64_t u0 = part * per, u1 = u0 + per < units ? u0 + per : units;
+            if (pk == NULL || u0 >= u1)
                 continue;
-            int64_t valid = n - j * SCORE_COLS < SCORE_COLS ? n - j * SCORE_COLS : SCORE_COLS;
-            pack_keys(keys + h * key_head + j * SCORE_COLS * key_row, key_row, k, valid, pk);
-            for (int64_t i = i0; i < i1; i++) {
+            int64_t j0 = j * SCORE_COLS;
+            int64_t valid = n - j0 < SCORE_COLS ? n - j0 : SCORE_COLS;
+            pack_keys(keys + h * key_head + j0 * key_row, key_row, k, valid, pk);
+            const float *b = bias ? bias + h * bias_head + j0 : NULL;
+            for (int64_t u = u0; u < u1; u++) {
+                int64_t g = u / mt, i = u % mt;
                 int64_t rows = m - i * SCORE_ROWS < SCORE_ROWS ? m - i * SCORE_ROWS : SCORE_ROWS;
-                brgemm(rows, SCORE_COLS, k, k, SCORE_COLS, SCORE_LD, false,
-                       a + h * a_head + i * SCORE_ROWS * k, (const uint16_t *)pk,
-                       c + h * c_head + i * SCORE_ROWS * SCORE_LD + j * SCORE_COLS, true);
+                brgemm(rows, SCORE_COLS, k, k, SCORE_COLS, SCORE_COLS, false,
+                       a + h * a_head + g * a_sub + i * SCORE_ROWS * k, (const uint16_t *)pk,
+                       tile, true);
+                for (int64_t r = 0; r < rows; r++) {
+                    const float *p = tile + r * SCORE_COLS;
+                    float *o = out + h * out_head + (i * SCORE_ROWS + r) * out_row +
+                               g * out_sub + j0;
+                    if (b)
+                        for (int64_t x = 0; x < valid; x++) {
+                            float scaled = p[x] * scale;
+                            o[x] = scaled + b[x];
+                        }
+                    else
+                        for (int64_t x = 0; x < valid; x++)
+                            o[x] = p[x] * scale;
+                }
             }
         }
         free(pk);
