@@ -7,6 +7,8 @@ chunked against one-shot prefill, on SmolLM2-135M with RoPE scaled x4 by YaRN.
     python benchmarks/vllm_bench.py pairs                    # one layer: cost per block pair
     python benchmarks/vllm_bench.py speed --lengths 8192,16384,32768 --concurrency 1,4
     python benchmarks/vllm_bench.py passkey --lengths 16384,32768 --trials 20,10
+    python benchmarks/vllm_bench.py passkey --configs vllm & # or, on two cores, in two
+    VLLM_CPU_OMP_THREADS_BIND=1 python benchmarks/vllm_bench.py passkey --configs default
     python benchmarks/vllm_bench.py passkey --table          # the results so far
     python benchmarks/vllm_bench.py oneshot --trials 2,6,8   # transformers, one shot
     python benchmarks/vllm_bench.py agreement --length 16384
@@ -359,8 +361,10 @@ def passkey(args) -> None:
     window = _window(args.model)
     lengths = [min(length, window - 16) for length in lengths]
     limit = min(max(lengths) + 64, window)
-    # One engine step runs on one thread here: two processes, one
-    # configuration each (--configs), fill the table twice as fast on two cores.
+    # vLLM's CPU worker steps on one thread, bound by default to CPU 0: two
+    # processes, one configuration each (--configs) and the second bound to
+    # CPU 1 (VLLM_CPU_OMP_THREADS_BIND=1), fill the table twice as fast on two
+    # cores.
     engines = {name: engine(args.model, stem, max_model_len=limit)
                for name, stem in configs.items() if name in only}
     params = SamplingParams(max_tokens=8, temperature=0.0)
