@@ -17,6 +17,11 @@ configuration's attributes (a larger budget, say) to see what it takes:
 
     python benchmarks/passkey_diagnose.py --length 16384 --depth 0.6 --key 43432 \
         --set k_block_num_bias_medium=50
+
+``--trial N`` takes the key and depth of trial N of ``vllm_bench.py passkey``
+(the same prompt, token for token), to ask the same of a miss in the engine:
+
+    python benchmarks/passkey_diagnose.py --length 16384 --trial 2
 """
 
 from __future__ import annotations
@@ -107,8 +112,10 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default="default", choices=[c for c in mq.CONFIGS
                                                                 if c != "dense"])
     parser.add_argument("--length", type=int, default=7680)
-    parser.add_argument("--depth", type=float, required=True)
-    parser.add_argument("--key", type=int, required=True)
+    parser.add_argument("--depth", type=float)
+    parser.add_argument("--key", type=int)
+    parser.add_argument("--trial", type=int,
+                        help="the key and depth of this trial of vllm_bench.py passkey")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="override one of the configuration's attributes, e.g. "
                              "k_block_num_bias_medium=50 (repeatable)")
@@ -116,6 +123,13 @@ def main(argv=None) -> int:
                         help="RoPE scaling x4 for prompts past the model's 8K window, as "
                              "model_quality.py --long runs them")
     args = parser.parse_args(argv)
+    if args.trial is not None:
+        if args.depth is not None or args.key is not None:
+            parser.error("--trial draws the key and depth: give it alone, or --depth and --key")
+        from vllm_bench import passkey_draw  # its prompt is model_quality's, token for token
+        args.key, args.depth = passkey_draw(args.length, args.trial)
+    elif args.depth is None or args.key is None:
+        parser.error("--depth and --key (or --trial) are required")
     config = dict(mq.CONFIGS[args.config])
     for item in args.set:
         name, _, value = item.partition("=")

@@ -100,19 +100,19 @@ def _require_model(path: Path) -> None:
 # Prompts
 # --------------------------------------------------------------------------- #
 
-from model_quality import FILLER, INTRO, NEEDLE, QUESTION  # noqa: E402
+import model_quality  # noqa: E402
 
 
 def passkey_prompt(tok, length: int, depth: float, key: int) -> list[int]:
-    """Token ids of about ``length`` tokens with the key at ``depth`` (0..1)."""
-    head = tok(INTRO, add_special_tokens=False).input_ids
-    needle = tok(NEEDLE.format(key=key), add_special_tokens=False).input_ids
-    tail = tok(QUESTION, add_special_tokens=False).input_ids
-    filler = tok(FILLER, add_special_tokens=False).input_ids
-    room = length - len(head) - len(needle) - len(tail)
-    body = (filler * (room // len(filler) + 1))[:room]
-    at = int(round(depth * room))
-    return head + body[:at] + needle + body[at:] + tail
+    """Token ids of ``length`` tokens with the key at ``depth`` (0..1): the
+    prompt of ``model_quality.py``'s passkey trials."""
+    return model_quality.passkey_prompt(tok, length, depth, key)[0].tolist()
+
+
+def passkey_draw(length: int, trial: int) -> tuple[int, float]:
+    """The key and depth of passkey trial ``trial`` at ``length``."""
+    rng = random.Random(f"{length}-{trial}")
+    return rng.randrange(10000, 100000), rng.random()
 
 
 def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
@@ -370,8 +370,7 @@ def passkey(args) -> None:
     params = SamplingParams(max_tokens=8, temperature=0.0)
     for length, n in zip(lengths, trials):
         for t in range(n):
-            rng = random.Random(f"{length}-{t}")
-            key, depth = rng.randrange(10000, 100000), rng.random()
+            key, depth = passkey_draw(length, t)
             for name, llm in engines.items():
                 if any(d["length"] == length and d["trial"] == t and d["config"] == name
                        for d in done):
@@ -410,8 +409,7 @@ def oneshot(args) -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).eval()
     fn = stem_hf.register("stem-oneshot", dense_above=1.0, **json.loads(args.stem))
     for t in (int(x) for x in args.trials.split(",")):
-        rng = random.Random(f"{args.length}-{t}")  # as ``passkey`` draws them
-        key, depth = rng.randrange(10000, 100000), rng.random()
+        key, depth = passkey_draw(args.length, t)
         ids = torch.tensor([passkey_prompt(tok, args.length, depth, key)])
         for impl in ("sdpa", fn.name) if args.dense else (fn.name,):
             model.set_attn_implementation(impl)
