@@ -430,8 +430,9 @@ def filled(shape: tuple[int, ...], value: int, dtype: torch.dtype) -> torch.Tens
 
     A fresh output of hundreds of MiB is paid mostly in page faults on first
     touch, one per 4 KiB page: with 2 MiB pages there are 512 times fewer
-    (at S5 of the indexer benchmark, 512 MiB of output: 190 ms instead of
-    40 ms here). Only a hint: the values are the same either way."""
+    (the indexer's 512 MiB output at S5 of ``benchmarks/indexer_bench.py``,
+    on a 2-core AMD EPYC VM: 18 to 26 ms instead of 115 to 306 ms). Only a
+    hint: the values are the same either way."""
     out = torch.empty(shape, dtype=dtype)
     fn = _madvise() if out.nbytes >= HUGE_PAGE_MIN_BYTES else None
     if fn is not None:
