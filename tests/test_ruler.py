@@ -9,6 +9,7 @@ model file (``model_quality.gemma_file``) on stand-in chunks.
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 
 import pytest
@@ -296,3 +297,42 @@ def test_gemma_chunks_come_from_package_metadata():
                                        for n in range(4)]
     assert sum(p.stat().st_size for p in paths) == model_quality.GEMMA_BYTES
     assert len(sha) == 64
+
+
+# --------------------------------------------------------------------------- #
+# ttft_bench: the whole model's time to first token, side by side
+# --------------------------------------------------------------------------- #
+
+
+def test_ttft_table_gives_per_turn_ratios_and_what_ran(tmp_path):
+    """Medians of the seconds, dense / config as the median and [min, max] of
+    the per-turn ratios (hand-computed), the paths the Stem calls took; a
+    torn last line is skipped."""
+    import ttft_bench
+    base = dict(model="smollm2", dtype="bfloat16", machine="m", configs=["dense", "default"])
+    turns = [(2.0, 1.0, {"stem": 30}, 0.5), (3.0, 2.0, {"stem": 30}, 0.5),
+             (4.0, 1.0, {"stem": 28, "dense:budget keeps most blocks": 2}, 0.4)]
+    path = tmp_path / "t.jsonl"
+    with path.open("w") as f:
+        for turn, (dense, stem, paths, density) in enumerate(turns):
+            f.write(json.dumps(dict(base, length=16384, turn=turn,
+                                    seconds={"dense": dense, "default": stem},
+                                    paths={"default": paths},
+                                    density={"default": density})) + "\n")
+        f.write('{"model": "smol')  # a run killed mid-line
+    rows = ttft_bench.load_rows(path)
+    assert len(rows) == 3
+    line = next(x for x in ttft_bench.table(rows) if x.startswith("| 16384"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[:4] == ["16384", "3", "3.00", "1.00"]  # medians of 2, 3, 4 and 1, 2, 1
+    assert cells[4] == "2.00x [1.50, 4.00]"  # ratios 2.0, 1.5, 4.0
+    assert cells[5] == "default: dense:budget keeps most blocks+stem (50%)"
+
+
+def test_ttft_lengths_and_configs_are_checked():
+    import ttft_bench
+    assert ttft_bench.length_arg("8K") == 8192 and ttft_bench.length_arg("32K") == 32752
+    for bad in (["--lengths", "0"], ["--configs", "default,dense"], ["--reps", "0"],
+                ["--configs", "dense,fast"]):
+        with pytest.raises(SystemExit):
+            ttft_bench.main(bad)

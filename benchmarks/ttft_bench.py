@@ -1,0 +1,183 @@
+"""Time to first token of a whole model, dense SDPA against every Stem preset,
+side by side at each length, in alternating turns; resumable.
+
+    python benchmarks/ttft_bench.py --model smollm2 --lengths 2K,4K,8K,16K,32K --reps 3
+    python benchmarks/ttft_bench.py --table                  # the table from the file
+
+Each turn is one prefill (``logits_to_keep=1``: the first token's logits)
+of every configuration on the same random token ids, the configurations in
+an order that rotates from turn to turn; one warm-up call per configuration
+at the run's shortest length comes first. A turn's times are appended to the
+results file (default ``benchmarks/ttft_results.jsonl``) as one JSON line,
+with the machine, the git commit, the load average and, per Stem
+configuration, what its calls ran (``paths``: ``stem``, ``window``,
+``dense:<reason>``) and the density of its sparse calls. A run skips the
+turns the file already holds (model, dtype, length, turn), so a long one can
+stop and resume; ratios are only ever taken within a turn.
+
+``--table``: per model, dtype, machine and length, each configuration's
+median seconds and dense / configuration as the median and [min, max] of
+the per-turn ratios, with the paths its calls took. A Stem configuration
+whose calls all stepped aside (``dense:...``) runs SDPA itself: its ratio
+is the noise of the machine between two identical computations.
+
+Models as in ``ruler_bench.py``: ``smollm2`` with its RoPE scaled x4 by YaRN
+(a 32K window; a "32K" length is 32,752 tokens), ``gemma3`` in its own 32K
+window (its sliding-window layers take the windowed path under every Stem
+configuration, and SDPA's masked square under dense).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import model_quality as mq
+from common import git_sha, machine
+
+RESULTS = Path(__file__).resolve().with_name("ttft_results.jsonl")
+CONFIGS = ("dense", "default", "balanced", "tight")
+WINDOW = 32768 - 16  # the longest prompt, with room for the answer's positions
+
+
+def length_arg(text: str) -> int:
+    text = text.strip().upper()
+    value = int(text[:-1]) * 1024 if text.endswith("K") else int(text)
+    if not 1 <= value:
+        raise ValueError(text)
+    return min(value, WINDOW)
+
+
+def load_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a torn last line of a killed run
+            continue
+    return rows
+
+
+def run(args, echo=print) -> int:
+    import torch
+
+    dtype = mq.default_dtype()
+    key = dict(model=args.model, dtype=str(dtype).replace("torch.", ""))
+    done = {(r["length"], r["turn"]) for r in load_rows(args.results)
+            if all(r.get(k) == v for k, v in key.items()) and r.get("configs") == args.configs}
+    todo = [(n, t) for n in args.lengths for t in range(args.reps) if (n, t) not in done]
+    if not todo:
+        echo("every turn is in the results file")
+        return 0
+    tok, model = mq.load_model(args.model, dtype,
+                               rope_factor=4.0 if args.model == "smollm2" else None)
+    fns = mq.register({n: mq.CONFIGS[n] for n in args.configs if n != "dense"})
+    gen = torch.Generator().manual_seed(0)
+
+    def prefill(name: str, ids) -> float:
+        model.set_attn_implementation(mq._impl(fns, name))
+        start = time.perf_counter()
+        with torch.no_grad():
+            model(ids, logits_to_keep=1)
+        return time.perf_counter() - start
+
+    warm = torch.randint(100, 10000, (1, min(args.lengths)), generator=gen)
+    for name in args.configs:
+        prefill(name, warm)
+    echo(f"{machine()}; {args.model} in {dtype}; {len(todo)} turns to run")
+    for length, turn in todo:
+        ids = torch.randint(100, 10000, (1, length), generator=gen)
+        order = args.configs[turn % len(args.configs):] + args.configs[:turn % len(args.configs)]
+        row = dict(key, length=length, turn=turn, configs=args.configs, seconds={}, paths={},
+                   density={}, machine=machine(), git=git_sha())
+        for name in order:
+            if name in fns:
+                fns[name].reset_stats()
+            row["seconds"][name] = round(prefill(name, ids), 3)
+            if name in fns:
+                fn = fns[name]
+                row["paths"][name] = dict(fn.stats)
+                row["density"][name] = (round(fn.kept_pairs / fn.visible_pairs, 4)
+                                        if fn.visible_pairs else None)
+        row["load"] = round(os.getloadavg()[0], 2)
+        with args.results.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        echo(f"{length} turn {turn}: " + ", ".join(f"{n} {s:.1f} s"
+                                                   for n, s in row["seconds"].items()))
+    return len(todo)
+
+
+def table(rows: list[dict]) -> list[str]:
+    """The side-by-side tables, one per (model, dtype, machine)."""
+    lines = []
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["dtype"], r["machine"]), []).append(r)
+    for (model, dtype, where), group in groups.items():
+        configs = group[0]["configs"]
+        lines += [f"{model}, {dtype}; {where}", "",
+                  "| tokens | turns | " + " | ".join(f"{c} s" for c in configs)
+                  + " | " + " | ".join(f"dense / {c}, median [min, max]"
+                                       for c in configs if c != "dense")
+                  + " | paths of the Stem calls |",
+                  "|---|---|" + "---|" * (2 * len(configs) - 1) + "---|"]
+        for length in sorted({r["length"] for r in group}):
+            turns = [r for r in group if r["length"] == length]
+            cells = [f"{statistics.median(r['seconds'][c] for r in turns):.2f}" for c in configs]
+            for c in configs[1:]:  # dense is first
+                ratios = [r["seconds"]["dense"] / r["seconds"][c] for r in turns]
+                cells.append(f"{statistics.median(ratios):.2f}x "
+                             f"[{min(ratios):.2f}, {max(ratios):.2f}]")
+            paths = []
+            for c in configs[1:]:
+                seen = sorted({p for r in turns for p in r["paths"].get(c, {})})
+                dens = [r["density"][c] for r in turns if r["density"].get(c) is not None]
+                paths.append(f"{c}: {'+'.join(seen) or '-'}"
+                             + (f" ({statistics.median(dens):.0%})" if dens else ""))
+            lines.append(f"| {length} | {len(turns)} | " + " | ".join(cells) + " | "
+                         + "; ".join(paths) + " |")
+        lines.append("")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=mq.MODELS, default="smollm2")
+    parser.add_argument("--lengths", default="2K,4K,8K,16K,32K",
+                        help="comma-separated token counts (8K or 8192)")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help="dense first, then names of model_quality.CONFIGS")
+    parser.add_argument("--reps", type=int, default=3, help="turns per length")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--table", action="store_true", help="print the table and stop")
+    args = parser.parse_args(argv)
+    if args.table:
+        print("\n".join(table(load_rows(args.results))))
+        return 0
+    try:
+        args.lengths = sorted({length_arg(x) for x in args.lengths.split(",") if x.strip()})
+    except ValueError:
+        parser.error(f"--lengths: positive token counts such as 8K or 8192; got {args.lengths!r}")
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in args.configs if c not in mq.CONFIGS]
+    if unknown or not args.configs or args.configs[0] != "dense":
+        parser.error(f"--configs: dense first, then names of {list(mq.CONFIGS)}; "
+                     f"got {args.configs}")
+    if args.reps < 1:
+        parser.error(f"--reps must be >= 1; got {args.reps}")
+    if not args.lengths:
+        parser.error("--lengths: at least one length")
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
