@@ -30,7 +30,6 @@ configuration, and SDPA's masked square under dense).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -39,6 +38,7 @@ from pathlib import Path
 
 import model_quality as mq
 from common import git_sha, machine
+from ruler_bench import append, read  # the same resumable results file
 
 RESULTS = Path(__file__).resolve().with_name("ttft_results.jsonl")
 CONFIGS = ("dense", "default", "balanced", "tight")
@@ -53,24 +53,12 @@ def length_arg(text: str) -> int:
     return min(value, WINDOW)
 
 
-def load_rows(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a torn last line of a killed run
-            continue
-    return rows
-
-
 def run(args, echo=print) -> int:
     import torch
 
     dtype = mq.default_dtype()
     key = dict(model=args.model, dtype=str(dtype).replace("torch.", ""))
-    done = {(r["length"], r["turn"]) for r in load_rows(args.results)
+    done = {(r["length"], r["turn"]) for r in read(args.results)
             if all(r.get(k) == v for k, v in key.items()) and r.get("configs") == args.configs}
     todo = [(n, t) for n in args.lengths for t in range(args.reps) if (n, t) not in done]
     if not todo:
@@ -107,8 +95,7 @@ def run(args, echo=print) -> int:
                 row["density"][name] = (round(fn.kept_pairs / fn.visible_pairs, 4)
                                         if fn.visible_pairs else None)
         row["load"] = round(os.getloadavg()[0], 2)
-        with args.results.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        append(args.results, row)
         echo(f"{length} turn {turn}: " + ", ".join(f"{n} {s:.1f} s"
                                                    for n, s in row["seconds"].items()))
     return len(todo)
@@ -160,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", action="store_true", help="print the table and stop")
     args = parser.parse_args(argv)
     if args.table:
-        print("\n".join(table(load_rows(args.results))))
+        print("\n".join(table(read(args.results))))
         return 0
     try:
         args.lengths = sorted({length_arg(x) for x in args.lengths.split(",") if x.strip()})

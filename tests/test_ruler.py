@@ -320,7 +320,7 @@ def test_ttft_table_gives_per_turn_ratios_and_what_ran(tmp_path):
                                     paths={"default": paths},
                                     density={"default": density})) + "\n")
         f.write('{"model": "smol')  # a run killed mid-line
-    rows = ttft_bench.load_rows(path)
+    rows = ttft_bench.read(path)
     assert len(rows) == 3
     line = next(x for x in ttft_bench.table(rows) if x.startswith("| 16384"))
     cells = [c.strip() for c in line.strip("|").split("|")]
