@@ -336,10 +336,16 @@ def _passkey_table(done: list[dict], lengths: list[int], configs) -> list[str]:
     return lines
 
 
+def _results(path: Path) -> list[dict]:
+    """The trials recorded in a passkey results file."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def passkey(args) -> None:
     if args.table:  # from the results file alone: no model, no engine
-        done = [json.loads(line) for line in Path(args.results).read_text().splitlines()
-                if line.strip()]
+        done = _results(Path(args.results))
         configs = list(dict.fromkeys(d["config"] for d in done))
         print("\n".join(_passkey_table(done, sorted({d["length"] for d in done}), configs)))
         return
@@ -351,9 +357,7 @@ def passkey(args) -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     trials = [int(x) for x in args.trials.split(",")]
     results = Path(args.results)
-    done = []
-    if results.exists():
-        done = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    done = _results(results)
     configs = {"vllm": None, "default": json.loads(args.stem)}
     only = [c.strip() for c in args.configs.split(",") if c.strip()]
     if not only or set(only) - set(configs):
@@ -386,7 +390,7 @@ def passkey(args) -> None:
                 with results.open("a") as f:
                     f.write(json.dumps(entry) + "\n")
                 print(entry, flush=True)
-    done = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    done = _results(results)  # with the other process's trials
     lines = [f"\n### Passkey through vLLM, vLLM's backend against Stem ({args.stem})\n",
              header(), "", f"`python benchmarks/vllm_bench.py passkey --lengths {args.lengths} "
              f"--trials {args.trials}` (results: `{args.results}`)", "",

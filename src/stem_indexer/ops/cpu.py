@@ -350,23 +350,22 @@ def _scores(q, keys_b, vbias_b, lo, hi, cand_end, scale, width, ws, exact=None):
         prod = (exact(lo, hi) * scale).view(nk, group, c, hi - lo).transpose(1, 2)
         torch.add(prod, vbias_b[:, None, None, lo:hi], out=scores[..., :hi - lo])
         return scores
-    blocks = gemm_blocks(cand_end.tolist(), lo, hi, hi - lo)
     if _bf16_gemm(keys_b):  # bfloat16 operands where they lie, float32 products
         a = q.view(nk, group, c, df)
         if a.stride(-1) != 1 or a.stride(-2) != df:
             a = ws.take("queries", a.shape, torch.bfloat16).copy_(a)
         bias = vbias_b if vbias_b.stride(-1) == 1 else vbias_b.contiguous()
-        for _, _, j0, j1, r in blocks:  # scaled and biased as they are stored
+        for _, _, j0, j1, r in gemm_blocks(cand_end.tolist(), lo, hi, hi - lo):
+            # scaled and biased as they are stored
             native.scores_bf16(a[:, :, r:], keys_b[:, j0:j1], scores[:, r:, :, j0 - lo:j1 - lo],
                                scale, bias[:, j0:j1])
         return scores
     qf = ws.take("queries", (nk, c, group, df), torch.float32)
     qf.copy_(q.view(nk, group, c, df).transpose(1, 2))  # upcast and reorder in one pass
     cached = keys_b.dtype == torch.float32
-    if not cached:
-        blocks = gemm_blocks(cand_end.tolist(), lo, hi, key_chunk(nk, df))
+    chunk = hi - lo if cached else key_chunk(nk, df)
     kc, held = None, None
-    for u0, u1, j0, j1, r in blocks:
+    for u0, u1, j0, j1, r in gemm_blocks(cand_end.tolist(), lo, hi, chunk):
         if cached:
             kc, held = keys_b, 0
         elif held != u0:
