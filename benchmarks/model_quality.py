@@ -84,6 +84,11 @@ CONFIGS = {  # name: stem_attention keyword arguments (None: dense SDPA)
     # the default budget's selection even where it keeps more than dense_above
     # of the pairs (contract.DENSE_ABOVE), where stem_attention runs dense
     "default-sparse": dict(preset="default", dense_above=1.0),
+    # exact attention everywhere, through the integration: a budget that keeps
+    # every block (so each full-attention layer makes dense's SDPA call) while
+    # sliding-window layers run at window cost, as in every Stem configuration
+    # (the same result as SDPA with the sliding mask, tests/test_window.py)
+    "dense-window": dict(k_block_num_bias_medium=1 << 20, k_block_num_bias_large=1 << 20),
 }
 PRESET_CONFIGS = ("dense", "default", "balanced", "tight")
 INTRO = ("There is an important number hidden inside a lot of irrelevant text. Find it and "

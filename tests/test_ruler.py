@@ -13,6 +13,7 @@ import json
 import re
 
 import pytest
+import torch
 
 import ruler
 from stem_indexer import StemIndexerInputError
@@ -227,6 +228,38 @@ def test_perplexity_table_is_the_change_against_dense_on_shared_windows():
     line = next(x for x in text.splitlines() if x.startswith("| tight"))
     want = math.exp(210 / 100) / math.exp(200 / 100) - 1  # window 0 only: the one both ran
     assert f"{want:+.2%}" in line and "1 window" in line
+
+
+def test_perplexity_table_prefers_the_windowed_dense_reference():
+    """Where a length has ``dense-window`` windows they are the reference,
+    not transformers' ``dense`` (whose windows may be fewer or absent)."""
+    import math
+
+    import ruler_bench
+    rows = [dict(model="gemma3", task="perplexity", length=16384, config=c, trial=w, seed=0,
+                 nll=nll, tokens=100, seconds=1.0)
+            for c, w, nll in [("dense", 0, 100.0), ("dense-window", 0, 200.0),
+                              ("dense-window", 1, 300.0), ("tight", 0, 210.0),
+                              ("tight", 1, 330.0)]]
+    text = "\n".join(ruler_bench.tables(rows))
+    line = next(x for x in text.splitlines() if x.startswith("| tight"))
+    want = math.exp(540 / 200) / math.exp(500 / 200) - 1
+    assert f"{want:+.2%} against dense-window; 2 windows" in line
+
+
+def test_windowed_dense_reference_keeps_every_block_at_every_length():
+    """``dense-window`` is exact attention: its budget keeps every visible
+    block of a causal prefill at every length up to the 32K window, so
+    ``stem_attention`` makes dense's SDPA call in each full-attention layer
+    (the sliding layers' windowed path is tests/test_window.py's)."""
+    import model_quality
+    import ruler_bench
+    from stem_indexer import contract
+    params = contract.IndexerParams.from_kwargs("test", **model_quality.CONFIGS["dense-window"])
+    for tokens in (1, 127, 128, 7168, 7169, 20000, ruler_bench.MAX_POSITIONS):
+        n = torch.tensor([tokens])
+        assert contract.dense_is_exact(n, n, n, params), tokens
+    assert "dense-window" in ruler_bench.DEFAULT_CONFIGS
 
 
 def test_table_marks_stem_cells_that_ran_dense_throughout():
