@@ -492,3 +492,20 @@ def test_filled_without_transparent_huge_pages_on_request(tmp_path, monkeypatch)
     monkeypatch.undo()  # this machine's own mode and madvise
     big = (3, native.HUGE_PAGE_MIN_BYTES // 12 + 5)
     assert torch.equal(native.filled(big, -1, torch.int32), torch.full(big, -1, dtype=torch.int32))
+
+
+@needs_bf16_scores
+@pytest.mark.skipif(not native.dp_scores(), reason="no vdpbf16ps kernel on this CPU")
+def test_own_bf16_kernel_gives_torch_micro_kernels_floats(monkeypatch):
+    """The vdpbf16ps kernel against torch's micro-kernel on random inputs
+    with every tail (rows not a multiple of 6, keys of 64, pairs of 16)."""
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(2, 3, 37, 2084, generator=gen).bfloat16()
+    keys = torch.randn(2, 201, 2084, generator=gen).bfloat16()
+    bias = torch.rand(2, 201, generator=gen)
+    assert native.bf16_scores_available(2084)
+    ours, theirs = (torch.full((2, 37, 3, 201), math.nan) for _ in range(2))
+    native.scores_bf16(a, keys, ours, 0.3, bias)
+    monkeypatch.setattr(native, "dp_scores", lambda: False)
+    native.scores_bf16(a, keys, theirs, 0.3, bias)
+    assert torch.equal(ours, theirs)

@@ -84,6 +84,10 @@ SELECT_ROWS = Library("select_rows", {
     "stem_scores_bf16": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64,
                                         _ptr, _i64, _i64, _ptr, _i64, _i64, _i64,
                                         ctypes.c_float, _ptr, _i64, ctypes.c_int]),
+    "stem_scores_dp": (ctypes.c_int, [_i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64,
+                                      _ptr, _i64, _i64, _ptr, _i64, _i64, _i64,
+                                      ctypes.c_float, _ptr, _i64, ctypes.c_int]),
+    "stem_scores_dp_built": (ctypes.c_int, []),
 }, cflags=("-ffp-contract=off",))  # the scores' two roundings: never one fused multiply-add
 
 _lock = threading.Lock()
@@ -293,11 +297,27 @@ def _bf16_base() -> tuple[tuple[int, int] | None, str]:
     return (found[names[0]], found[names[1]]), "torch's cpublas::brgemm (oneDNN)"
 
 
+def dp_scores() -> bool:
+    """The scores' bfloat16 products run on this library's own vdpbf16ps
+    kernel (``stem_scores_dp``) instead of torch's micro-kernel: a CPU with
+    AVX512-BF16 and no AMX (where oneDNN's kernel uses AMX tiles), and a
+    compiler that built it. Its keys are packed by 16 x 16 transposes in
+    registers: on a Zen 4, S3's products took 194 ms where torch's
+    micro-kernel took 241 ms (benchmarks/RESULTS.md). The same instruction
+    in the same order per lane: the same floats as torch's kernel."""
+    flags = set(_cpu_flags().split())
+    lib = load(SELECT_ROWS)
+    return ("avx512_bf16" in flags and "amx_bf16" not in flags and lib is not None
+            and lib.stem_scores_dp_built() == 1)
+
+
 def bf16_scores_status() -> str:
     """How the CPU path multiplies bfloat16 scores, and why."""
     fns, why = _bf16_base()
     if fns is None or load(SELECT_ROWS) is None:
         return f"float32 GEMM ({why if fns is None else 'no selection kernel'})"
+    if dp_scores():
+        why = "this library's vdpbf16ps kernel (AVX512-BF16, no AMX)"
     failed = [f"float32 GEMM for Df={df} ({reason})"
               for df, reason in sorted(_bf16_probed.items()) if reason]
     return "; ".join([f"bfloat16 products on {why}", *failed])
@@ -352,6 +372,16 @@ def scores_bf16(a: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, scale: f
         assert bias.dtype == torch.float32 and bias.shape == (heads, n)
         assert bias.stride(1) == 1 or n <= 1
     assert _bf16_probed[k] is None
+    if dp_scores():
+        code = load(SELECT_ROWS).stem_scores_dp(
+            heads, group, m, n, k, a.data_ptr(), a.stride(0), a.stride(1), keys.data_ptr(),
+            keys.stride(0), keys.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+            out.stride(2), float(scale), None if bias is None else bias.data_ptr(),
+            0 if bias is None else bias.stride(0), torch.get_num_threads())
+        if code == -2:
+            raise MemoryError("stem_scores_dp: no memory for its packed keys")
+        assert code == 0, "stem_scores_dp refused its arguments"
+        return
     fns = (ctypes.c_void_p * 2)(*_bf16_base()[0])
     code = load(SELECT_ROWS).stem_scores_bf16(
         fns, heads, group, m, n, k, a.data_ptr(), a.stride(0), a.stride(1), keys.data_ptr(),

@@ -287,3 +287,181 @@ int stem_scores_bf16(void *const *fns, int64_t heads, int64_t group, int64_t m, 
     }
     return failed ? -2 : 0;
 }
+
+/* --------------------------------------------------------------------------
+ * The same products on the CPU's own bfloat16 dot product instruction
+ * (AVX512-BF16's vdpbf16ps: AMD Zen 4 and 5, Intel Cooper Lake), without
+ * torch's micro-kernel: the keys are packed in VNNI pairs by 16 x 16
+ * transposes in registers (the scalar packing above cost a third of the
+ * products' time), and a register tile of DP_ROWS query rows by 64 keys
+ * holds its sums over the whole k, then is scaled, biased and stored.
+ * Compiled for that instruction set whatever the library's flags (a target
+ * attribute); ops/native.py calls it only where /proc/cpuinfo lists
+ * avx512_bf16. stem_scores_dp_built() says whether this compiler built it.
+ * -------------------------------------------------------------------------- */
+
+#if defined(__x86_64__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 10))
+#include <immintrin.h>
+#define DP_BUILT 1
+#define DP_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
+#define DP_ROWS 6 /* 6 x 4 accumulators, 4 key vectors, 1 broadcast: 29 of 32 registers */
+
+/* pack_keys on 16 x 16 blocks of (key, pair) in registers. */
+DP_TARGET static void dp_pack_keys(const uint16_t *keys, int64_t row, int64_t k, int64_t valid,
+                                   uint32_t *pk)
+{
+    int64_t pairs = k / 2;
+    for (int64_t w0 = 0; w0 < pairs; w0 += 16) {
+        int64_t left = pairs - w0 < 16 ? pairs - w0 : 16;
+        __mmask16 in = (__mmask16)(left == 16 ? 0xFFFFu : (1u << left) - 1u);
+        for (int64_t j0 = 0; j0 < SCORE_COLS; j0 += 16) {
+            __m512i r[16], t[16], u[16];
+            for (int j = 0; j < 16; j++)
+                r[j] = j0 + j < valid
+                           ? _mm512_maskz_loadu_epi32(in, keys + (j0 + j) * row + 2 * w0)
+                           : _mm512_setzero_si512();
+            for (int j = 0; j < 16; j += 2) {
+                t[j] = _mm512_unpacklo_epi32(r[j], r[j + 1]);
+                t[j + 1] = _mm512_unpackhi_epi32(r[j], r[j + 1]);
+            }
+            for (int j = 0; j < 16; j += 4) { /* u[j + x]: column 4L + x of rows j..j+3 */
+                u[j] = _mm512_unpacklo_epi64(t[j], t[j + 2]);
+                u[j + 1] = _mm512_unpackhi_epi64(t[j], t[j + 2]);
+                u[j + 2] = _mm512_unpacklo_epi64(t[j + 1], t[j + 3]);
+                u[j + 3] = _mm512_unpackhi_epi64(t[j + 1], t[j + 3]);
+            }
+            for (int x = 0; x < 4; x++) {
+                __m512i v0 = _mm512_shuffle_i32x4(u[x], u[4 + x], 0x88);
+                __m512i v1 = _mm512_shuffle_i32x4(u[x], u[4 + x], 0xDD);
+                __m512i v2 = _mm512_shuffle_i32x4(u[8 + x], u[12 + x], 0x88);
+                __m512i v3 = _mm512_shuffle_i32x4(u[8 + x], u[12 + x], 0xDD);
+                __m512i col[4] = {_mm512_shuffle_i32x4(v0, v2, 0x88),  /* pair x */
+                                  _mm512_shuffle_i32x4(v1, v3, 0x88),  /* pair 4 + x */
+                                  _mm512_shuffle_i32x4(v0, v2, 0xDD),  /* pair 8 + x */
+                                  _mm512_shuffle_i32x4(v1, v3, 0xDD)}; /* pair 12 + x */
+                for (int q = 0; q < 4; q++)
+                    if (4 * q + x < left)
+                        _mm512_store_si512(pk + (w0 + 4 * q + x) * SCORE_COLS + j0, col[q]);
+            }
+        }
+    }
+}
+
+/* rows (1..DP_ROWS, a constant where inlined) rows of a (row stride lda
+ * elements) times the packed keys pk (k/2 pairs of 64 keys), scaled, biased
+ * and stored into out (row stride ldo), columns [0, valid). */
+DP_TARGET static inline __attribute__((always_inline)) void
+dp_tile(const int rows, int64_t pairs, const uint16_t *a, int64_t lda, const uint32_t *pk,
+        float scale, const float *bias, int64_t valid, float *out, int64_t ldo)
+{
+    __m512 acc[DP_ROWS][4];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < 4; c++)
+            acc[r][c] = _mm512_setzero_ps();
+    for (int64_t w = 0; w < pairs; w++) {
+        const uint32_t *b = pk + w * SCORE_COLS;
+        __m512bh b0 = (__m512bh)_mm512_load_si512(b), b1 = (__m512bh)_mm512_load_si512(b + 16),
+                 b2 = (__m512bh)_mm512_load_si512(b + 32),
+                 b3 = (__m512bh)_mm512_load_si512(b + 48);
+        for (int r = 0; r < rows; r++) {
+            __m512bh x = (__m512bh)_mm512_set1_epi32((int)load32(a + r * lda + 2 * w));
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
+            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], x, b2);
+            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], x, b3);
+        }
+    }
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int c = 0; c < 4; c++) {
+        int64_t left = valid - 16 * c;
+        if (left <= 0)
+            break;
+        __mmask16 keep = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+        __m512 add = bias ? _mm512_maskz_loadu_ps(keep, bias + 16 * c) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++) {
+            __m512 v = _mm512_mul_ps(acc[r][c], s); /* rounded, */
+            if (bias)
+                v = _mm512_add_ps(v, add); /* then rounded again */
+            _mm512_mask_storeu_ps(out + r * ldo + 16 * c, keep, v);
+        }
+    }
+}
+
+#define DP_TILE(R) dp_tile(R, pairs, a + r * lda, lda, pk, scale, bias, valid, out + r * ldo, ldo)
+
+DP_TARGET static void dp_rows(int64_t rows, int64_t pairs, const uint16_t *a, int64_t lda,
+                              const uint32_t *pk, float scale, const float *bias, int64_t valid,
+                              float *out, int64_t ldo)
+{
+    int64_t r = 0;
+    for (; r + DP_ROWS <= rows; r += DP_ROWS)
+        DP_TILE(DP_ROWS);
+    switch (rows - r) {
+    case 5: DP_TILE(5); break;
+    case 4: DP_TILE(4); break;
+    case 3: DP_TILE(3); break;
+    case 2: DP_TILE(2); break;
+    case 1: DP_TILE(1); break;
+    default: break;
+    }
+}
+#undef DP_TILE
+#else
+#define DP_BUILT 0
+#endif
+
+int stem_scores_dp_built(void) { return DP_BUILT; }
+
+/* stem_scores_bf16's products (arguments, results and return codes as
+ * there, without fns) on vdpbf16ps; -1 where this compiler did not build it.
+ * Tasks as there: SCORE_COLS keys of one head packed, then multiplied with
+ * SCORE_ROWS rows at a time of every query head of the group. */
+int stem_scores_dp(int64_t heads, int64_t group, int64_t m, int64_t n, int64_t k,
+                   const uint16_t *a, int64_t a_head, int64_t a_sub, const uint16_t *keys,
+                   int64_t key_head, int64_t key_row, float *out, int64_t out_head,
+                   int64_t out_row, int64_t out_sub, float scale, const float *bias,
+                   int64_t bias_head, int threads)
+{
+#if DP_BUILT
+    if (heads < 0 || group < 1 || m < 0 || n < 0 || k < 2 || k % 2 || key_row < k)
+        return -1;
+    int64_t nt = (n + SCORE_COLS - 1) / SCORE_COLS;
+    int64_t mt = (m + SCORE_ROWS - 1) / SCORE_ROWS;
+    int64_t units = group * mt; /* (query head of the group, SCORE_ROWS rows) */
+    int64_t groups = 1;
+    while (groups < units && heads * nt * groups < 2 * (int64_t)threads)
+        groups++;
+    int64_t per = (units + groups - 1) / groups, tasks = heads * nt * groups;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        uint32_t *pk = NULL;
+        size_t bytes = sizeof(uint32_t) * (size_t)((k / 2 + 15) / 16 * 16) * SCORE_COLS;
+        failed = posix_memalign((void **)&pk, 64, bytes) != 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; t++) {
+            int64_t h = t / (nt * groups), j = t / groups % nt, part = t % groups;
+            int64_t u0 = part * per, u1 = u0 + per < units ? u0 + per : units;
+            if (failed || u0 >= u1)
+                continue;
+            int64_t j0 = j * SCORE_COLS;
+            int64_t valid = n - j0 < SCORE_COLS ? n - j0 : SCORE_COLS;
+            dp_pack_keys(keys + h * key_head + j0 * key_row, key_row, k, valid, pk);
+            const float *b = bias ? bias + h * bias_head + j0 : NULL;
+            for (int64_t u = u0; u < u1; u++) {
+                int64_t g = u / mt, i0 = u % mt * SCORE_ROWS;
+                int64_t rows = m - i0 < SCORE_ROWS ? m - i0 : SCORE_ROWS;
+                dp_rows(rows, k / 2, a + h * a_head + g * a_sub + i0 * k, k, pk, scale, b, valid,
+                        out + h * out_head + i0 * out_row + g * out_sub + j0, out_row);
+            }
+        }
+        free(pk);
+    }
+    return failed ? -2 : 0;
+#else
+    (void)heads; (void)group; (void)m; (void)n; (void)k; (void)a; (void)a_head; (void)a_sub;
+    (void)keys; (void)key_head; (void)key_row; (void)out; (void)out_head; (void)out_row;
+    (void)out_sub; (void)scale; (void)bias; (void)bias_head; (void)threads;
+    return -1;
+#endif
+}
