@@ -372,25 +372,19 @@ def scores_bf16(a: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, scale: f
         assert bias.dtype == torch.float32 and bias.shape == (heads, n)
         assert bias.stride(1) == 1 or n <= 1
     assert _bf16_probed[k] is None
-    if dp_scores():
-        code = load(SELECT_ROWS).stem_scores_dp(
-            heads, group, m, n, k, a.data_ptr(), a.stride(0), a.stride(1), keys.data_ptr(),
+    args = (heads, group, m, n, k, a.data_ptr(), a.stride(0), a.stride(1), keys.data_ptr(),
             keys.stride(0), keys.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
             out.stride(2), float(scale), None if bias is None else bias.data_ptr(),
             0 if bias is None else bias.stride(0), torch.get_num_threads())
-        if code == -2:
-            raise MemoryError("stem_scores_dp: no memory for its packed keys")
-        assert code == 0, "stem_scores_dp refused its arguments"
-        return
-    fns = (ctypes.c_void_p * 2)(*_bf16_base()[0])
-    code = load(SELECT_ROWS).stem_scores_bf16(
-        fns, heads, group, m, n, k, a.data_ptr(), a.stride(0), a.stride(1), keys.data_ptr(),
-        keys.stride(0), keys.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
-        out.stride(2), float(scale), None if bias is None else bias.data_ptr(),
-        0 if bias is None else bias.stride(0), torch.get_num_threads())
+    lib = load(SELECT_ROWS)
+    if dp_scores():
+        name, code = "stem_scores_dp", lib.stem_scores_dp(*args)
+    else:
+        fns = (ctypes.c_void_p * 2)(*_bf16_base()[0])
+        name, code = "stem_scores_bf16", lib.stem_scores_bf16(fns, *args)
     if code == -2:
-        raise MemoryError("stem_scores_bf16: no memory for its packed keys")
-    assert code == 0, "stem_scores_bf16 refused its arguments"
+        raise MemoryError(f"{name}: no memory for its packed keys")
+    assert code == 0, f"{name} refused its arguments"
 
 
 # --------------------------------------------------------------------------- #

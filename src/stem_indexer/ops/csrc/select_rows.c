@@ -212,6 +212,41 @@ static void pack_keys(const uint16_t *keys, int64_t row, int64_t k, int64_t vali
     }
 }
 
+/* The tasks of a score call: (key head h, SCORE_COLS keys from j0, units
+ * [u0, u1) of (query head of the group, SCORE_ROWS rows)), with the units
+ * split in parts when there are too few key tiles to share the threads. */
+typedef struct {
+    int64_t nt, mt, units, groups, per, tasks;
+} score_split;
+
+static score_split split_scores(int64_t heads, int64_t group, int64_t m, int64_t n, int threads)
+{
+    score_split s;
+    s.nt = (n + SCORE_COLS - 1) / SCORE_COLS;
+    s.mt = (m + SCORE_ROWS - 1) / SCORE_ROWS;
+    s.units = group * s.mt;
+    s.groups = 1;
+    while (s.groups < s.units && heads * s.nt * s.groups < 2 * (int64_t)threads)
+        s.groups++;
+    s.per = (s.units + s.groups - 1) / s.groups;
+    s.tasks = heads * s.nt * s.groups;
+    return s;
+}
+
+/* Task t of s: its key head, first key, keys in the tile and units; false
+ * when it has no unit. */
+static bool score_task(const score_split *s, int64_t t, int64_t n, int64_t *h, int64_t *j0,
+                       int64_t *valid, int64_t *u0, int64_t *u1)
+{
+    int64_t part = t % s->groups;
+    *h = t / (s->nt * s->groups);
+    *j0 = t / s->groups % s->nt * SCORE_COLS;
+    *valid = n - *j0 < SCORE_COLS ? n - *j0 : SCORE_COLS;
+    *u0 = part * s->per;
+    *u1 = *u0 + s->per < s->units ? *u0 + s->per : s->units;
+    return *u0 < *u1;
+}
+
 /* For each of `heads` key heads h, each of its `group` query heads g, each
  * row i < m and each key j < n:
  *     out[h][i][g][j] = (a[h][g][i] . keys[h][j]) * scale + bias[h][j]
@@ -238,12 +273,8 @@ int stem_scores_bf16(void *const *fns, int64_t heads, int64_t group, int64_t m, 
     if (heads < 0 || group < 1 || m < 0 || n < 0 || k < 2 || k % 2 || key_row < k ||
         !brgemm || !release)
         return -1;
-    int64_t mt = (m + SCORE_ROWS - 1) / SCORE_ROWS, nt = (n + SCORE_COLS - 1) / SCORE_COLS;
-    int64_t units = group * mt; /* (query head of the group, row tile) */
-    int64_t groups = 1;         /* parts of the units: enough tasks for the threads */
-    while (groups < units && heads * nt * groups < 2 * (int64_t)threads)
-        groups++;
-    int64_t per = (units + groups - 1) / groups, tasks = heads * nt * groups;
+    score_split split = split_scores(heads, group, m, n, threads);
+    int64_t mt = split.mt;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
@@ -252,13 +283,10 @@ int stem_scores_bf16(void *const *fns, int64_t heads, int64_t group, int64_t m, 
         float *tile = (float *)(pk + (size_t)(k / 2) * SCORE_COLS);
         failed = pk == NULL;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < tasks; t++) {
-            int64_t h = t / (nt * groups), j = t / groups % nt, part = t % groups;
-            int64_t u0 = part * per, u1 = u0 + per < units ? u0 + per : units;
-            if (pk == NULL || u0 >= u1)
+        for (int64_t t = 0; t < split.tasks; t++) {
+            int64_t h, j0, valid, u0, u1;
+            if (pk == NULL || !score_task(&split, t, n, &h, &j0, &valid, &u0, &u1))
                 continue;
-            int64_t j0 = j * SCORE_COLS;
-            int64_t valid = n - j0 < SCORE_COLS ? n - j0 : SCORE_COLS;
             pack_keys(keys + h * key_head + j0 * key_row, key_row, k, valid, pk);
             const float *b = bias ? bias + h * bias_head + j0 : NULL;
             for (int64_t u = u0; u < u1; u++) {
@@ -425,13 +453,8 @@ int stem_scores_dp(int64_t heads, int64_t group, int64_t m, int64_t n, int64_t k
 #if DP_BUILT
     if (heads < 0 || group < 1 || m < 0 || n < 0 || k < 2 || k % 2 || key_row < k)
         return -1;
-    int64_t nt = (n + SCORE_COLS - 1) / SCORE_COLS;
-    int64_t mt = (m + SCORE_ROWS - 1) / SCORE_ROWS;
-    int64_t units = group * mt; /* (query head of the group, SCORE_ROWS rows) */
-    int64_t groups = 1;
-    while (groups < units && heads * nt * groups < 2 * (int64_t)threads)
-        groups++;
-    int64_t per = (units + groups - 1) / groups, tasks = heads * nt * groups;
+    score_split split = split_scores(heads, group, m, n, threads);
+    int64_t mt = split.mt;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
@@ -439,13 +462,10 @@ int stem_scores_dp(int64_t heads, int64_t group, int64_t m, int64_t n, int64_t k
         size_t bytes = sizeof(uint32_t) * (size_t)((k / 2 + 15) / 16 * 16) * SCORE_COLS;
         failed = posix_memalign((void **)&pk, 64, bytes) != 0;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < tasks; t++) {
-            int64_t h = t / (nt * groups), j = t / groups % nt, part = t % groups;
-            int64_t u0 = part * per, u1 = u0 + per < units ? u0 + per : units;
-            if (failed || u0 >= u1)
+        for (int64_t t = 0; t < split.tasks; t++) {
+            int64_t h, j0, valid, u0, u1;
+            if (failed || !score_task(&split, t, n, &h, &j0, &valid, &u0, &u1))
                 continue;
-            int64_t j0 = j * SCORE_COLS;
-            int64_t valid = n - j0 < SCORE_COLS ? n - j0 : SCORE_COLS;
             dp_pack_keys(keys + h * key_head + j0 * key_row, key_row, k, valid, pk);
             const float *b = bias ? bias + h * bias_head + j0 : NULL;
             for (int64_t u = u0; u < u1; u++) {
