@@ -302,9 +302,9 @@ def dp_scores() -> bool:
     kernel (``stem_scores_dp``) instead of torch's micro-kernel: a CPU with
     AVX512-BF16 and no AMX (where oneDNN's kernel uses AMX tiles), and a
     compiler that built it. Its keys are packed by 16 x 16 transposes in
-    registers: on a Zen 4, S3's products took 194 ms where torch's
-    micro-kernel took 241 ms (benchmarks/RESULTS.md). The same instruction
-    in the same order per lane: the same floats as torch's kernel."""
+    registers, where torch's micro-kernel path packs them element by element.
+    The same instruction in the same order per lane: the same floats as
+    torch's kernel (tests/test_native.py)."""
     flags = set(_cpu_flags().split())
     lib = load(SELECT_ROWS)
     return ("avx512_bf16" in flags and "amx_bf16" not in flags and lib is not None
