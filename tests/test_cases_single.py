@@ -96,3 +96,19 @@ def test_case_torch_selection(case: cases.Case, mode: str, monkeypatch):
     from stem_indexer.ops import native
     monkeypatch.setattr(native, "kernel", lambda: None)
     _check(case, mode, "cpu")
+
+
+@pytest.mark.parametrize("case, mode", [p for p in _torch_params()
+                                        if p.values[1] == "eager"])
+def test_case_scalar_selection_passes(case: cases.Case, mode: str):
+    """The native selection with its gather and emit passes in scalar code,
+    where the CPU would run them on AVX-512 (``native.select_vector``): the
+    same picks."""
+    from stem_indexer.ops import native
+    if not native.select_vector():
+        pytest.skip("the selection's passes are scalar on this CPU already")
+    try:
+        assert not native.select_vector(0)
+        _check(case, mode, "cpu")
+    finally:
+        assert native.select_vector(-1)

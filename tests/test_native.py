@@ -179,7 +179,8 @@ def test_status_reports_every_kernel():
     report = native.status()
     selection, rest = report.split("; attention: ", 1)
     attention, scores = rest.split("; scores: ", 1)
-    assert selection == "selection: " + native.status(native.SELECT_ROWS)
+    passes = " (its linear passes on AVX-512)" if native.select_vector() else ""
+    assert selection == "selection: " + native.status(native.SELECT_ROWS) + passes
     assert attention == sa.status()
     assert scores == native.bf16_scores_status()
 
@@ -408,7 +409,7 @@ def test_scores_on_either_product_select_as_the_reference(bf16, monkeypatch):
         pytest.skip(native.bf16_scores_status())
     calls = []
     real = native.scores_bf16
-    monkeypatch.setattr(native, "scores_bf16", lambda *a: (calls.append(1), real(*a)))
+    monkeypatch.setattr(native, "scores_bf16", lambda *a: (calls.append(1), real(*a))[1])
     if not bf16:
         monkeypatch.setattr(native, "bf16_scores_available", lambda df: False)
     gen = torch.Generator().manual_seed(9)
@@ -509,3 +510,66 @@ def test_own_bf16_kernel_gives_torch_micro_kernels_floats(monkeypatch):
     monkeypatch.setattr(native, "dp_scores", lambda: False)
     native.scores_bf16(a, keys, theirs, 0.3, bias)
     assert torch.equal(ours, theirs)
+
+
+@needs_bf16_scores
+@pytest.mark.parametrize("kernel", ["vdpbf16ps", "micro-kernel"])
+def test_bf16_scores_report_the_largest_key_they_read(kernel, monkeypatch):
+    """The products return max |keys| over the keys they multiply (inf for
+    an infinite one, NaN for a NaN), none of the buffer around them: what
+    decides whether a tile's products may overflow (ops/cpu.py)."""
+    if kernel == "vdpbf16ps" and not native.dp_scores():
+        pytest.skip("no vdpbf16ps kernel on this CPU")
+    if kernel == "micro-kernel":
+        monkeypatch.setattr(native, "dp_scores", lambda: False)
+    gen = torch.Generator().manual_seed(11)
+    k, n = 2084, 201  # tails of 16 pairs and of 64 keys
+    assert native.bf16_scores_available(k)
+    a = torch.randn(2, 3, 7, k, generator=gen).bfloat16()
+    wide = torch.randn(2, n + 6, k + 4, generator=gen).bfloat16()
+    wide[:, :3], wide[:, n + 3:], wide[..., :2], wide[..., k + 2:] = 1e30, -1e30, 1e30, math.inf
+    keys = wide[:, 3:n + 3, 2:k + 2]
+    out = torch.empty(2, 7, 3, n)
+
+    def largest(x: torch.Tensor) -> float:
+        return native.scores_bf16(a, x, out[..., :x.shape[1]])
+
+    assert largest(keys) == float(keys.float().abs().max())
+    keys[1, 200, 2083] = -3e38  # the last element of the last key read
+    assert largest(keys) == float(torch.tensor(-3e38).bfloat16().abs())
+    keys[0, 64, 1000] = -math.inf
+    assert largest(keys) == math.inf
+    keys[1, 0, 17] = math.nan
+    assert math.isnan(largest(keys))
+    assert largest(keys[:, :0]) == 0.0  # nothing read
+
+
+@needs_bf16_scores
+def test_exact_products_only_for_tiles_whose_keys_may_overflow(monkeypatch):
+    """With bfloat16 products the keys are checked by the products
+    themselves: keys of bf16's largest magnitude in the sink blocks (kept
+    whatever their score, never scored) cost no exact product; the same keys
+    in a candidate block make the tiles that score it take the exact
+    products. Both select as the reference."""
+    from stem_indexer.ops import cpu
+    calls = []
+    real = cpu._ExactDots.products
+    monkeypatch.setattr(cpu._ExactDots, "products",
+                        lambda self, *a: (calls.append(a), real(self, *a))[1])
+    gen = torch.Generator().manual_seed(4)
+    nq, nk, qmax, df, bs = 4, 2, 100, 16, 16  # from about 56 blocks, rows rank
+    params = dict(stem_block_size=bs, stem_stride=4)
+    for block, exact_calls in ((0, False), (12, True)):
+        q = torch.randint(-3, 4, (1, nq, qmax, df), generator=gen).float()
+        k = torch.randint(-3, 4, (1, nk, qmax, df), generator=gen).float()
+        q[..., 0] = 2.0**100  # times the small keys: no overflow; times BF16_MAX: inf
+        k[0, :, block, 0], k[0, :, block, 1] = BF16_MAX, -BF16_MAX  # dots past float32
+        lens = torch.tensor([qmax * bs], dtype=torch.int32)
+        inputs = dict(qflat=q.bfloat16(), kflat=k.bfloat16(), vbias=torch.zeros(1, nk, qmax),
+                      q_seq_lens=lens, kv_seq_lens=lens)
+        calls.clear()
+        got = stem_indexer(**inputs, **params)
+        want = stem_indexer_reference(**inputs, **params)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert bool(calls) == exact_calls, (block, calls)
+        assert all(lo <= block < hi for _, _, lo, hi in calls)

@@ -42,7 +42,9 @@ How the rows of a tile of the metadata's work plan (one batch, query blocks
       layout at once.
 
 Dot products that may overflow float32 (``_ExactDots``: the batch's largest
-inputs say whether some order of summation could leave float32's range) are
+inputs say whether some order of summation could leave float32's range; with
+bfloat16 products, the keys' largest magnitude comes from the products
+themselves, per tile, so the keys are not read once more for it) are
 computed as the reference computes them, one float32 matmul per query head
 of all the batch's blocks: once a sum overflows, whether it ends as +inf,
 -inf or NaN depends on the order of accumulation and on fused multiply-adds,
@@ -64,6 +66,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -138,7 +141,8 @@ def stem_indexer_forward(
         qb, kb = qb_all[b], kb_all[b]
         if cached_for != b:
             keys_b, cached_for = _batch_keys(kflat[b], kb, ws), b
-            exact = _ExactDots.where_needed(qflat[b], kflat[b], qb, kb)
+            exact = _ExactDots.where_needed(qflat[b], kflat[b], qb, kb,
+                                            keys_later=_bf16_gemm(keys_b))
         # A plan squeezed into the fixed-size metadata may hold tiles of more
         # rows than the budget allows; such tiles run in budget-sized steps.
         step = tile_rows(nq, df, kb)
@@ -340,25 +344,28 @@ def _scores(q, keys_b, vbias_b, lo, hi, cand_end, scale, width, ws, exact=None):
     Row (n, i, g) is query head n*G + g, query block i. Entries outside a row's
     candidate range may be left unset: the caller masks them. ``exact``: a
     function of (lo, hi) giving the dot products (Nq, c, hi - lo) where they
-    may overflow (``_ExactDots.rows``), else None.
+    may overflow (``_ExactDots.rows``), else None; where the bfloat16
+    products run and the keys' check waits for them (``exact.deferred``),
+    they are used only if the keys those products read may overflow.
     """
     nq, c, df = q.shape
     nk = keys_b.shape[0]
     group = nq // nk
     scores = ws.take("scores", (nk, c, group, width), torch.float32)
-    if exact is not None:  # the same two roundings as below
-        prod = (exact(lo, hi) * scale).view(nk, group, c, hi - lo).transpose(1, 2)
-        torch.add(prod, vbias_b[:, None, None, lo:hi], out=scores[..., :hi - lo])
-        return scores
-    if _bf16_gemm(keys_b):  # bfloat16 operands where they lie, float32 products
+    if _bf16_gemm(keys_b) and (exact is None or exact.deferred):
+        # bfloat16 operands where they lie, float32 products
         a = q.view(nk, group, c, df)
         if a.stride(-1) != 1 or a.stride(-2) != df:
             a = ws.take("queries", a.shape, torch.bfloat16).copy_(a)
         bias = vbias_b if vbias_b.stride(-1) == 1 else vbias_b.contiguous()
-        for _, _, j0, j1, r in gemm_blocks(cand_end.tolist(), lo, hi, hi - lo):
-            # scaled and biased as they are stored
-            native.scores_bf16(a[:, :, r:], keys_b[:, j0:j1], scores[:, r:, :, j0 - lo:j1 - lo],
-                               scale, bias[:, j0:j1])
+        key_max = [native.scores_bf16(a[:, :, r:], keys_b[:, j0:j1],  # scaled and biased
+                                      scores[:, r:, :, j0 - lo:j1 - lo], scale, bias[:, j0:j1])
+                   for _, _, j0, j1, r in gemm_blocks(cand_end.tolist(), lo, hi, hi - lo)]
+        if exact is None or not exact.needed(_largest(key_max)):
+            return scores
+    if exact is not None:  # the same two roundings as below
+        prod = (exact(lo, hi) * scale).view(nk, group, c, hi - lo).transpose(1, 2)
+        torch.add(prod, vbias_b[:, None, None, lo:hi], out=scores[..., :hi - lo])
         return scores
     qf = ws.take("queries", (nk, c, group, df), torch.float32)
     qf.copy_(q.view(nk, group, c, df).transpose(1, 2))  # upcast and reorder in one pass
@@ -401,35 +408,85 @@ class _ExactDots:
     floats, whatever instruction set BLAS dispatches to.
     """
 
-    def __init__(self, qflat_b: torch.Tensor, kflat_b: torch.Tensor, qb: int, kb: int):
+    def __init__(self, qflat_b: torch.Tensor, kflat_b: torch.Tensor, qb: int, kb: int,
+                 q_max: float | None = None):
         self.q, self.k, self.qb, self.kb = qflat_b, kflat_b, qb, kb
         self.group = qflat_b.shape[0] // kflat_b.shape[0]
-        self.all = None
-        if 4 * qflat_b.shape[0] * qb * kb <= EXACT_CACHE_BYTES:
-            self.all = torch.stack([self._head(h) for h in range(qflat_b.shape[0])])
+        self.q_max = q_max  # finite: the keys are still to be checked (``needed``)
+        self.all = None  # all heads' products, made when first needed, if small
 
     @staticmethod
-    def where_needed(qflat_b, kflat_b, qb: int, kb: int) -> _ExactDots | None:
+    def where_needed(qflat_b, kflat_b, qb: int, kb: int,
+                     keys_later: bool = False) -> _ExactDots | None:
         """The batch's products if some may overflow (or the inputs hold NaN
-        or inf), else None."""
-        q_max, k_max = _abs_max(qflat_b[:, :qb]), _abs_max(kflat_b[:, :kb])
-        if qflat_b.shape[-1] * q_max * k_max < OVERFLOW_FREE:  # False for NaN and inf
+        or inf), else None. ``keys_later``: the scores' products report the
+        largest key they read (``native.scores_bf16``), so the keys are not
+        read here: the products are then used by the tiles whose keys need
+        them (``needed``)."""
+        q_max = _abs_max(qflat_b[:, :qb])
+        if keys_later and math.isfinite(q_max):
+            return _ExactDots(qflat_b, kflat_b, qb, kb, q_max)
+        if _overflow_free(qflat_b.shape[-1], q_max, _abs_max(kflat_b[:, :kb])):
             return None
         return _ExactDots(qflat_b, kflat_b, qb, kb)
+
+    @property
+    def deferred(self) -> bool:
+        """The keys are checked after the products (``needed``)."""
+        return self.q_max is not None
+
+    def needed(self, key_max: float) -> bool:
+        """Whether products with keys of magnitude at most ``key_max`` need
+        these exact products."""
+        return not (self.deferred and _overflow_free(self.q.shape[-1], self.q_max, key_max))
 
     def _head(self, h: int) -> torch.Tensor:
         n = h // self.group
         return self.q[h, :self.qb].float().cpu() @ self.k[n, :self.kb].float().cpu().T
 
-    def rows(self, r0: int, r1: int):
-        """The function of (lo, hi) giving the products (Nq, r1 - r0, hi - lo)
-        of query blocks [r0, r1) with key blocks [lo, hi)."""
-        def products(lo: int, hi: int) -> torch.Tensor:
-            if self.all is not None:
-                return self.all[:, r0:r1, lo:hi].to(self.q.device)
-            return torch.stack([self._head(h)[r0:r1, lo:hi]
-                                for h in range(self.q.shape[0])]).to(self.q.device)
-        return products
+    def products(self, r0: int, r1: int, lo: int, hi: int) -> torch.Tensor:
+        """The products (Nq, r1 - r0, hi - lo) of query blocks [r0, r1)
+        with key blocks [lo, hi)."""
+        if self.all is None and 4 * self.q.shape[0] * self.qb * self.kb <= EXACT_CACHE_BYTES:
+            self.all = torch.stack([self._head(h) for h in range(self.q.shape[0])])
+        if self.all is not None:
+            return self.all[:, r0:r1, lo:hi].to(self.q.device)
+        return torch.stack([self._head(h)[r0:r1, lo:hi]
+                            for h in range(self.q.shape[0])]).to(self.q.device)
+
+    def rows(self, r0: int, r1: int) -> _TileDots:
+        """The products of query blocks [r0, r1), as a function of (lo, hi)."""
+        return _TileDots(self, r0, r1)
+
+
+class _TileDots(NamedTuple):
+    """``_ExactDots`` of one tile's rows: called with (lo, hi), the products
+    (Nq, r1 - r0, hi - lo) with key blocks [lo, hi)."""
+
+    dots: _ExactDots
+    r0: int
+    r1: int
+
+    def __call__(self, lo: int, hi: int) -> torch.Tensor:
+        return self.dots.products(self.r0, self.r1, lo, hi)
+
+    @property
+    def deferred(self) -> bool:
+        return self.dots.deferred
+
+    def needed(self, key_max: float) -> bool:
+        return self.dots.needed(key_max)
+
+
+def _largest(x: list[float]) -> float:
+    """The largest of ``x`` (0 if empty), NaN if one is."""
+    return math.nan if any(math.isnan(v) for v in x) else max(x, default=0.0)
+
+
+def _overflow_free(df: int, q_max: float, k_max: float) -> bool:
+    """No sum of ``df`` products of such magnitudes can overflow float32 in
+    any order (False for NaN and inf)."""
+    return df * q_max * k_max < OVERFLOW_FREE
 
 
 def _abs_max(x: torch.Tensor) -> float:

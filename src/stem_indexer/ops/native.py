@@ -37,6 +37,7 @@ import hashlib
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -83,11 +84,12 @@ SELECT_ROWS = Library("select_rows", {
                                         ctypes.c_int]),
     "stem_scores_bf16": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64,
                                         _ptr, _i64, _i64, _ptr, _i64, _i64, _i64,
-                                        ctypes.c_float, _ptr, _i64, ctypes.c_int]),
+                                        ctypes.c_float, _ptr, _i64, ctypes.c_int, _ptr]),
     "stem_scores_dp": (ctypes.c_int, [_i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64,
                                       _ptr, _i64, _i64, _ptr, _i64, _i64, _i64,
-                                      ctypes.c_float, _ptr, _i64, ctypes.c_int]),
+                                      ctypes.c_float, _ptr, _i64, ctypes.c_int, _ptr]),
     "stem_scores_dp_built": (ctypes.c_int, []),
+    "stem_select_vector": (ctypes.c_int, [ctypes.c_int]),
 }, cflags=("-ffp-contract=off",))  # the scores' two roundings: never one fused multiply-add
 
 _lock = threading.Lock()
@@ -114,11 +116,20 @@ def status(lib: Library | None = None) -> str:
     """
     if lib is None:
         from . import sparse_attention  # imports this module
-        return (f"selection: {status(SELECT_ROWS)}; attention: {sparse_attention.status()}; "
-                f"scores: {bf16_scores_status()}")
+        passes = " (its linear passes on AVX-512)" if select_vector() else ""
+        return (f"selection: {status(SELECT_ROWS)}{passes}; "
+                f"attention: {sparse_attention.status()}; scores: {bf16_scores_status()}")
     load(lib)
     cdll, why = _loaded[lib.source]
     return ("native: " if cdll is not None else "torch fallback: ") + why
+
+
+def select_vector(mode: int | None = None) -> bool:
+    """Whether the selection kernel runs its gather and emit passes on
+    AVX-512 (where the CPU has it; the same picks either way). ``mode``
+    forces it first: -1 the default, 0 never, 1 where the CPU has it."""
+    lib = load(SELECT_ROWS)
+    return lib is not None and lib.stem_select_vector(-2 if mode is None else mode) == 1
 
 
 def report_fallback(kernel: str, why: str, stacklevel: int = 3) -> None:
@@ -187,6 +198,7 @@ def _tag(lib: Library, compiler: list[str]) -> str:
     return hashlib.sha256(key).hexdigest()[:16]
 
 
+@functools.cache
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -347,7 +359,7 @@ def bf16_scores_available(df: int) -> bool:
 
 
 def scores_bf16(a: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, scale: float = 1.0,
-                bias: torch.Tensor | None = None) -> None:
+                bias: torch.Tensor | None = None) -> float:
     """``out[h, i, g] = (a[h, g, i] @ keys[h]^T) * scale + bias[h]`` in
     float32, for bfloat16 ``a`` (H, G, m, k) (query head g of key head h; rows
     contiguous) and ``keys`` (H, n, k) (unit stride along k), into float32
@@ -361,7 +373,11 @@ def scores_bf16(a: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, scale: f
     float32: integer-valued inputs give exactly a float32 GEMM's results (the
     bfloat16 dot product instructions treat subnormal inputs as zero: a
     difference below 2^-126 per product elsewhere). Only after
-    ``bf16_scores_available(k)``."""
+    ``bf16_scores_available(k)``.
+
+    Returns the largest magnitude among the elements of ``keys`` (inf, or
+    NaN if one is NaN), found while the kernel packs them: with ``a``'s, it
+    bounds every product without another pass over the keys."""
     heads, group, m, k = a.shape
     n = keys.shape[1]
     assert a.dtype == keys.dtype == torch.bfloat16 and out.dtype == torch.float32
@@ -375,7 +391,8 @@ def scores_bf16(a: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, scale: f
     args = (heads, group, m, n, k, a.data_ptr(), a.stride(0), a.stride(1), keys.data_ptr(),
             keys.stride(0), keys.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
             out.stride(2), float(scale), None if bias is None else bias.data_ptr(),
-            0 if bias is None else bias.stride(0), torch.get_num_threads())
+            0 if bias is None else bias.stride(0), torch.get_num_threads(),
+            ctypes.byref(key_max := ctypes.c_uint32(0)))
     lib = load(SELECT_ROWS)
     if dp_scores():
         name, code = "stem_scores_dp", lib.stem_scores_dp(*args)
@@ -385,6 +402,7 @@ def scores_bf16(a: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, scale: f
     if code == -2:
         raise MemoryError(f"{name}: no memory for its packed keys")
     assert code == 0, f"{name} refused its arguments"
+    return struct.unpack("<f", struct.pack("<I", key_max.value << 16))[0]  # bfloat16 -> float
 
 
 # --------------------------------------------------------------------------- #

@@ -23,6 +23,90 @@
 #define DIGIT_BITS 8
 #define BUCKETS (1 << DIGIT_BITS)
 
+#if defined(__x86_64__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 10))
+#include <immintrin.h>
+#define X86_TARGETS 1 /* functions built for AVX-512 whatever the library's flags */
+#else
+#define X86_TARGETS 0
+#endif
+
+/* The selection's two linear passes, gather (keep the keys of one bucket)
+ * and emit (write the picks' indices), run on AVX-512's compress where the
+ * CPU has it (`vec`): the same integers, only faster. stem_select_vector
+ * can force either (tests/test_native.py runs both). */
+static int select_vector = -1; /* -1: where the CPU has AVX-512 */
+
+static int vector_passes(void)
+{
+#if X86_TARGETS
+    int forced = __atomic_load_n(&select_vector, __ATOMIC_RELAXED);
+    __builtin_cpu_init(); /* a library's constructors may not have run it */
+    return forced >= 0 ? forced : __builtin_cpu_supports("avx512f") != 0;
+#else
+    return 0;
+#endif
+}
+
+/* -1: AVX-512 where the CPU has it (the default), 0: never, 1: always (only
+ * where the CPU has it); any other value changes nothing. Returns whether
+ * the selection's passes now run on AVX-512. */
+int stem_select_vector(int mode)
+{
+    if (mode >= -1 && mode <= 1)
+        __atomic_store_n(&select_vector, mode, __ATOMIC_RELAXED);
+#if X86_TARGETS
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512f"))
+        __atomic_store_n(&select_vector, 0, __ATOMIC_RELAXED);
+#endif
+    return vector_passes();
+}
+
+static int64_t gather_scalar(const uint32_t *src, int64_t m, uint32_t b_lo, uint32_t b_span,
+                             uint32_t *dst)
+{
+    int64_t w = 0;
+    for (int64_t i = 0; i < m; i++) { /* in place from the second pass on (w <= i) */
+        uint32_t v = src[i];
+        dst[w] = v;
+        w += v - b_lo <= b_span;
+    }
+    return w;
+}
+
+#if X86_TARGETS
+#define SEL_TARGET __attribute__((target("avx512f")))
+
+SEL_TARGET static int64_t gather_avx512(const uint32_t *src, int64_t m, uint32_t b_lo,
+                                        uint32_t b_span, uint32_t *dst)
+{
+    const __m512i base = _mm512_set1_epi32((int)b_lo), span = _mm512_set1_epi32((int)b_span);
+    int64_t w = 0;
+    for (int64_t i = 0; i < m; i += 16) { /* in place too: the 16 are loaded first */
+        __mmask16 in = m - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (m - i)) - 1u);
+        __m512i v = _mm512_maskz_loadu_epi32(in, src + i);
+        __mmask16 keep = _mm512_mask_cmple_epu32_mask(in, _mm512_sub_epi32(v, base), span);
+        int got = __builtin_popcount(keep);
+        _mm512_mask_storeu_epi32(dst + w, (__mmask16)((1u << got) - 1u),
+                                 _mm512_maskz_compress_epi32(keep, v));
+        w += got;
+    }
+    return w;
+}
+#endif
+
+static int64_t gather(const uint32_t *src, int64_t m, uint32_t b_lo, uint32_t b_span,
+                      uint32_t *dst, int vec)
+{
+#if X86_TARGETS
+    if (vec)
+        return gather_avx512(src, m, b_lo, b_span, dst);
+#else
+    (void)vec;
+#endif
+    return gather_scalar(src, m, b_lo, b_span, dst);
+}
+
 /* Unsigned key with the order of contract.rank_keys' score part. */
 static inline uint32_t order_key(uint32_t bits, int precision)
 {
@@ -41,7 +125,7 @@ static inline uint32_t order_key(uint32_t bits, int precision)
  * how many of the keys equal to it rank among the k largest, *equal how
  * many there are. */
 static uint32_t kth_largest(const uint32_t *keys, int64_t n, int64_t k, uint32_t lo,
-                            uint32_t hi, uint32_t *buf, int64_t *ties, int64_t *equal)
+                            uint32_t hi, uint32_t *buf, int64_t *ties, int64_t *equal, int vec)
 {
     const uint32_t *src = keys;
     int64_t m = n;
@@ -70,14 +154,8 @@ static uint32_t kth_largest(const uint32_t *keys, int64_t n, int64_t k, uint32_t
         }
         uint32_t b_lo = lo + ((uint32_t)d << shift);
         uint32_t b_span = d == top ? hi - b_lo : (1u << shift) - 1u;
-        int64_t w = 0;
-        for (i = 0; i < m; i++) { /* in place from the second pass on (w <= i) */
-            uint32_t v = src[i];
-            buf[w] = v;
-            w += v - b_lo <= b_span;
-        }
+        m = gather(src, m, b_lo, b_span, buf, vec);
         src = buf;
-        m = w;
         lo = UINT32_MAX;
         hi = 0;
         for (i = 0; i < m; i++) {
@@ -90,9 +168,45 @@ static uint32_t kth_largest(const uint32_t *keys, int64_t n, int64_t k, uint32_t
     return lo;
 }
 
+#if X86_TARGETS
+/* pick's last pass: the indices (+ first) of the keys above t and of the
+ * first `ties` keys equal to it, ascending, into dst[0..take). */
+SEL_TARGET static void emit_avx512(const uint32_t *keys, int64_t n, int64_t take, uint32_t t,
+                                   int64_t ties, int64_t first, int32_t *dst)
+{
+    const __m512i thr = _mm512_set1_epi32((int)t);
+    __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)first),
+                                   _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                                     13, 14, 15));
+    const __m512i step = _mm512_set1_epi32(16);
+    int64_t w = 0;
+    /* Exactly take of the n keys qualify: the loop stops at the chunk holding
+     * the last. */
+    for (int64_t j = 0; w < take; j += 16, idx = _mm512_add_epi32(idx, step)) {
+        __mmask16 in = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1u);
+        __m512i v = _mm512_maskz_loadu_epi32(in, keys + j);
+        __mmask16 keep = _mm512_mask_cmpgt_epu32_mask(in, v, thr);
+        __mmask16 eq = _mm512_mask_cmpeq_epu32_mask(in, v, thr);
+        if (ties >= __builtin_popcount(eq)) {
+            keep |= eq;
+            ties -= ties == INT64_MAX ? 0 : __builtin_popcount(eq);
+        } else {
+            for (; ties > 0; ties--) { /* the first `ties` of them */
+                keep |= eq & (__mmask16)-eq;
+                eq &= (__mmask16)(eq - 1);
+            }
+        }
+        int got = __builtin_popcount(keep);
+        _mm512_mask_storeu_epi32(dst + w, (__mmask16)((1u << got) - 1u),
+                                 _mm512_maskz_compress_epi32(keep, idx));
+        w += got;
+    }
+}
+#endif
+
 /* The picks of one row, ascending, into dst[0..take); 0 < take < n. */
 static void pick(const float *scores, int64_t n, int64_t take, int precision, int64_t first,
-                 uint32_t *keys, uint32_t *buf, int32_t *dst)
+                 uint32_t *keys, uint32_t *buf, int32_t *dst, int vec)
 {
     const uint32_t *bits = (const uint32_t *)scores;
     uint32_t lo = UINT32_MAX, hi = 0;
@@ -103,7 +217,13 @@ static void pick(const float *scores, int64_t n, int64_t take, int precision, in
         hi = v > hi ? v : hi;
     }
     int64_t ties, equal;
-    uint32_t t = kth_largest(keys, n, take, lo, hi, buf, &ties, &equal);
+    uint32_t t = kth_largest(keys, n, take, lo, hi, buf, &ties, &equal, vec);
+#if X86_TARGETS
+    if (vec) {
+        emit_avx512(keys, n, take, t, ties == equal ? INT64_MAX : ties, first, dst);
+        return;
+    }
+#endif
     int64_t w = 0;
     /* Exactly take keys qualify: the loops stop at the last (w == take). */
     if (ties == equal) { /* every key equal to the threshold is a pick */
@@ -139,6 +259,7 @@ int stem_select_rows(int64_t nk, int64_t c, int64_t group, const int64_t *s2,
 {
     int failed = 0;
     int64_t rows = nk * c * group;
+    int vec = vector_passes();
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         uint32_t *keys = malloc(sizeof(uint32_t) * (size_t)(2 * width + 1));
@@ -162,7 +283,7 @@ int stem_select_rows(int64_t nk, int64_t c, int64_t group, const int64_t *s2,
                     const float *s =
                         scores + ((n * (c - ranked) + i - ranked) * group + g) * width;
                     pick(s + (sink_end[i] - lo), n_cand, take[i], precision, sink_end[i], keys,
-                         buf, row + k);
+                         buf, row + k, vec);
                     k += take[i];
                 }
                 for (int64_t j = cand_end[i]; j < s2[i]; k++, j++)
@@ -199,17 +320,31 @@ static inline uint32_t load32(const uint16_t *p)
     return w;
 }
 
-/* Keys [0, valid) of `keys` (row stride `row`) into pk in VNNI pairs:
- * pk[w][j] = elements 2w, 2w + 1 of key j, zero for j >= valid. */
-static void pack_keys(const uint16_t *keys, int64_t row, int64_t k, int64_t valid,
-                      uint32_t *pk)
+/* The larger magnitude bits (sign cleared) of the two bfloat16 in w. */
+static inline uint32_t pair_max(uint32_t w)
 {
+    uint32_t lo = w & 0x7FFFu, hi = (w >> 16) & 0x7FFFu;
+    return lo > hi ? lo : hi;
+}
+
+/* Keys [0, valid) of `keys` (row stride `row`) into pk in VNNI pairs:
+ * pk[w][j] = elements 2w, 2w + 1 of key j, zero for j >= valid. Returns
+ * the largest magnitude bits among the elements read. */
+static uint32_t pack_keys(const uint16_t *keys, int64_t row, int64_t k, int64_t valid,
+                          uint32_t *pk)
+{
+    uint32_t most = 0;
     for (int64_t w0 = 0; w0 < k / 2; w0 += 16) { /* 64 bytes of each key at a time */
         int64_t w1 = w0 + 16 < k / 2 ? w0 + 16 : k / 2;
         for (int64_t j = 0; j < SCORE_COLS; j++)
-            for (int64_t w = w0; w < w1; w++)
-                pk[w * SCORE_COLS + j] = j < valid ? load32(keys + j * row + 2 * w) : 0;
+            for (int64_t w = w0; w < w1; w++) {
+                uint32_t v = j < valid ? load32(keys + j * row + 2 * w) : 0;
+                uint32_t m = pair_max(v);
+                most = m > most ? m : most;
+                pk[w * SCORE_COLS + j] = v;
+            }
     }
+    return most;
 }
 
 /* The tasks of a score call: (key head h, SCORE_COLS keys from j0, units
@@ -260,13 +395,17 @@ static bool score_task(const score_split *s, int64_t t, int64_t n, int64_t *h, i
  * pairs (in cache) and multiplies them with a group of rows of every query
  * head of the group, tile by tile into the thread's SCORE_ROWS x SCORE_COLS
  * product, which is scaled, biased and stored while in cache.
+ * *key_max gets the largest magnitude among the keys' elements read, as the
+ * bits of a bfloat16 with its sign cleared (0x7F80 and above: inf or NaN):
+ * whether some product may overflow float32 is then known without another
+ * pass over the keys (ops/cpu.py).
  * fns: {brgemm, brgemm_release}. Returns 0, -1 for arguments the probe did
  * not cover, -2 without memory. */
 int stem_scores_bf16(void *const *fns, int64_t heads, int64_t group, int64_t m, int64_t n,
                      int64_t k, const uint16_t *a, int64_t a_head, int64_t a_sub,
                      const uint16_t *keys, int64_t key_head, int64_t key_row, float *out,
                      int64_t out_head, int64_t out_row, int64_t out_sub, float scale,
-                     const float *bias, int64_t bias_head, int threads)
+                     const float *bias, int64_t bias_head, int threads, uint32_t *key_max)
 {
     brgemm_t brgemm = (brgemm_t)fns[0];
     release_t release = (release_t)fns[1];
@@ -276,7 +415,8 @@ int stem_scores_bf16(void *const *fns, int64_t heads, int64_t group, int64_t m, 
     score_split split = split_scores(heads, group, m, n, threads);
     int64_t mt = split.mt;
     int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
+    uint32_t most = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed) reduction(max : most)
     {
         uint32_t *pk = malloc(sizeof(uint32_t) * ((size_t)(k / 2) * SCORE_COLS) +
                               sizeof(float) * SCORE_ROWS * SCORE_COLS);
@@ -287,7 +427,8 @@ int stem_scores_bf16(void *const *fns, int64_t heads, int64_t group, int64_t m, 
             int64_t h, j0, valid, u0, u1;
             if (pk == NULL || !score_task(&split, t, n, &h, &j0, &valid, &u0, &u1))
                 continue;
-            pack_keys(keys + h * key_head + j0 * key_row, key_row, k, valid, pk);
+            uint32_t seen = pack_keys(keys + h * key_head + j0 * key_row, key_row, k, valid, pk);
+            most = seen > most ? seen : most;
             const float *b = bias ? bias + h * bias_head + j0 : NULL;
             for (int64_t u = u0; u < u1; u++) {
                 int64_t g = u / mt, i = u % mt;
@@ -313,6 +454,7 @@ int stem_scores_bf16(void *const *fns, int64_t heads, int64_t group, int64_t m, 
         free(pk);
         release(true);
     }
+    *key_max = most;
     return failed ? -2 : 0;
 }
 
@@ -328,16 +470,18 @@ int stem_scores_bf16(void *const *fns, int64_t heads, int64_t group, int64_t m, 
  * avx512_bf16. stem_scores_dp_built() says whether this compiler built it.
  * -------------------------------------------------------------------------- */
 
-#if defined(__x86_64__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 10))
-#include <immintrin.h>
+#if X86_TARGETS
 #define DP_BUILT 1
 #define DP_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
 #define DP_ROWS 6 /* 6 x 4 accumulators, 4 key vectors, 1 broadcast: 29 of 32 registers */
 
-/* pack_keys on 16 x 16 blocks of (key, pair) in registers. */
-DP_TARGET static void dp_pack_keys(const uint16_t *keys, int64_t row, int64_t k, int64_t valid,
-                                   uint32_t *pk)
+/* pack_keys on 16 x 16 blocks of (key, pair) in registers (and the same
+ * largest magnitude bits returned). */
+DP_TARGET static uint32_t dp_pack_keys(const uint16_t *keys, int64_t row, int64_t k,
+                                       int64_t valid, uint32_t *pk)
 {
+    const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
+    __m512i most = _mm512_setzero_si512();
     int64_t pairs = k / 2;
     for (int64_t w0 = 0; w0 < pairs; w0 += 16) {
         int64_t left = pairs - w0 < 16 ? pairs - w0 : 16;
@@ -348,6 +492,8 @@ DP_TARGET static void dp_pack_keys(const uint16_t *keys, int64_t row, int64_t k,
                 r[j] = j0 + j < valid
                            ? _mm512_maskz_loadu_epi32(in, keys + (j0 + j) * row + 2 * w0)
                            : _mm512_setzero_si512();
+            for (int j = 0; j < 16; j++)
+                most = _mm512_max_epu16(most, _mm512_and_si512(r[j], magnitude));
             for (int j = 0; j < 16; j += 2) {
                 t[j] = _mm512_unpacklo_epi32(r[j], r[j + 1]);
                 t[j + 1] = _mm512_unpackhi_epi32(r[j], r[j + 1]);
@@ -373,6 +519,9 @@ DP_TARGET static void dp_pack_keys(const uint16_t *keys, int64_t row, int64_t k,
             }
         }
     }
+    most = _mm512_max_epu32(_mm512_srli_epi32(most, 16),
+                            _mm512_and_si512(most, _mm512_set1_epi32(0xFFFF)));
+    return (uint32_t)_mm512_reduce_max_epu32(most);
 }
 
 /* rows (1..DP_ROWS, a constant where inlined) rows of a (row stride lda
@@ -440,15 +589,15 @@ DP_TARGET static void dp_rows(int64_t rows, int64_t pairs, const uint16_t *a, in
 
 int stem_scores_dp_built(void) { return DP_BUILT; }
 
-/* stem_scores_bf16's products (arguments, results and return codes as
- * there, without fns) on vdpbf16ps; -1 where this compiler did not build it.
+/* stem_scores_bf16's products (arguments, results, *key_max and return
+ * codes as there, without fns) on vdpbf16ps; -1 where this compiler did not build it.
  * Tasks as there: SCORE_COLS keys of one head packed, then multiplied with
  * SCORE_ROWS rows at a time of every query head of the group. */
 int stem_scores_dp(int64_t heads, int64_t group, int64_t m, int64_t n, int64_t k,
                    const uint16_t *a, int64_t a_head, int64_t a_sub, const uint16_t *keys,
                    int64_t key_head, int64_t key_row, float *out, int64_t out_head,
                    int64_t out_row, int64_t out_sub, float scale, const float *bias,
-                   int64_t bias_head, int threads)
+                   int64_t bias_head, int threads, uint32_t *key_max)
 {
 #if DP_BUILT
     if (heads < 0 || group < 1 || m < 0 || n < 0 || k < 2 || k % 2 || key_row < k)
@@ -456,7 +605,8 @@ int stem_scores_dp(int64_t heads, int64_t group, int64_t m, int64_t n, int64_t k
     score_split split = split_scores(heads, group, m, n, threads);
     int64_t mt = split.mt;
     int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
+    uint32_t most = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed) reduction(max : most)
     {
         uint32_t *pk = NULL;
         size_t bytes = sizeof(uint32_t) * (size_t)((k / 2 + 15) / 16 * 16) * SCORE_COLS;
@@ -466,7 +616,9 @@ int stem_scores_dp(int64_t heads, int64_t group, int64_t m, int64_t n, int64_t k
             int64_t h, j0, valid, u0, u1;
             if (failed || !score_task(&split, t, n, &h, &j0, &valid, &u0, &u1))
                 continue;
-            dp_pack_keys(keys + h * key_head + j0 * key_row, key_row, k, valid, pk);
+            uint32_t seen =
+                dp_pack_keys(keys + h * key_head + j0 * key_row, key_row, k, valid, pk);
+            most = seen > most ? seen : most;
             const float *b = bias ? bias + h * bias_head + j0 : NULL;
             for (int64_t u = u0; u < u1; u++) {
                 int64_t g = u / mt, i0 = u % mt * SCORE_ROWS;
@@ -477,11 +629,12 @@ int stem_scores_dp(int64_t heads, int64_t group, int64_t m, int64_t n, int64_t k
         }
         free(pk);
     }
+    *key_max = most;
     return failed ? -2 : 0;
 #else
     (void)heads; (void)group; (void)m; (void)n; (void)k; (void)a; (void)a_head; (void)a_sub;
     (void)keys; (void)key_head; (void)key_row; (void)out; (void)out_head; (void)out_row;
-    (void)out_sub; (void)scale; (void)bias; (void)bias_head; (void)threads;
+    (void)out_sub; (void)scale; (void)bias; (void)bias_head; (void)threads; (void)key_max;
     return -1;
 #endif
 }
