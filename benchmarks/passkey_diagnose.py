@@ -22,6 +22,19 @@ configuration's attributes (a larger budget, say) to see what it takes:
 (the same prompt, token for token), to ask the same of a miss in the engine:
 
     python benchmarks/passkey_diagnose.py --length 16384 --trial 2
+
+``--ruler-trial N`` replays trial N of ``ruler_bench.py``'s passkey task
+(the same seeded prompt, token for token) on ``--model`` (``gemma3``: its
+own window, Stem on its 3 global layers, the only ones reported; the
+reference is ``dense-window``, exact attention through the integration):
+
+    python benchmarks/passkey_diagnose.py --model gemma3 --length 16384 --ruler-trial 10 \
+        --config tight
+
+``--dense-last-block`` runs the prompt once more with the configuration's
+selection everywhere but in the last query block (the question's, whose
+last position gives the first answer token), which attends to every key in
+each layer Stem selects for, and says whether that finds the key.
 """
 
 from __future__ import annotations
@@ -55,8 +68,9 @@ def needle_blocks(tok, length: int, depth: float, key: int, block: int) -> list[
     raise SystemExit("the needle is not in the prompt")
 
 
-def capture(model, tok, fn, length: int, depth: float, key: int):
-    """Run the prompt with ``fn``; returns (found, {layer: (q, k, v, scale)})."""
+def capture(fn, trial):
+    """Run ``trial()`` (a passkey trial through ``fn``'s attention); returns
+    (its result, {layer: (q, k, v, scale)} of the layers Stem selects for)."""
     seen = {}
     original = fn._stem
 
@@ -66,10 +80,47 @@ def capture(model, tok, fn, length: int, depth: float, key: int):
 
     fn._stem = recording
     try:
-        found = mq.passkey_trial(model, tok, fn.name, length, depth, key)
+        found = trial()
     finally:
         del fn._stem
     return found, seen
+
+
+def last_block_dense(fn, block: int):
+    """A replacement for ``fn._stem``: its output, with the last ``block``
+    query rows recomputed by dense causal attention over every key."""
+    original = fn._stem
+
+    def stem(module, query, key_, value, **kwargs):
+        out = original(module, query, key_, value, **kwargs).clone()
+        s, rows = query.shape[2], min(block, query.shape[2])
+        keys = key_.shape[2]
+        seen = torch.arange(keys - rows, keys)[:, None] >= torch.arange(keys)[None, :]
+        out[:, :, s - rows:] = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, s - rows:], key_, value, attn_mask=seen, scale=kwargs.get("scale"),
+            enable_gqa=True)
+        return out
+    return stem
+
+
+def ruler_passkey(model_name: str, tok, length: int, trial: int, block: int):
+    """``ruler_bench.py``'s passkey trial ``trial`` at ``length`` (nominal):
+    (tokens, needle blocks, run(model, impl) -> found, description)."""
+    import ruler
+    import ruler_bench
+    gen = ruler.Generator(lambda text: tok(text, add_special_tokens=False).input_ids,
+                          mq.model_prefix(model_name, tok))
+    sample = gen.sample("passkey", ruler_bench.cell_length("passkey", length), trial)
+    needle = tok(sample.needles[0], add_special_tokens=False).input_ids
+    at = sample.at[0]
+    assert sample.ids[at:at + len(needle)] == needle, "the needle's tokens are not where told"
+    blocks = sorted({p // block for p in range(at, at + len(needle))})
+
+    def run(model, impl: str) -> bool:
+        model.set_attn_implementation(impl)
+        text = ruler_bench.answer(model, tok, sample.ids, sample.max_new_tokens)
+        return ruler.score(sample.expected, text)
+    return sample.length, blocks, run, f"RULER passkey trial {trial}, key {sample.expected[0]}"
 
 
 def last_row_report(q, k, v, scale, blocks: list[int], params: contract.IndexerParams,
@@ -116,6 +167,12 @@ def main(argv=None) -> int:
     parser.add_argument("--key", type=int)
     parser.add_argument("--trial", type=int,
                         help="the key and depth of this trial of vllm_bench.py passkey")
+    parser.add_argument("--ruler-trial", type=int,
+                        help="the prompt of this trial of ruler_bench.py's passkey task")
+    parser.add_argument("--dense-last-block", action="store_true",
+                        help="also run with the last query block attending to every key")
+    parser.add_argument("--model", choices=("smollm2", "gemma3"), default="smollm2",
+                        help="with --ruler-trial: the model (smollm2 past 8K: RoPE x4)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="override one of the configuration's attributes, e.g. "
                              "k_block_num_bias_medium=50 (repeatable)")
@@ -123,7 +180,12 @@ def main(argv=None) -> int:
                         help="RoPE scaling x4 for prompts past the model's 8K window, as "
                              "model_quality.py --long runs them")
     args = parser.parse_args(argv)
-    if args.trial is not None:
+    if args.model != "smollm2" and args.ruler_trial is None:
+        parser.error("--model: only with --ruler-trial")
+    if args.ruler_trial is not None:
+        if args.trial is not None or args.depth is not None or args.key is not None:
+            parser.error("--ruler-trial makes its own prompt: give it alone")
+    elif args.trial is not None:
         if args.depth is not None or args.key is not None:
             parser.error("--trial draws the key and depth: give it alone, or --depth and --key")
         from vllm_bench import passkey_draw  # its prompt is model_quality's, token for token
@@ -144,17 +206,34 @@ def main(argv=None) -> int:
         params, oam = split_config(config)
     except stem_indexer.StemIndexerInputError as err:
         parser.error(str(err))
-    factor = 4.0 if args.length > 8192 else None
-    tok, model = mq.load(mq.default_dtype(), rope_factor=factor, rope=args.rope)
-    fn = mq.register({args.config: config})[args.config]
+    factor = 4.0 if args.length > 8192 and args.model == "smollm2" else None
     block = params.stem_block_size
-    blocks = needle_blocks(tok, args.length, args.depth, args.key, block)
-    found, seen = capture(model, tok, fn, args.length, args.depth, args.key)
-    dense = mq.passkey_trial(model, tok, "sdpa", args.length, args.depth, args.key)
+    if args.ruler_trial is not None:
+        tok, model = mq.load_model(args.model, mq.default_dtype(), rope_factor=factor)
+        names = [args.config] + (["dense-window"] if args.model == "gemma3" else [])
+        fns = mq.register({n: config if n == args.config else mq.CONFIGS[n] for n in names})
+        fn = fns[args.config]
+        length, blocks, run, what = ruler_passkey(args.model, tok, args.length, args.ruler_trial,
+                                                  block)
+        def trial() -> bool:
+            return run(model, fn.name)
+        found, seen = capture(fn, trial)
+        reference = fns["dense-window"].name if args.model == "gemma3" else "sdpa"
+        dense = run(model, reference)
+    else:
+        tok, model = mq.load(mq.default_dtype(), rope_factor=factor, rope=args.rope)
+        fn = mq.register({args.config: config})[args.config]
+        length = args.length
+        blocks = needle_blocks(tok, args.length, args.depth, args.key, block)
+        def trial() -> bool:
+            return mq.passkey_trial(model, tok, fn.name, args.length, args.depth, args.key)
+        found, seen = capture(fn, trial)
+        dense = mq.passkey_trial(model, tok, "sdpa", args.length, args.depth, args.key)
+        what = f"depth {args.depth}, key {args.key}"
     label = " ".join([args.config, *args.set])
-    print(f"{label}, {args.length} tokens, depth {args.depth}, key {args.key}: needle in "
-          f"key block(s) {blocks} of {-(-args.length // block)}; Stem "
-          f"{'found' if found else 'missed'} it, dense {'found' if dense else 'missed'} it")
+    print(f"{args.model} {label}, {length} tokens, {what}: needle in key block(s) {blocks} of "
+          f"{-(-length // block)}; Stem {'found' if found else 'missed'} it, dense "
+          f"{'found' if dense else 'missed'} it")
     print("\n| layer | query heads keeping the needle (last row) | needle rank where dropped "
           "(median, min) | row budget K |\n|---|---|---|---|")
     for layer in sorted(seen):
@@ -162,6 +241,14 @@ def main(argv=None) -> int:
         kept, ranks, budget = last_row_report(q, k, v, scale, blocks, params, oam)
         where = f"{statistics.median(ranks):g}, {min(ranks)}" if ranks else "-"
         print(f"| {layer} | {kept}/{q.shape[1]} | {where} | {budget} |")
+    if args.dense_last_block:
+        fn._stem = last_block_dense(fn, block)
+        try:
+            again = trial()
+        finally:
+            del fn._stem
+        print(f"\nWith the last query block attending to every key: Stem "
+              f"{'found' if again else 'missed'} it")
     return 0
 
 

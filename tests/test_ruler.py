@@ -369,3 +369,46 @@ def test_ttft_lengths_and_configs_are_checked():
                 ["--configs", "dense,fast"]):
         with pytest.raises(SystemExit):
             ttft_bench.main(bad)
+
+
+class _ByteTokenizer:
+    """One token per byte, BOS 0: enough of a tokenizer for the prompts."""
+
+    bos_token_id = 0
+
+    def __call__(self, text: str, add_special_tokens: bool = False):
+        return type("Encoded", (), {"input_ids": encode(text)})()
+
+
+def test_diagnosis_replays_a_ruler_passkey_trial_and_finds_its_needle_blocks():
+    """``passkey_diagnose --ruler-trial N``: the same prompt as ruler_bench's
+    trial N (its seed), and the key blocks that hold the needle's tokens."""
+    import passkey_diagnose
+    import ruler_bench
+    tok = _ByteTokenizer()
+    length, blocks, _, what = passkey_diagnose.ruler_passkey("gemma3", tok, 4096, 3, 64)
+    sample = ruler.Generator(encode, prefix=[0]).sample(
+        "passkey", ruler_bench.cell_length("passkey", 4096), 3)
+    assert length == sample.length and sample.expected[0] in what
+    at, end = sample.at[0], sample.at[0] + len(encode(sample.needles[0]))
+    assert blocks == list(range(at // 64, (end - 1) // 64 + 1))
+    assert sample.expected[0] in decode(sample.ids[blocks[0] * 64:(blocks[-1] + 1) * 64])
+
+
+def test_dense_last_block_recomputes_only_the_last_query_block_exactly():
+    """``passkey_diagnose --dense-last-block``: the configuration's output
+    everywhere but the last query block, which is causal attention over
+    every key (GQA), as an explicit softmax computes it."""
+    import passkey_diagnose
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 4, 300, 16, generator=gen)
+    k, v = (torch.randn(1, 2, 300, 16, generator=gen) for _ in range(2))
+    fn = type("Fn", (), {"_stem": staticmethod(lambda module, q_, k_, v_, **kw:
+                                               torch.full_like(q_, 7.0))})()
+    out = passkey_diagnose.last_block_dense(fn, 128)(None, q, k, v, scale=0.3)
+    assert bool((out[:, :, :172] == 7.0).all())
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    logits = (q[:, :, 172:] @ kk.transpose(-1, -2)) * 0.3
+    visible = torch.arange(172, 300)[:, None] >= torch.arange(300)[None, :]
+    want = logits.masked_fill(~visible, -torch.inf).softmax(-1) @ vv
+    torch.testing.assert_close(out[:, :, 172:], want)
