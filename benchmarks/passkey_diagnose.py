@@ -58,13 +58,18 @@ def split_config(config: dict) -> tuple[contract.IndexerParams, bool]:
     return contract.IndexerParams.from_kwargs("passkey_diagnose", **kwargs), oam
 
 
+def span_blocks(at: int, tokens: int, block: int) -> list[int]:
+    """The key blocks holding positions [at, at + tokens)."""
+    return list(range(at // block, (at + tokens - 1) // block + 1))
+
+
 def needle_blocks(tok, length: int, depth: float, key: int, block: int) -> list[int]:
     """The key blocks holding the needle sentence's tokens."""
     ids = mq.passkey_prompt(tok, length, depth, key)[0].tolist()
     needle = tok(mq.NEEDLE.format(key=key), add_special_tokens=False).input_ids
     for at in range(len(ids) - len(needle) + 1):
         if ids[at:at + len(needle)] == needle:
-            return sorted({p // block for p in range(at, at + len(needle))})
+            return span_blocks(at, len(needle), block)
     raise SystemExit("the needle is not in the prompt")
 
 
@@ -114,7 +119,7 @@ def ruler_passkey(model_name: str, tok, length: int, trial: int, block: int):
     needle = tok(sample.needles[0], add_special_tokens=False).input_ids
     at = sample.at[0]
     assert sample.ids[at:at + len(needle)] == needle, "the needle's tokens are not where told"
-    blocks = sorted({p // block for p in range(at, at + len(needle))})
+    blocks = span_blocks(at, len(needle), block)
 
     def run(model, impl: str) -> bool:
         model.set_attn_implementation(impl)
