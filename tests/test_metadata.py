@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import stem_indexer
 from stem_indexer import metadata as md
-from stem_indexer.ops import cpu
+from stem_indexer.ops import cpu, native
 
 from stem_indexer.reference import reference_budget
 
@@ -436,6 +436,35 @@ def test_kept_workspace_carries_nothing_between_calls():
     assert_out_equal(first, run_ref(a, **params), "reference")
     cpu.release_workspace()
     assert cpu.kept_bytes() == 0
+
+
+@pytest.mark.usefixtures("selection")
+def test_large_output_memory_serves_the_next_call_once_released():
+    """An indices output of 8 MiB or more (``native.filled``): released, its
+    memory serves the next call of the same shape, whatever was written in
+    it; held, the next call gets other memory and the held output keeps its
+    values."""
+    gen = torch.Generator().manual_seed(13)
+    inp = random_inputs(gen, batch=1, nq=4, nk=1, qmax=1024, kmax=512, df=8, q_lens=[512 * 16],
+                        kv_lens=[512 * 16], integer=True)
+    params = dict(stem_block_size=16, stem_stride=16)
+    expected = run_ref(inp, **params)
+    assert expected[0].nbytes >= native.HUGE_PAGE_MIN_BYTES
+    cpu.release_workspace()
+    first = run_op(inp, **params)
+    assert_out_equal(first, expected, "first call")
+    address = first[0].data_ptr()
+    first[0].fill_(99)
+    del first
+    second = run_op(inp, **params)
+    assert second[0].data_ptr() == address
+    assert_out_equal(second, expected, "in the released output's memory")
+    third = run_op(inp, **params)
+    assert third[0].data_ptr() != address
+    assert_out_equal(third, expected, "beside the held output")
+    assert_out_equal(second, expected, "the held output")
+    cpu.release_workspace()
+    assert native.kept_output_bytes() == 0
 
 
 @pytest.mark.usefixtures("selection")

@@ -491,8 +491,99 @@ def test_filled_without_transparent_huge_pages_on_request(tmp_path, monkeypatch)
         assert bool((out == 7).all())
     native._madvise.cache_clear()
     monkeypatch.undo()  # this machine's own mode and madvise
-    big = (3, native.HUGE_PAGE_MIN_BYTES // 12 + 5)
-    assert torch.equal(native.filled(big, -1, torch.int32), torch.full(big, -1, dtype=torch.int32))
+    assert torch.equal(native.filled(BIG, -1, torch.int32), torch.full(BIG, -1, dtype=torch.int32))
+
+
+BIG = (3, native.HUGE_PAGE_MIN_BYTES // 12 + 5)  # one large output's shape (int32)
+
+
+def _holders():
+    """Ways a caller keeps a large output's memory alive without its tensor."""
+    np = pytest.importorskip("numpy")
+    return {
+        "nothing": lambda t: None,
+        "the tensor": lambda t: t,
+        "a view": lambda t: t[1:, 7:],
+        "its storage": lambda t: t.untyped_storage(),
+        "a tensor on its storage": lambda t: torch.empty(0, dtype=t.dtype).set_(
+            t.untyped_storage(), 0, t.shape),
+        "a numpy array": lambda t: np.asarray(t.numpy()),
+        "a flattened alias": lambda t: t.view(-1),
+    }
+
+
+@pytest.mark.parametrize("holder", list(_holders()))
+def test_filled_hands_out_released_memory_again_never_memory_in_use(holder):
+    """A large output's memory goes to the next output of its size only once
+    nothing refers to it: what a caller still holds (however) keeps its
+    values, and every output is all ``value`` whatever was written before."""
+    native.release_outputs()
+    hold = _holders()[holder]
+    first = native.filled(BIG, -1, torch.int32)
+    first.fill_(7)
+    address = first.data_ptr()
+    kept = hold(first)
+    del first
+    second = native.filled(BIG, -1, torch.int32)
+    assert torch.equal(second, torch.full(BIG, -1, dtype=torch.int32))
+    if kept is None:
+        assert second.data_ptr() == address  # the released memory, filled again
+        assert native.kept_output_bytes() == 0  # lent out again
+    else:
+        assert second.data_ptr() != address
+        still = kept if isinstance(kept, torch.Tensor) else (
+            torch.empty(0, dtype=torch.int32).set_(kept) if isinstance(kept, torch.UntypedStorage)
+            else torch.from_numpy(kept))
+        assert bool((still == 7).all())
+    del second, kept
+    native.release_outputs()
+    assert native.kept_output_bytes() == 0
+
+
+def test_filled_keeps_the_last_outputs_only_and_each_size_apart():
+    """At most ``OUTPUTS_KEPT`` mappings are kept; an output of another size
+    never takes a kept one; ``release_outputs`` unmaps the released ones;
+    small outputs are ordinary tensors."""
+    native.release_outputs()
+    nbytes = math.prod(BIG) * 4
+    outs = [native.filled(BIG, -1, torch.int32) for _ in range(native.OUTPUTS_KEPT + 2)]
+    assert native.kept_output_bytes() == 0  # all in use
+    del outs
+    assert native.kept_output_bytes() == native.OUTPUTS_KEPT * nbytes
+    other = (BIG[0], BIG[1] + 1)
+    wider = native.filled(other, 3, torch.int32)  # a mapping of its own; the oldest goes
+    assert bool((wider == 3).all())
+    assert native.kept_output_bytes() == (native.OUTPUTS_KEPT - 1) * nbytes
+    del wider
+    assert native.kept_output_bytes() == (native.OUTPUTS_KEPT - 1) * nbytes + 4 * math.prod(other)
+    native.release_outputs()
+    assert native.kept_output_bytes() == 0
+    small = native.filled((5, 7), -1, torch.int32)
+    assert small.untyped_storage().resizable() and native.kept_output_bytes() == 0
+
+
+@pytest.mark.parametrize("first_mode", ["inference_mode", "no_grad"])
+def test_filled_memory_released_in_one_grad_mode_serves_the_other(first_mode):
+    """A large output made under ``torch.inference_mode()`` and released
+    serves the next one outside it (an ordinary, writable tensor), and the
+    other way round."""
+    native.release_outputs()
+    modes = [torch.inference_mode, torch.no_grad]
+    if first_mode == "no_grad":
+        modes.reverse()
+    with modes[0]():
+        first = native.filled(BIG, -1, torch.int32)
+        address = first.data_ptr()
+    del first
+    with modes[1]():
+        second = native.filled(BIG, -1, torch.int32)
+    assert second.data_ptr() == address
+    assert second.is_inference() == (modes[1] is torch.inference_mode)
+    if not second.is_inference():
+        second.add_(1)  # writable outside inference mode
+        assert bool((second == 0).all())
+    del second
+    native.release_outputs()
 
 
 @needs_bf16_scores

@@ -28,9 +28,9 @@ How the rows of a tile of the metadata's work plan (one batch, query blocks
 3. Exact top-k and the output rows, by the native kernel where it is built
    (``native.py``; the default wherever a C compiler exists): per row, a
    radix select over order-preserving integer keys finds the K-th best, and
-   one ascending pass writes sink ++ picks ++ window into the output (which
-   is allocated on huge pages where the kernel gives them on request:
-   ``native.filled``).
+   one ascending pass writes sink ++ picks ++ window into the output (a
+   large one in the memory of a released earlier output of its size, else
+   on huge pages where the kernel gives them on request: ``native.filled``).
 4. Otherwise with torch operations, to the same results:
    a. exact top-k without ranking every score (``_top_blocks``): a lower
       bound of each row's K-th best score from group maxima, the few scores
@@ -57,8 +57,8 @@ squeezed into the fixed metadata size run in steps of that size); the other
 temporaries are fractions of it or bounded by ``metadata.OPERAND_BYTES``.
 The large buffers live in a ``_Workspace`` reused by every tile, and kept
 for the next call (``WORKSPACE_KEEP_BYTES`` in all, whatever the number of
-calling threads; see ``release_workspace``): first touches of fresh memory (page faults) would
-otherwise cost as much as the arithmetic done in them.
+calling threads; see ``release_workspace``): first touches of fresh memory
+(page faults) would otherwise cost as much as the arithmetic done in them.
 """
 
 from __future__ import annotations
@@ -256,9 +256,12 @@ def kept_bytes() -> int:
 
 
 def release_workspace() -> None:
-    """Free the scratch buffers the CPU path keeps for the next calls."""
+    """Free the scratch buffers the CPU path keeps for the next calls, and
+    the memory of released large outputs kept for the next ones
+    (``native.release_outputs``)."""
     with _pool_lock:
         _pool.clear()
+    native.release_outputs()
 
 
 def _bf16_gemm(kflat_b: torch.Tensor) -> bool:

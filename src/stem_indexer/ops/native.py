@@ -34,6 +34,8 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import math
+import mmap
 import os
 import platform
 import shutil
@@ -42,6 +44,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -441,14 +444,18 @@ def omp_threads(n: int):
 
 
 # --------------------------------------------------------------------------- #
-# Large outputs on huge pages
+# Large outputs: on huge pages, and their memory handed out again once released
 # --------------------------------------------------------------------------- #
 
-# Outputs at least this large are asked to be backed by huge pages.
+# Outputs at least this large get their own mapping, asked to be backed by
+# huge pages, and kept for reuse once released.
 HUGE_PAGE_MIN_BYTES = 8 << 20
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # Linux
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+# Mappings of the last large outputs kept, busy or released (the oldest go
+# first); a released one is handed out again to an output of its size.
+OUTPUTS_KEPT = 2
 
 
 @functools.lru_cache(maxsize=1)
@@ -465,24 +472,78 @@ def _madvise():
     return fn
 
 
+class _Mapping:
+    """Anonymous memory for one large output, and a weak reference to the
+    buffer over it that the output's storage holds: dead exactly when every
+    tensor, view, storage and array sharing that memory is gone."""
+
+    def __init__(self, nbytes: int):
+        self.memory = mmap.mmap(-1, nbytes)  # page-aligned, untouched until written
+        self.lease: weakref.ref | None = None
+        fn = _madvise()
+        if fn is not None:
+            base = ctypes.addressof(ctypes.c_char.from_buffer(self.memory))
+            start = -(-base // HUGE_PAGE) * HUGE_PAGE
+            end = (base + nbytes) // HUGE_PAGE * HUGE_PAGE
+            if end > start:
+                fn(start, end - start, _MADV_HUGEPAGE)  # a refusal leaves small pages
+
+    @property
+    def released(self) -> bool:
+        return self.lease is None or self.lease() is None
+
+    def lend(self) -> ctypes.Array:
+        lease = (ctypes.c_char * len(self.memory)).from_buffer(self.memory)
+        self.lease = weakref.ref(lease)
+        return lease
+
+
+_mappings: list[_Mapping] = []  # most recently lent last
+_mappings_lock = threading.Lock()
+
+
 def filled(shape: tuple[int, ...], value: int, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.full(shape, value, dtype=dtype)`` on the CPU; when large, its
-    memory is first asked to be backed by huge pages (``madvise``, where the
-    kernel gives them on request).
+    """``torch.full(shape, value, dtype=dtype)`` on the CPU. From
+    ``HUGE_PAGE_MIN_BYTES`` on, its memory is a mapping of its own: the memory
+    of an earlier output of the same size once nothing refers to it any more
+    (one of the last ``OUTPUTS_KEPT``), else fresh, first asked to be backed by
+    huge pages (``madvise``, where the kernel gives them on request).
 
     A fresh output of hundreds of MiB is paid mostly in page faults on first
     touch, one per 4 KiB page: with 2 MiB pages there are 512 times fewer
     (the indexer's 512 MiB output at S5 of ``benchmarks/indexer_bench.py``,
-    on a 2-core AMD EPYC VM: 18 to 26 ms instead of 115 to 306 ms). Only a
-    hint: the values are the same either way."""
-    out = torch.empty(shape, dtype=dtype)
-    fn = _madvise() if out.nbytes >= HUGE_PAGE_MIN_BYTES else None
-    if fn is not None:
-        start = -(-out.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-        end = (out.data_ptr() + out.nbytes) // HUGE_PAGE * HUGE_PAGE
-        if end > start:
-            fn(start, end - start, _MADV_HUGEPAGE)  # a refusal leaves small pages
-    return out.fill_(value)
+    on a 2-core AMD EPYC VM: 18 to 26 ms instead of 115 to 306 ms), and
+    memory touched before costs none (a model calls the indexer once per
+    layer with the same shapes, and drops each layer's output before the
+    next call). The values are the same either way. ``release_outputs``
+    unmaps the released mappings kept."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < HUGE_PAGE_MIN_BYTES:
+        return torch.full(shape, value, dtype=dtype)
+    with _mappings_lock:
+        mapping = next((m for m in reversed(_mappings)
+                        if len(m.memory) == nbytes and m.released), None)
+        if mapping is not None:
+            _mappings.remove(mapping)
+        else:
+            mapping = _Mapping(nbytes)
+        lease = mapping.lend()
+        _mappings.append(mapping)
+        del _mappings[:-OUTPUTS_KEPT]  # a busy one dropped stays mapped while lent
+    return torch.frombuffer(lease, dtype=dtype).view(shape).fill_(value)
+
+
+def kept_output_bytes() -> int:
+    """Memory of released large outputs kept for the next ones."""
+    with _mappings_lock:
+        return sum(len(m.memory) for m in _mappings if m.released)
+
+
+def release_outputs() -> None:
+    """Unmap the released large outputs kept (those still in use stay, for
+    as long as they are)."""
+    with _mappings_lock:
+        _mappings.clear()
 
 
 # --------------------------------------------------------------------------- #
