@@ -605,10 +605,11 @@ def test_own_bf16_kernel_gives_torch_micro_kernels_floats(monkeypatch):
 
 @needs_bf16_scores
 @pytest.mark.parametrize("kernel", ["vdpbf16ps", "micro-kernel"])
-def test_bf16_scores_report_the_largest_key_they_read(kernel, monkeypatch):
-    """The products return max |keys| over the keys they multiply (inf for
-    an infinite one, NaN for a NaN), none of the buffer around them: what
-    decides whether a tile's products may overflow (ops/cpu.py)."""
+def test_bf16_scores_report_the_largest_inputs_they_read(kernel, monkeypatch):
+    """The products return max |keys| over the keys they multiply and max |a|
+    over the query rows (inf for an infinite one, NaN for a NaN), none of
+    the buffers around them: what decides whether a tile's products may
+    overflow (ops/cpu.py)."""
     if kernel == "vdpbf16ps" and not native.dp_scores():
         pytest.skip("no vdpbf16ps kernel on this CPU")
     if kernel == "micro-kernel":
@@ -623,7 +624,9 @@ def test_bf16_scores_report_the_largest_key_they_read(kernel, monkeypatch):
     out = torch.empty(2, 7, 3, n)
 
     def largest(x: torch.Tensor) -> float:
-        return native.scores_bf16(a, x, out[..., :x.shape[1]])
+        keys_max, a_max = native.scores_bf16(a, x, out[..., :x.shape[1]])
+        assert a_max == (float(a.float().abs().max()) if x.shape[1] else 0.0)
+        return keys_max
 
     assert largest(keys) == float(keys.float().abs().max())
     keys[1, 200, 2083] = -3e38  # the last element of the last key read
@@ -633,6 +636,23 @@ def test_bf16_scores_report_the_largest_key_they_read(kernel, monkeypatch):
     keys[1, 0, 17] = math.nan
     assert math.isnan(largest(keys))
     assert largest(keys[:, :0]) == 0.0  # nothing read
+
+    # The queries: rows 1..7 of 9 per head (6 + 1: a register tile and a tail).
+    wide_a = torch.randn(2, 3, 9, k, generator=gen).bfloat16()
+    wide_a[:, :, 0], wide_a[:, :, 8] = 1e30, -math.inf
+    a = wide_a[:, :, 1:8]
+    keys = torch.randn(2, n, k, generator=gen).bfloat16()
+
+    def largest_a() -> float:
+        return native.scores_bf16(a, keys, out)[1]
+
+    assert largest_a() == float(a.float().abs().max())
+    a[1, 2, 6, k - 1] = 3e38  # the last element of the last row
+    assert largest_a() == float(torch.tensor(3e38).bfloat16())
+    a[0, 1, 3, 5] = -math.inf
+    assert largest_a() == math.inf
+    a[1, 0, 0, 0] = math.nan
+    assert math.isnan(largest_a())
 
 
 @needs_bf16_scores
@@ -664,3 +684,34 @@ def test_exact_products_only_for_tiles_whose_keys_may_overflow(monkeypatch):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         assert bool(calls) == exact_calls, (block, calls)
         assert all(lo <= block < hi for _, _, lo, hi in calls)
+
+
+@needs_bf16_scores
+@pytest.mark.parametrize("value", [BF16_MAX, math.nan])
+def test_exact_products_only_for_tiles_whose_queries_may_overflow(value, monkeypatch):
+    """The queries too are checked by the products: a query block of
+    bfloat16's largest magnitude (or NaN) in a row that keeps all its
+    candidates (never scored) costs no exact product; the same block in a
+    row that ranks makes its tile take the exact products. Both select as
+    the reference."""
+    from stem_indexer.ops import cpu
+    calls = []
+    real = cpu._ExactDots.products
+    monkeypatch.setattr(cpu._ExactDots, "products",
+                        lambda self, *a: (calls.append(a), real(self, *a))[1])
+    gen = torch.Generator().manual_seed(6)
+    nq, nk, qmax, df, bs = 4, 2, 100, 16, 16  # from about 56 blocks, rows rank
+    params = dict(stem_block_size=bs, stem_stride=4)
+    for row, exact_calls in ((10, False), (90, True)):
+        q = torch.randint(-3, 4, (1, nq, qmax, df), generator=gen).float()
+        k = torch.randint(1, 4, (1, nk, qmax, df), generator=gen).float()
+        q[0, 1, row, :2] = value  # dots past float32 (or NaN) with every key
+        lens = torch.tensor([qmax * bs], dtype=torch.int32)
+        inputs = dict(qflat=q.bfloat16(), kflat=k.bfloat16(), vbias=torch.zeros(1, nk, qmax),
+                      q_seq_lens=lens, kv_seq_lens=lens)
+        calls.clear()
+        got = stem_indexer(**inputs, **params)
+        want = stem_indexer_reference(**inputs, **params)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert bool(calls) == exact_calls, (row, calls)
+        assert all(r0 <= row < r1 for r0, r1, _, _ in calls)

@@ -43,9 +43,9 @@ How the rows of a tile of the metadata's work plan (one batch, query blocks
 
 Dot products that may overflow float32 (``_ExactDots``: the batch's largest
 inputs say whether some order of summation could leave float32's range; with
-bfloat16 products, the keys' largest magnitude comes from the products
-themselves, per tile, so the keys are not read once more for it) are
-computed as the reference computes them, one float32 matmul per query head
+bfloat16 products, the keys' and queries' largest magnitudes come from the
+products themselves, per tile, so the inputs are not read once more for
+them) are computed as the reference computes them, one float32 matmul per query head
 of all the batch's blocks: once a sum overflows, whether it ends as +inf,
 -inf or NaN depends on the order of accumulation and on fused multiply-adds,
 which BLAS chooses by shape (and instruction set), so only the same product
@@ -142,7 +142,7 @@ def stem_indexer_forward(
         if cached_for != b:
             keys_b, cached_for = _batch_keys(kflat[b], kb, ws), b
             exact = _ExactDots.where_needed(qflat[b], kflat[b], qb, kb,
-                                            keys_later=_bf16_gemm(keys_b))
+                                            checked_later=_bf16_gemm(keys_b))
         # A plan squeezed into the fixed-size metadata may hold tiles of more
         # rows than the budget allows; such tiles run in budget-sized steps.
         step = tile_rows(nq, df, kb)
@@ -348,8 +348,9 @@ def _scores(q, keys_b, vbias_b, lo, hi, cand_end, scale, width, ws, exact=None):
     candidate range may be left unset: the caller masks them. ``exact``: a
     function of (lo, hi) giving the dot products (Nq, c, hi - lo) where they
     may overflow (``_ExactDots.rows``), else None; where the bfloat16
-    products run and the keys' check waits for them (``exact.deferred``),
-    they are used only if the keys those products read may overflow.
+    products run and the inputs' check waits for them (``exact.deferred``),
+    they are used only if the keys and queries those products read may
+    overflow.
     """
     nq, c, df = q.shape
     nk = keys_b.shape[0]
@@ -361,10 +362,11 @@ def _scores(q, keys_b, vbias_b, lo, hi, cand_end, scale, width, ws, exact=None):
         if a.stride(-1) != 1 or a.stride(-2) != df:
             a = ws.take("queries", a.shape, torch.bfloat16).copy_(a)
         bias = vbias_b if vbias_b.stride(-1) == 1 else vbias_b.contiguous()
-        key_max = [native.scores_bf16(a[:, :, r:], keys_b[:, j0:j1],  # scaled and biased
-                                      scores[:, r:, :, j0 - lo:j1 - lo], scale, bias[:, j0:j1])
-                   for _, _, j0, j1, r in gemm_blocks(cand_end.tolist(), lo, hi, hi - lo)]
-        if exact is None or not exact.needed(_largest(key_max)):
+        maxima = [native.scores_bf16(a[:, :, r:], keys_b[:, j0:j1],  # scaled and biased
+                                     scores[:, r:, :, j0 - lo:j1 - lo], scale, bias[:, j0:j1])
+                  for _, _, j0, j1, r in gemm_blocks(cand_end.tolist(), lo, hi, hi - lo)]
+        if exact is None or not exact.needed(_largest([k for k, _ in maxima]),
+                                             _largest([q for _, q in maxima])):
             return scores
     if exact is not None:  # the same two roundings as below
         prod = (exact(lo, hi) * scale).view(nk, group, c, hi - lo).transpose(1, 2)
@@ -412,36 +414,31 @@ class _ExactDots:
     """
 
     def __init__(self, qflat_b: torch.Tensor, kflat_b: torch.Tensor, qb: int, kb: int,
-                 q_max: float | None = None):
+                 deferred: bool = False):
         self.q, self.k, self.qb, self.kb = qflat_b, kflat_b, qb, kb
         self.group = qflat_b.shape[0] // kflat_b.shape[0]
-        self.q_max = q_max  # finite: the keys are still to be checked (``needed``)
+        self.deferred = deferred  # the inputs are checked per tile (``needed``)
         self.all = None  # all heads' products, made when first needed, if small
 
     @staticmethod
     def where_needed(qflat_b, kflat_b, qb: int, kb: int,
-                     keys_later: bool = False) -> _ExactDots | None:
+                     checked_later: bool = False) -> _ExactDots | None:
         """The batch's products if some may overflow (or the inputs hold NaN
-        or inf), else None. ``keys_later``: the scores' products report the
-        largest key they read (``native.scores_bf16``), so the keys are not
-        read here: the products are then used by the tiles whose keys need
-        them (``needed``)."""
-        q_max = _abs_max(qflat_b[:, :qb])
-        if keys_later and math.isfinite(q_max):
-            return _ExactDots(qflat_b, kflat_b, qb, kb, q_max)
-        if _overflow_free(qflat_b.shape[-1], q_max, _abs_max(kflat_b[:, :kb])):
+        or inf), else None. ``checked_later``: the scores' products report the
+        largest key and query they read (``native.scores_bf16``), so the
+        inputs are not read here: the products are then used by the tiles
+        whose inputs need them (``needed``)."""
+        if checked_later:
+            return _ExactDots(qflat_b, kflat_b, qb, kb, deferred=True)
+        if _overflow_free(qflat_b.shape[-1], _abs_max(qflat_b[:, :qb]),
+                          _abs_max(kflat_b[:, :kb])):
             return None
         return _ExactDots(qflat_b, kflat_b, qb, kb)
 
-    @property
-    def deferred(self) -> bool:
-        """The keys are checked after the products (``needed``)."""
-        return self.q_max is not None
-
-    def needed(self, key_max: float) -> bool:
-        """Whether products with keys of magnitude at most ``key_max`` need
-        these exact products."""
-        return not (self.deferred and _overflow_free(self.q.shape[-1], self.q_max, key_max))
+    def needed(self, key_max: float, query_max: float) -> bool:
+        """Whether products of keys and queries of magnitudes at most
+        ``key_max`` and ``query_max`` need these exact products."""
+        return not (self.deferred and _overflow_free(self.q.shape[-1], query_max, key_max))
 
     def _head(self, h: int) -> torch.Tensor:
         n = h // self.group
@@ -477,8 +474,8 @@ class _TileDots(NamedTuple):
     def deferred(self) -> bool:
         return self.dots.deferred
 
-    def needed(self, key_max: float) -> bool:
-        return self.dots.needed(key_max)
+    def needed(self, key_max: float, query_max: float) -> bool:
+        return self.dots.needed(key_max, query_max)
 
 
 def _largest(x: list[float]) -> float:

@@ -362,7 +362,7 @@ def bf16_scores_available(df: int) -> bool:
 
 
 def scores_bf16(a: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, scale: float = 1.0,
-                bias: torch.Tensor | None = None) -> float:
+                bias: torch.Tensor | None = None) -> tuple[float, float]:
     """``out[h, i, g] = (a[h, g, i] @ keys[h]^T) * scale + bias[h]`` in
     float32, for bfloat16 ``a`` (H, G, m, k) (query head g of key head h; rows
     contiguous) and ``keys`` (H, n, k) (unit stride along k), into float32
@@ -378,9 +378,11 @@ def scores_bf16(a: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, scale: f
     difference below 2^-126 per product elsewhere). Only after
     ``bf16_scores_available(k)``.
 
-    Returns the largest magnitude among the elements of ``keys`` (inf, or
-    NaN if one is NaN), found while the kernel packs them: with ``a``'s, it
-    bounds every product without another pass over the keys."""
+    Returns the largest magnitudes among the elements of ``keys`` and of
+    ``a`` (inf, or NaN if one is NaN), found while the kernel packs the keys
+    and, for the queries, from cache just before their first product (none
+    when ``n`` is 0): they bound every product without another pass over
+    the inputs."""
     heads, group, m, k = a.shape
     n = keys.shape[1]
     assert a.dtype == keys.dtype == torch.bfloat16 and out.dtype == torch.float32
@@ -395,7 +397,7 @@ def scores_bf16(a: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, scale: f
             keys.stride(0), keys.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
             out.stride(2), float(scale), None if bias is None else bias.data_ptr(),
             0 if bias is None else bias.stride(0), torch.get_num_threads(),
-            ctypes.byref(key_max := ctypes.c_uint32(0)))
+            ctypes.byref(magnitudes := (ctypes.c_uint32 * 2)()))
     lib = load(SELECT_ROWS)
     if dp_scores():
         name, code = "stem_scores_dp", lib.stem_scores_dp(*args)
@@ -405,7 +407,9 @@ def scores_bf16(a: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, scale: f
     if code == -2:
         raise MemoryError(f"{name}: no memory for its packed keys")
     assert code == 0, f"{name} refused its arguments"
-    return struct.unpack("<f", struct.pack("<I", key_max.value << 16))[0]  # bfloat16 -> float
+    keys_max, a_max = (struct.unpack("<f", struct.pack("<I", bits << 16))[0]  # bf16 -> float
+                       for bits in magnitudes)
+    return keys_max, a_max
 
 
 # --------------------------------------------------------------------------- #

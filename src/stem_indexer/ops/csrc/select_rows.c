@@ -327,6 +327,17 @@ static inline uint32_t pair_max(uint32_t w)
     return lo > hi ? lo : hi;
 }
 
+/* The largest magnitude bits among `count` (even) contiguous bf16 values. */
+static uint32_t values_max(const uint16_t *a, int64_t count)
+{
+    uint32_t most = 0;
+    for (int64_t x = 0; x < count; x++) {
+        uint32_t v = a[x] & 0x7FFFu;
+        most = v > most ? v : most;
+    }
+    return most;
+}
+
 /* Keys [0, valid) of `keys` (row stride `row`) into pk in VNNI pairs:
  * pk[w][j] = elements 2w, 2w + 1 of key j, zero for j >= valid. Returns
  * the largest magnitude bits among the elements read. */
@@ -395,17 +406,18 @@ static bool score_task(const score_split *s, int64_t t, int64_t n, int64_t *h, i
  * pairs (in cache) and multiplies them with a group of rows of every query
  * head of the group, tile by tile into the thread's SCORE_ROWS x SCORE_COLS
  * product, which is scaled, biased and stored while in cache.
- * *key_max gets the largest magnitude among the keys' elements read, as the
- * bits of a bfloat16 with its sign cleared (0x7F80 and above: inf or NaN):
- * whether some product may overflow float32 is then known without another
- * pass over the keys (ops/cpu.py).
+ * magnitudes[0] gets the largest magnitude among the keys' elements read,
+ * magnitudes[1] among the query rows' (read once more, from cache, by the
+ * tasks of the first key tile), each as the bits of a bfloat16 with its sign
+ * cleared (0x7F80 and above: inf or NaN): whether some product may overflow
+ * float32 is then known without another pass over the inputs (ops/cpu.py).
  * fns: {brgemm, brgemm_release}. Returns 0, -1 for arguments the probe did
  * not cover, -2 without memory. */
 int stem_scores_bf16(void *const *fns, int64_t heads, int64_t group, int64_t m, int64_t n,
                      int64_t k, const uint16_t *a, int64_t a_head, int64_t a_sub,
                      const uint16_t *keys, int64_t key_head, int64_t key_row, float *out,
                      int64_t out_head, int64_t out_row, int64_t out_sub, float scale,
-                     const float *bias, int64_t bias_head, int threads, uint32_t *key_max)
+                     const float *bias, int64_t bias_head, int threads, uint32_t *magnitudes)
 {
     brgemm_t brgemm = (brgemm_t)fns[0];
     release_t release = (release_t)fns[1];
@@ -415,8 +427,8 @@ int stem_scores_bf16(void *const *fns, int64_t heads, int64_t group, int64_t m, 
     score_split split = split_scores(heads, group, m, n, threads);
     int64_t mt = split.mt;
     int failed = 0;
-    uint32_t most = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed) reduction(max : most)
+    uint32_t most = 0, most_a = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed) reduction(max : most, most_a)
     {
         uint32_t *pk = malloc(sizeof(uint32_t) * ((size_t)(k / 2) * SCORE_COLS) +
                               sizeof(float) * SCORE_ROWS * SCORE_COLS);
@@ -433,6 +445,11 @@ int stem_scores_bf16(void *const *fns, int64_t heads, int64_t group, int64_t m, 
             for (int64_t u = u0; u < u1; u++) {
                 int64_t g = u / mt, i = u % mt;
                 int64_t rows = m - i * SCORE_ROWS < SCORE_ROWS ? m - i * SCORE_ROWS : SCORE_ROWS;
+                if (j0 == 0) {
+                    uint32_t a_seen =
+                        values_max(a + h * a_head + g * a_sub + i * SCORE_ROWS * k, rows * k);
+                    most_a = a_seen > most_a ? a_seen : most_a;
+                }
                 brgemm(rows, SCORE_COLS, k, k, SCORE_COLS, SCORE_COLS, false,
                        a + h * a_head + g * a_sub + i * SCORE_ROWS * k, (const uint16_t *)pk,
                        tile, true);
@@ -454,7 +471,8 @@ int stem_scores_bf16(void *const *fns, int64_t heads, int64_t group, int64_t m, 
         free(pk);
         release(true);
     }
-    *key_max = most;
+    magnitudes[0] = most;
+    magnitudes[1] = most_a;
     return failed ? -2 : 0;
 }
 
@@ -518,6 +536,22 @@ DP_TARGET static uint32_t dp_pack_keys(const uint16_t *keys, int64_t row, int64_
                         _mm512_store_si512(pk + (w0 + 4 * q + x) * SCORE_COLS + j0, col[q]);
             }
         }
+    }
+    most = _mm512_max_epu32(_mm512_srli_epi32(most, 16),
+                            _mm512_and_si512(most, _mm512_set1_epi32(0xFFFF)));
+    return (uint32_t)_mm512_reduce_max_epu32(most);
+}
+
+/* values_max on AVX-512. */
+DP_TARGET static uint32_t dp_values_max(const uint16_t *a, int64_t count)
+{
+    const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
+    __m512i most = _mm512_setzero_si512();
+    for (int64_t x = 0; x < count; x += 32) {
+        __mmask32 in = count - x >= 32 ? (__mmask32)0xFFFFFFFFu
+                                       : (__mmask32)((1u << (count - x)) - 1u);
+        most = _mm512_max_epu16(most, _mm512_and_si512(_mm512_maskz_loadu_epi16(in, a + x),
+                                                       magnitude));
     }
     most = _mm512_max_epu32(_mm512_srli_epi32(most, 16),
                             _mm512_and_si512(most, _mm512_set1_epi32(0xFFFF)));
@@ -589,7 +623,7 @@ DP_TARGET static void dp_rows(int64_t rows, int64_t pairs, const uint16_t *a, in
 
 int stem_scores_dp_built(void) { return DP_BUILT; }
 
-/* stem_scores_bf16's products (arguments, results, *key_max and return
+/* stem_scores_bf16's products (arguments, results, magnitudes and return
  * codes as there, without fns) on vdpbf16ps; -1 where this compiler did not build it.
  * Tasks as there: SCORE_COLS keys of one head packed, then multiplied with
  * SCORE_ROWS rows at a time of every query head of the group. */
@@ -597,7 +631,7 @@ int stem_scores_dp(int64_t heads, int64_t group, int64_t m, int64_t n, int64_t k
                    const uint16_t *a, int64_t a_head, int64_t a_sub, const uint16_t *keys,
                    int64_t key_head, int64_t key_row, float *out, int64_t out_head,
                    int64_t out_row, int64_t out_sub, float scale, const float *bias,
-                   int64_t bias_head, int threads, uint32_t *key_max)
+                   int64_t bias_head, int threads, uint32_t *magnitudes)
 {
 #if DP_BUILT
     if (heads < 0 || group < 1 || m < 0 || n < 0 || k < 2 || k % 2 || key_row < k)
@@ -605,8 +639,8 @@ int stem_scores_dp(int64_t heads, int64_t group, int64_t m, int64_t n, int64_t k
     score_split split = split_scores(heads, group, m, n, threads);
     int64_t mt = split.mt;
     int failed = 0;
-    uint32_t most = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed) reduction(max : most)
+    uint32_t most = 0, most_a = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed) reduction(max : most, most_a)
     {
         uint32_t *pk = NULL;
         size_t bytes = sizeof(uint32_t) * (size_t)((k / 2 + 15) / 16 * 16) * SCORE_COLS;
@@ -623,18 +657,24 @@ int stem_scores_dp(int64_t heads, int64_t group, int64_t m, int64_t n, int64_t k
             for (int64_t u = u0; u < u1; u++) {
                 int64_t g = u / mt, i0 = u % mt * SCORE_ROWS;
                 int64_t rows = m - i0 < SCORE_ROWS ? m - i0 : SCORE_ROWS;
-                dp_rows(rows, k / 2, a + h * a_head + g * a_sub + i0 * k, k, pk, scale, b, valid,
+                const uint16_t *ai = a + h * a_head + g * a_sub + i0 * k;
+                if (j0 == 0) {
+                    uint32_t a_seen = dp_values_max(ai, rows * k);
+                    most_a = a_seen > most_a ? a_seen : most_a;
+                }
+                dp_rows(rows, k / 2, ai, k, pk, scale, b, valid,
                         out + h * out_head + i0 * out_row + g * out_sub + j0, out_row);
             }
         }
         free(pk);
     }
-    *key_max = most;
+    magnitudes[0] = most;
+    magnitudes[1] = most_a;
     return failed ? -2 : 0;
 #else
     (void)heads; (void)group; (void)m; (void)n; (void)k; (void)a; (void)a_head; (void)a_sub;
     (void)keys; (void)key_head; (void)key_row; (void)out; (void)out_head; (void)out_row;
-    (void)out_sub; (void)scale; (void)bias; (void)bias_head; (void)threads; (void)key_max;
+    (void)out_sub; (void)scale; (void)bias; (void)bias_head; (void)threads; (void)magnitudes;
     return -1;
 #endif
 }
