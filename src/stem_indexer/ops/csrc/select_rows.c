@@ -345,16 +345,13 @@ static uint32_t pack_keys(const uint16_t *keys, int64_t row, int64_t k, int64_t 
                           uint32_t *pk)
 {
     uint32_t most = 0;
-    for (int64_t w0 = 0; w0 < k / 2; w0 += 16) { /* 64 bytes of each key at a time */
-        int64_t w1 = w0 + 16 < k / 2 ? w0 + 16 : k / 2;
-        for (int64_t j = 0; j < SCORE_COLS; j++)
-            for (int64_t w = w0; w < w1; w++) {
-                uint32_t v = j < valid ? load32(keys + j * row + 2 * w) : 0;
-                uint32_t m = pair_max(v);
-                most = m > most ? m : most;
-                pk[w * SCORE_COLS + j] = v;
-            }
-    }
+    for (int64_t j = 0; j < SCORE_COLS; j++) /* key by key: one sequential stream at a time */
+        for (int64_t w = 0; w < k / 2; w++) {
+            uint32_t v = j < valid ? load32(keys + j * row + 2 * w) : 0;
+            uint32_t m = pair_max(v);
+            most = m > most ? m : most;
+            pk[w * SCORE_COLS + j] = v;
+        }
     return most;
 }
 
@@ -501,10 +498,13 @@ DP_TARGET static uint32_t dp_pack_keys(const uint16_t *keys, int64_t row, int64_
     const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
     __m512i most = _mm512_setzero_si512();
     int64_t pairs = k / 2;
-    for (int64_t w0 = 0; w0 < pairs; w0 += 16) {
-        int64_t left = pairs - w0 < 16 ? pairs - w0 : 16;
-        __mmask16 in = (__mmask16)(left == 16 ? 0xFFFFu : (1u << left) - 1u);
-        for (int64_t j0 = 0; j0 < SCORE_COLS; j0 += 16) {
+    /* 16 keys at a time along the whole of k: 16 sequential streams from
+     * memory, which the hardware prefetchers follow (64 streams, one per key
+     * of the tile, took half as long again). */
+    for (int64_t j0 = 0; j0 < SCORE_COLS; j0 += 16) {
+        for (int64_t w0 = 0; w0 < pairs; w0 += 16) {
+            int64_t left = pairs - w0 < 16 ? pairs - w0 : 16;
+            __mmask16 in = (__mmask16)(left == 16 ? 0xFFFFu : (1u << left) - 1u);
             __m512i r[16], t[16], u[16];
             for (int j = 0; j < 16; j++)
                 r[j] = j0 + j < valid
