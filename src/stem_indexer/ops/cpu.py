@@ -137,7 +137,7 @@ def stem_indexer_forward(
     scale = contract.score_scale(params)
     ws = _workspace(device)
     keys_b, cached_for, exact = None, None, None
-    for b, i0, i1 in ranking_tiles:
+    for b, i0, i1, facts in ranking_tiles:
         qb, kb = qb_all[b], kb_all[b]
         if cached_for != b:
             keys_b, cached_for = _batch_keys(kflat[b], kb, ws), b
@@ -148,11 +148,9 @@ def stem_indexer_forward(
         step = tile_rows(nq, df, kb)
         for r0 in range(i0, i1, step):
             r1 = min(r0 + step, i1)
-            rows = torch.arange(r0, r1)
-            s2 = contract.visible_blocks(rows, qb, kb, params.causal)
-            budget = contract.row_budget(rows + (kb - qb), p_all[b], ks_all[b], params.alpha)
-            length = _select_rows(qflat[b, :, r0:r1], keys_b, vbias[b], s2, budget, scale,
-                                  params, ws, indices[b, :, r0:r1], exact, r0)
+            length = _select_rows(qflat[b, :, r0:r1], keys_b, vbias[b],
+                                  facts[:, r0 - i0:r1 - i0], scale, params, ws,
+                                  indices[b, :, r0:r1], exact, r0)
             seq_len[b, :, r0:r1] = length.to(device)
     _keep(ws)
     return indices, seq_len
@@ -165,10 +163,12 @@ UNRANKED_ROWS_AT_ONCE = 4096
 
 
 def _write_unranked(tiles, qb_all, kb_all, p_all, ks_all, params: IndexerParams, indices,
-                    seq_len) -> list[tuple[int, int, int]]:
+                    seq_len) -> list[tuple[int, int, int, torch.Tensor]]:
     """Write the rows of every tile in which no row ranks (each keeps all its
     candidates or none: sink ++ [candidates] ++ window); return the other
-    tiles as ``(b, i0, i1)``."""
+    tiles as ``(b, i0, i1, facts)``, facts (5, i1 - i0) int64: each row's
+    visible blocks s2, sink end, candidate end, picks and length (computed
+    here for all rows at once, not tile by tile)."""
     tiles = tiles.to(torch.int64)
     count = tiles[:, 2] - tiles[:, 1]
     tile_of = torch.repeat_interleave(torch.arange(tiles.shape[0]), count)
@@ -196,7 +196,14 @@ def _write_unranked(tiles, qb_all, kb_all, p_all, ks_all, params: IndexerParams,
         bd, idd = b[sel].to(indices.device), i[sel].to(indices.device)
         indices[bd, :, idd, :width] = row[:, None, :].to(indices.device)
         seq_len[bd, :, idd] = length[sel, None].to(device=indices.device, dtype=torch.int32)
-    return [tuple(t[:3]) for t in tiles[tile_ranks].tolist()]
+    facts = torch.stack([s2, sink_end, cand_end, take, length])  # the rows in tile order
+    starts = (count.cumsum(0) - count).tolist()
+    listed = tiles.tolist()
+    ranked = []
+    for t in tile_ranks.nonzero().flatten().tolist():
+        batch, i0, i1 = listed[t][:3]
+        ranked.append((batch, i0, i1, facts[:, starts[t]:starts[t] + i1 - i0]))
+    return ranked
 
 
 class _Workspace:
@@ -279,19 +286,19 @@ def _batch_keys(kflat_b: torch.Tensor, kb: int, ws: _Workspace) -> torch.Tensor:
     return ws.take("key_cache", (nk, kb, df), torch.float32).copy_(kflat_b[:, :kb])
 
 
-def _select_rows(q, keys_b, vbias_b, s2, budget, scale, params, ws, out, exact=None, r0=0):
+def _select_rows(q, keys_b, vbias_b, facts, scale, params, ws, out, exact=None, r0=0):
     """Select for consecutive query blocks of one batch, all heads, into ``out``.
 
-    q: (Nq, c, Df), query blocks r0.. of the batch; s2, budget: (c,) host
-    int64; out: (Nq, c, Kmax) int32 view of the output, prefilled with -1;
-    exact: the batch's ``_ExactDots`` or None.
+    q: (Nq, c, Df), query blocks r0.. of the batch; facts: (5, c) host int64,
+    per row s2, sink end, candidate end, picks (the budget, at most the
+    candidates) and length (``_write_unranked``); out: (Nq, c, Kmax) int32
+    view of the output, prefilled with -1; exact: the batch's ``_ExactDots``
+    or None.
     Returns the rows' lengths (c,) int32 (host).
     """
     c = q.shape[1]
-    sink_end, cand_end = contract.candidate_range(s2, params.initial_blocks, params.window_size)
+    s2, sink_end, cand_end, take, length = facts
     n_cand = cand_end - sink_end
-    take = torch.minimum(budget, n_cand)  # picks per row
-    length = s2 - n_cand + take  # forced + picks
     # Rows whose budget is smaller than their candidate range must rank; with
     # s2 non-decreasing along the tile they are a suffix [first, c).
     ranking = (take < n_cand).nonzero()
