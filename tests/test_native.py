@@ -19,6 +19,7 @@ import hashlib
 import math
 import platform
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -538,6 +539,21 @@ def test_filled_hands_out_released_memory_again_never_memory_in_use(holder):
     del second, kept
     native.release_outputs()
     assert native.kept_output_bytes() == 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="no /proc/self/maps")
+def test_filled_large_outputs_are_private_memory():
+    """A large output's mapping is private (``rw-p``): a shared one would be
+    written through by forked children, and is not given huge pages."""
+    out = native.filled(BIG, -1, torch.int32)
+    address = out.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+        if lo <= address < hi:
+            assert line.split()[1] == "rw-p", line
+            break
+    else:
+        pytest.fail("the output's mapping is not in /proc/self/maps")
 
 
 def test_filled_keeps_the_last_outputs_only_and_each_size_apart():

@@ -482,7 +482,9 @@ class _Mapping:
     tensor, view, storage and array sharing that memory is gone."""
 
     def __init__(self, nbytes: int):
-        self.memory = mmap.mmap(-1, nbytes)  # page-aligned, untouched until written
+        # private (a shared one would be shared with forked children, and is not
+        # given huge pages), page-aligned, untouched until written
+        self.memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
         self.lease: weakref.ref | None = None
         fn = _madvise()
         if fn is not None:
