@@ -327,7 +327,7 @@ static inline uint32_t pair_max(uint32_t w)
     return lo > hi ? lo : hi;
 }
 
-/* The largest magnitude bits among `count` (even) contiguous bf16 values. */
+/* The largest magnitude bits among `count` contiguous bf16 values. */
 static uint32_t values_max(const uint16_t *a, int64_t count)
 {
     uint32_t most = 0;
