@@ -671,6 +671,25 @@ def test_bf16_scores_report_the_largest_inputs_they_read(kernel, monkeypatch):
     assert math.isnan(largest_a())
 
 
+def exact_product_calls(monkeypatch, q: torch.Tensor, k: torch.Tensor, bs: int = 16):
+    """Run the op on bf16 q and k (one batch, every block full, stride 4)
+    against the reference; return the ``_ExactDots.products`` calls it made,
+    as (r0, r1, lo, hi)."""
+    from stem_indexer.ops import cpu
+    calls = []
+    real = cpu._ExactDots.products
+    monkeypatch.setattr(cpu._ExactDots, "products",
+                        lambda self, *a: (calls.append(a), real(self, *a))[1])
+    lens = torch.tensor([q.shape[2] * bs], dtype=torch.int32)
+    inputs = dict(qflat=q.bfloat16(), kflat=k.bfloat16(), vbias=torch.zeros(k.shape[:3]),
+                  q_seq_lens=lens, kv_seq_lens=lens)
+    params = dict(stem_block_size=bs, stem_stride=4)
+    got = stem_indexer(**inputs, **params)
+    want = stem_indexer_reference(**inputs, **params)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    return calls
+
+
 @needs_bf16_scores
 def test_exact_products_only_for_tiles_whose_keys_may_overflow(monkeypatch):
     """With bfloat16 products the keys are checked by the products
@@ -678,26 +697,14 @@ def test_exact_products_only_for_tiles_whose_keys_may_overflow(monkeypatch):
     whatever their score, never scored) cost no exact product; the same keys
     in a candidate block make the tiles that score it take the exact
     products. Both select as the reference."""
-    from stem_indexer.ops import cpu
-    calls = []
-    real = cpu._ExactDots.products
-    monkeypatch.setattr(cpu._ExactDots, "products",
-                        lambda self, *a: (calls.append(a), real(self, *a))[1])
     gen = torch.Generator().manual_seed(4)
-    nq, nk, qmax, df, bs = 4, 2, 100, 16, 16  # from about 56 blocks, rows rank
-    params = dict(stem_block_size=bs, stem_stride=4)
+    nq, nk, qmax, df = 4, 2, 100, 16  # from about 56 blocks, rows rank
     for block, exact_calls in ((0, False), (12, True)):
         q = torch.randint(-3, 4, (1, nq, qmax, df), generator=gen).float()
         k = torch.randint(-3, 4, (1, nk, qmax, df), generator=gen).float()
         q[..., 0] = 2.0**100  # times the small keys: no overflow; times BF16_MAX: inf
         k[0, :, block, 0], k[0, :, block, 1] = BF16_MAX, -BF16_MAX  # dots past float32
-        lens = torch.tensor([qmax * bs], dtype=torch.int32)
-        inputs = dict(qflat=q.bfloat16(), kflat=k.bfloat16(), vbias=torch.zeros(1, nk, qmax),
-                      q_seq_lens=lens, kv_seq_lens=lens)
-        calls.clear()
-        got = stem_indexer(**inputs, **params)
-        want = stem_indexer_reference(**inputs, **params)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        calls = exact_product_calls(monkeypatch, q, k)
         assert bool(calls) == exact_calls, (block, calls)
         assert all(lo <= block < hi for _, _, lo, hi in calls)
 
@@ -710,24 +717,12 @@ def test_exact_products_only_for_tiles_whose_queries_may_overflow(value, monkeyp
     candidates (never scored) costs no exact product; the same block in a
     row that ranks makes its tile take the exact products. Both select as
     the reference."""
-    from stem_indexer.ops import cpu
-    calls = []
-    real = cpu._ExactDots.products
-    monkeypatch.setattr(cpu._ExactDots, "products",
-                        lambda self, *a: (calls.append(a), real(self, *a))[1])
     gen = torch.Generator().manual_seed(6)
-    nq, nk, qmax, df, bs = 4, 2, 100, 16, 16  # from about 56 blocks, rows rank
-    params = dict(stem_block_size=bs, stem_stride=4)
+    nq, nk, qmax, df = 4, 2, 100, 16  # from about 56 blocks, rows rank
     for row, exact_calls in ((10, False), (90, True)):
         q = torch.randint(-3, 4, (1, nq, qmax, df), generator=gen).float()
         k = torch.randint(1, 4, (1, nk, qmax, df), generator=gen).float()
         q[0, 1, row, :2] = value  # dots past float32 (or NaN) with every key
-        lens = torch.tensor([qmax * bs], dtype=torch.int32)
-        inputs = dict(qflat=q.bfloat16(), kflat=k.bfloat16(), vbias=torch.zeros(1, nk, qmax),
-                      q_seq_lens=lens, kv_seq_lens=lens)
-        calls.clear()
-        got = stem_indexer(**inputs, **params)
-        want = stem_indexer_reference(**inputs, **params)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        calls = exact_product_calls(monkeypatch, q, k)
         assert bool(calls) == exact_calls, (row, calls)
         assert all(r0 <= row < r1 for r0, r1, _, _ in calls)
