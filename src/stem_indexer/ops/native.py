@@ -524,7 +524,7 @@ def filled(shape: tuple[int, ...], value: int, dtype: torch.dtype) -> torch.Tens
     next call). The values are the same either way. ``release_outputs``
     unmaps the released mappings kept."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < HUGE_PAGE_MIN_BYTES:
+    if nbytes < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MAP_PRIVATE"):  # Windows: no reuse
         return torch.full(shape, value, dtype=dtype)
     with _mappings_lock:
         mapping = next((m for m in reversed(_mappings)
