@@ -197,13 +197,10 @@ def _write_unranked(tiles, qb_all, kb_all, p_all, ks_all, params: IndexerParams,
         indices[bd, :, idd, :width] = row[:, None, :].to(indices.device)
         seq_len[bd, :, idd] = length[sel, None].to(device=indices.device, dtype=torch.int32)
     facts = torch.stack([s2, sink_end, cand_end, take, length])  # the rows in tile order
-    starts = (count.cumsum(0) - count).tolist()
-    listed = tiles.tolist()
-    ranked = []
-    for t in tile_ranks.nonzero().flatten().tolist():
-        batch, i0, i1 = listed[t][:3]
-        ranked.append((batch, i0, i1, facts[:, starts[t]:starts[t] + i1 - i0]))
-    return ranked
+    ranking = tile_ranks.nonzero().flatten()
+    starts = (count.cumsum(0) - count)[ranking].tolist()
+    return [(batch, i0, i1, facts[:, start:start + i1 - i0])
+            for (batch, i0, i1), start in zip(tiles[ranking, :3].tolist(), starts)]
 
 
 class _Workspace:
