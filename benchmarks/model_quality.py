@@ -81,6 +81,11 @@ CONFIGS = {  # name: stem_attention keyword arguments (None: dense SDPA)
     "tight-no-oam": dict(preset="tight", oam=False),
     "default-alpha0.7": dict(preset="default", alpha=0.7),
     "tight-alpha0.7": dict(preset="tight", alpha=0.7),
+    # the default budget with the question's block exact: the query blocks of
+    # the prompt's last 128 tokens attend to every key (QUALITY.md, "An exact
+    # question block")
+    "default-tail": dict(preset="default", exact_tail=128),
+    "tight-tail": dict(preset="tight", exact_tail=128),
     # the default budget's selection even where it keeps more than dense_above
     # of the pairs (contract.DENSE_ABOVE), where stem_attention runs dense
     "default-sparse": dict(preset="default", dense_above=1.0),

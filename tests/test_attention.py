@@ -301,6 +301,71 @@ def test_stem_attention_parameters_reach_the_indexer(change):
     torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tail, prompt", [
+    (128, None),            # each sequence's last 128 tokens: 8 or 9 blocks of 16
+    (1, None),              # one token: the block holding it
+    (5000, None),           # longer than the prompts: every row, so dense attention
+    (100, [1100, 1500]),    # the second sequence is a chunk before its prompt's end
+], ids=["128", "1", "all", "early-chunk"])
+def test_exact_tail_rows_attend_to_every_block(tail, prompt):
+    """The query blocks holding the prompt's last ``tail`` tokens attend to
+    every block their tokens can see (the float64 dense reference on them);
+    every other row is the indexer's selection, bit for bit as without the
+    option; the kept pairs count the widened rows."""
+    q, k, v = qkv(2, 4, 2, 1100, 1100, 8, 15)
+    lens = [1100, 900]
+    kw = dict(q_lens=lens, kv_lens=lens, num_prompt_tokens=prompt, dense_above=1.0,
+              return_info=True, **SMALL)
+    base, base_info = stem_attention(q, k, v, **kw)
+    out, info = stem_attention(q, k, v, exact_tail=tail, **kw)
+    inputs = stem_indexer.stem_inputs(q, k, v, q_lens=lens, kv_lens=lens, scale=8 ** -0.5 / 4,
+                                      **SMALL)
+    idx, seq_len = stem_indexer.stem_indexer(
+        *inputs, num_prompt_tokens=None if prompt is None else torch.tensor(prompt).int(), **SMALL)
+    idx = torch.cat([idx, idx.new_full((*idx.shape[:3], 70 - idx.shape[3]), -1)], -1)
+    widened = torch.zeros(2, 70, dtype=torch.bool)  # [batch, query block]
+    for b, n in enumerate(lens):
+        first = (prompt or lens)[b] - tail  # no chunk offset: q_len == kv_len here
+        for i in range(-(-n // 16)):
+            if (i + 1) * 16 - 1 >= first and first < n:  # the block holds a tail token
+                widened[b, i] = True
+                idx[b, :, i] = torch.arange(70)
+                seq_len[b, :, i] = i + 1  # causal, q_len == kv_len: blocks 0 .. i
+    assert widened.any() and not widened.all()
+    mask = expanded_mask(idx, seq_len, 16, 1100, 1100, lens, lens, True)
+    torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    rows = widened.repeat_interleave(16, dim=1)[:, None, :1100, None].expand_as(out)
+    assert torch.equal(out[~rows], base[~rows])
+    assert info.kept_pairs == int(seq_len.sum()) > base_info.kept_pairs
+    if tail == 5000:
+        dense = dense_attention(q, k, v, q_lens=lens, kv_lens=lens)
+        torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
+    if prompt is not None:
+        assert not widened[1].any() and torch.equal(out[1], base[1])
+
+
+@pytest.mark.parametrize("q_len, kv_len, prompt, tail, rows", [
+    (1000, 1000, 1000, 128, range(6, 8)),   # tokens 872..999: blocks 6 and 7 of 128
+    (1000, 1000, 1000, 104, range(7, 8)),   # tokens 896..999: block 7 alone
+    (1000, 1000, 1000, 0, range(0)),        # off
+    (300, 1000, 1000, 128, range(1, 3)),    # last chunk: tokens 172..299 of the chunk
+    (300, 1000, 1100, 128, range(2, 3)),    # the tail begins in this chunk: token 272 on
+    (300, 1000, 2000, 128, range(0)),       # an early chunk: no tail token here
+    (300, 1000, 1000, 5000, range(0, 3)),   # longer than the prompt: every block
+    (0, 1000, 1000, 128, range(0)),         # no queries
+])
+def test_tail_rows_by_hand(q_len, kv_len, prompt, tail, rows):
+    from stem_indexer import contract
+    assert contract.tail_rows(q_len, kv_len, prompt, tail, 128) == rows
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "128"])
+def test_exact_tail_is_checked(value):
+    q, k, v = qkv(1, 2, 2, 64, 64, 8, 15)
+    with pytest.raises(stem_indexer.StemIndexerInputError, match="exact_tail"):
+        stem_attention(q, k, v, exact_tail=value, **SMALL)
+
+
 @pytest.mark.parametrize("case", [
     dict(shape=(2, 4, 2, 100, 100, 8), lens=([100, 60], [100, 60])),  # few blocks: budget keeps all
     dict(shape=(2, 4, 2, 1, 700, 8), lens=([1, 1], [700, 300])),  # single-token decode

@@ -153,6 +153,42 @@ def test_padded_rows_equal_unpadded_sequences(model, registered, impl):
             assert rel < 1e-2, rel
 
 
+def test_exact_tail_reaches_each_padded_run(model, registered):
+    """``register(exact_tail=...)`` reaches stem_attention for each valid run
+    of a padded batch: a tail as long as the prompt makes every row exact
+    (SDPA's logits, through the sparse path), a 40-token tail changes the
+    logits of its own blocks only (causal: earlier tokens never see it)."""
+    ids = _ids(3, 1024, seed=4)
+    mask = torch.ones_like(ids)
+    mask[1, :100] = 0        # left padding: the rotated path
+    mask[2, -70:] = 0        # right padding
+    valid = mask.bool()
+    sparse_pairs_before = registered[SPARSE].kept_pairs
+    sparse = _logits(model, SPARSE, ids, mask)
+    everything = stem_hf.register("stem-test-tail-all", exact_tail=4096, **BLOCKING, **TIGHT)
+    tail = stem_hf.register("stem-test-tail", exact_tail=40, **BLOCKING, **TIGHT)
+    try:
+        exact = _logits(model, "stem-test-tail-all", ids, mask)
+        last = _logits(model, "stem-test-tail", ids, mask)
+    finally:
+        stem_hf.unregister("stem-test-tail-all")
+        stem_hf.unregister("stem-test-tail")
+    assert dict(everything.stats) == {"stem-rotated": 2}, everything.stats
+    assert everything.kept_pairs == everything.visible_pairs  # every row widened
+    torch.testing.assert_close(exact[valid], _logits(model, "sdpa", ids, mask)[valid],
+                               atol=1e-4, rtol=1e-4)
+    # Blocks of 16 count from each run's first valid token: the tail's first
+    # block starts at start + 16 * ((length - 40) // 16).
+    start, length = torch.tensor([0, 100, 0]), valid.sum(1)
+    first = start + 16 * ((length - 40) // 16)
+    assert first.tolist() == [976, 980, 912]
+    in_tail = (torch.arange(1024)[None, :] >= first[:, None]) & valid
+    assert torch.equal(last[valid & ~in_tail], sparse[valid & ~in_tail])
+    for b in range(3):  # each run's tail is its own: changed in every one
+        assert not torch.allclose(last[b][in_tail[b]], sparse[b][in_tail[b]])
+    assert tail.kept_pairs > registered[SPARSE].kept_pairs - sparse_pairs_before
+
+
 def test_generate_matches_sdpa_greedy(model, registered):
     ids = _ids(2, 160, seed=5)
     mask = torch.ones_like(ids)
@@ -315,6 +351,7 @@ def test_mask_function_is_compact_only_for_plain_causal_masks():
     (dict(oam_lambda=float("nan")), "oam_lambda must be a finite number"),
     (dict(indexer_scale="0.1"), "indexer_scale must be a finite number"),
     (dict(min_q_blocks=-1), "min_q_blocks must be >= 0"),
+    (dict(exact_tail=-1), "exact_tail must be >= 0"),
     (dict(backend="fast"), "backend must be one of"),
     (dict(min_prefill_tokens=0), "min_prefill_tokens must be >= 1"),
     (dict(min_prefill_tokens=True), "min_prefill_tokens must be an int"),

@@ -139,9 +139,12 @@ def test_context_is_read_back_as_vllm_wrote_it(dtype):
     assert torch.equal(rk, k) and torch.equal(rv, v)
 
 
+@pytest.mark.parametrize("tail", [0, 200], ids=["no-tail", "tail"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("context, q_len", [(0, 900), (1000, 333), (2047, 1), (1601, 700)])
-def test_virtual_rows_on_vllms_kernel_equal_stem_attention(context, q_len, dtype):
+def test_virtual_rows_on_vllms_kernel_equal_stem_attention(context, q_len, dtype, tail):
+    """With ``exact_tail`` the row ends its prompt: its last 200 tokens'
+    blocks list every block, on vLLM's kernel as in stem_attention."""
     import math
 
     import torch
@@ -151,8 +154,10 @@ def test_virtual_rows_on_vllms_kernel_equal_stem_attention(context, q_len, dtype
     from stem_indexer.integrations.vllm.rows import Row, select_blocks, virtual_rows
     from stem_indexer.integrations.vllm.settings import StemSettings
 
-    bs, page, hq, hkv, dim, prompt = 64, 32, 6, 2, 32, 4000
-    s = StemSettings.from_mapping({"preset": "tight", "stem_block_size": bs, "stem_stride": 8})
+    bs, page, hq, hkv, dim = 64, 32, 6, 2, 32
+    prompt = context + q_len if tail else 4000
+    s = StemSettings.from_mapping({"preset": "tight", "stem_block_size": bs, "stem_stride": 8,
+                                   "exact_tail": tail})
     torch.manual_seed(context)
     row = Row(0, 0, q_len, context, prompt)
     dt = getattr(torch, dtype)
@@ -177,11 +182,15 @@ def test_virtual_rows_on_vllms_kernel_equal_stem_attention(context, q_len, dtype
     want = stem_indexer.stem_attention(q, k[None], v[None], scale=scale, preset="tight",
                                        num_prompt_tokens=[prompt], stem_block_size=bs,
                                        stem_stride=8, min_q_blocks=0,
-                                       dense_above=1.0)[0, :, lead:]
+                                       dense_above=1.0, exact_tail=tail)[0, :, lead:]
     tol = 1e-5 if dtype == "float32" else 2e-2  # two bf16 kernels' roundings
     torch.testing.assert_close(out.view(hq, q_len, dim), want, rtol=tol, atol=tol)
-    if row.seq_len > 1500:
+    if row.seq_len > 1500 and not tail:
         assert int(lengths.sum()) < hq * sum(range(context // bs + 1, -(-row.seq_len // bs) + 1))
+    if tail:  # the blocks of positions prompt - 200 .. prompt - 1 list 0 .. i
+        i = (prompt - 200) // bs
+        row_of = max(i, context // bs) - context // bs
+        assert lengths[:, row_of].tolist() == [max(i, context // bs) + 1] * hq
 
 
 # --------------------------------------------------------------------------- #

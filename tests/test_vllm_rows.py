@@ -41,6 +41,8 @@ def test_settings_take_a_preset_and_overrides():
                                          "stem_block_size": 64, "stem_stride": 8, "alpha": 0.5})
     assert s.params == want and s.min_prompt_tokens == 4096 and s.dense_above == 1.0
     assert "preset=tight" in s.describe() and "alpha=0.5" in s.describe()
+    assert s.exact_tail == 0 and "exact_tail=0" in s.describe()
+    assert StemSettings.from_mapping({"exact_tail": 128}).exact_tail == 128
 
 
 @pytest.mark.parametrize("section, key", [
@@ -50,6 +52,7 @@ def test_settings_take_a_preset_and_overrides():
     ({"oam_lambda": float("nan")}, "oam_lambda"), ({"min_prompt_tokens": -1}, "min_prompt_tokens"),
     ({"dense_above": 0}, "dense_above"), ({"dense_above": True}, "dense_above"),
     ({"topk_score_precision": 3}, "topk_score_precision"), ({"block": 4}, "'block'"),
+    ({"exact_tail": -1}, "exact_tail"), ({"exact_tail": 1.5}, "exact_tail"),
 ])
 def test_bad_settings_name_the_key(section, key):
     with pytest.raises(StemIndexerInputError, match=rf"^additional_config\['stem'\]: {key} "):
@@ -172,12 +175,17 @@ def _paged_kernel(query, raw, q_lens, seq_lens, table, scale):
     return out
 
 
+@pytest.mark.parametrize("tail", [0, 150], ids=["no-tail", "tail"])
 @pytest.mark.parametrize("bs", [32, 64])  # one page per block, two
 @pytest.mark.parametrize("context, q_len", [(0, 400), (300, 211), (2289, 1), (1640, 64),
                                             (3097, 303)])
-def test_virtual_rows_are_block_sparse_attention_on_the_selection(context, q_len, bs):
-    page, hq, hkv, dim, prompt = 32, 4, 2, 16, 4000
-    s = StemSettings.from_mapping({"preset": "tight", "stem_block_size": bs, "stem_stride": 8})
+def test_virtual_rows_are_block_sparse_attention_on_the_selection(context, q_len, bs, tail):
+    """With ``exact_tail``, the row is its prompt's last chunk: the blocks
+    holding its last 150 tokens list every block up to their own."""
+    page, hq, hkv, dim = 32, 4, 2, 16
+    prompt = context + q_len if tail else 4000
+    s = StemSettings.from_mapping({"preset": "tight", "stem_block_size": bs, "stem_stride": 8,
+                                   "exact_tail": tail})
     gen = torch.Generator().manual_seed(context + q_len)
     row = Row(0, 0, q_len, context, prompt)
     query = torch.randn(q_len, hq, dim, generator=gen)
@@ -185,6 +193,16 @@ def test_virtual_rows_are_block_sparse_attention_on_the_selection(context, q_len
     key_cache, value_cache, pages, raw = _vec_cache(k, v, page, 130, gen)
     scale = 1 / math.sqrt(dim)
     idx, lengths = select_blocks(query, k, v, row, scale, s)
+    if tail:  # absolute blocks from context // bs; those of tokens prompt - 150 on are whole
+        plain, _ = select_blocks(query, k, v, row, scale, StemSettings.from_mapping(
+            {"preset": "tight", "stem_block_size": bs, "stem_stride": 8}))
+        for r in range(idx.shape[1]):
+            i = context // bs + r
+            if (i + 1) * bs > prompt - 150:
+                assert lengths[:, r].tolist() == [i + 1] * hq
+                assert idx[:, r, :i + 1].tolist() == [list(range(i + 1))] * hq
+            else:
+                assert torch.equal(idx[:, r, :plain.shape[2]], plain[:, r])
     vr = virtual_rows(idx, lengths, row, bs, page, pages, hkv)
     assert int(vr.query_lens.sum()) == hq * q_len
     got = _paged_kernel(query.transpose(0, 1).reshape(-1, 1, dim), raw, vr.query_lens,
@@ -199,5 +217,5 @@ def test_virtual_rows_are_block_sparse_attention_on_the_selection(context, q_len
         q, k[None].double(), v[None].double(), idx[None], lengths[None], stem_block_size=bs,
         scale=scale, backend="gather")[0, :, lead:].transpose(0, 1)
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
-    if row.seq_len > 24 * bs:  # past the budget's 11 or 15 blocks and the 8 forced
+    if not tail and row.seq_len > 24 * bs:  # past the budget's 11 or 15 blocks, 8 forced
         assert int(lengths.sum()) < hq * plan_row(row, s).visible

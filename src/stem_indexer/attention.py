@@ -129,8 +129,9 @@ def stem_attention(
     q_lens: Lengths = None, kv_lens: Lengths = None, num_prompt_tokens: Lengths = None,
     preset: str = "default",
     oam: bool = True, oam_lambda: float = DEFAULT_OAM_LAMBDA, indexer_scale: float | None = None,
-    min_q_blocks: int = 2, dense_above: float | None = None, backend: str = "auto",
-    return_lse: bool = False, return_info: bool = False, **indexer_params,
+    min_q_blocks: int = 2, dense_above: float | None = None, exact_tail: int = 0,
+    backend: str = "auto", return_lse: bool = False, return_info: bool = False,
+    **indexer_params,
 ) -> torch.Tensor | tuple:
     """Stem attention in one call: Q/K/V -> indexer -> block-sparse attention.
 
@@ -160,6 +161,13 @@ def stem_attention(
             reason. Default (None): ``contract.default_dense_above`` for q's
             device and dtype, the measured break-even (``contract.DENSE_ABOVE``;
             ``benchmarks/WINDOW.md``, "Where Stem steps aside").
+        exact_tail: the prompt's last ``exact_tail`` tokens (a retrieval
+            prompt's question) attend exactly: the query blocks holding them
+            list every key block their tokens can see, whatever the budget
+            (``contract.tail_rows``; the prompt is ``num_prompt_tokens``, so
+            only the chunk that holds its end is widened). 0 (default): off.
+            ``benchmarks/QUALITY.md`` ("An exact question block") measures it:
+            128 costs at most two rows per head and layer.
         backend: ``block_sparse_attention``'s backend.
         return_lse: also return the float32 log-sum-exp [B, Hq, Sq] of the
             scores attended (for merging partial results).
@@ -195,8 +203,8 @@ def stem_attention(
     _check_layout(who, q, k, "[B, H, S, D]")
     params, indexer_scale = check_stem_options(
         who, causal=causal, preset=preset, oam=oam, oam_lambda=oam_lambda,
-        indexer_scale=indexer_scale, min_q_blocks=min_q_blocks, backend=backend,
-        **indexer_params)
+        indexer_scale=indexer_scale, min_q_blocks=min_q_blocks, exact_tail=exact_tail,
+        backend=backend, **indexer_params)
     check_backend_fits(who, backend, q.device, q.dtype)
     scale = _check_scale(who, "scale", scale, dim)
     softcap = _check_softcap(who, softcap)
@@ -217,6 +225,6 @@ def stem_attention(
     out, lse, info = torch.ops.stem_indexer.stem_attention(
         q, k, v, qlen, kvlen, prompt, *(getattr(params, f) for f in PARAM_NAMES),
         scale, softcap, oam, float(oam_lambda), indexer_scale, min_q_blocks, backend,
-        return_lse, float(dense_above))
+        return_lse, float(dense_above), exact_tail)
     extra = ((lse,) if return_lse else ()) + ((StemInfo.decode(info),) if return_info else ())
     return (out, *extra) if extra else out

@@ -48,7 +48,7 @@ def _stem_attention_op(
     k_block_num_rate_large: float, k_block_num_bias_large: int, topk_score_precision: int,
     scale: float, softcap: float | None, oam: bool, oam_lambda: float,
     indexer_scale: float | None, min_q_blocks: int, backend: str, want_lse: bool,
-    dense_above: float = 1.0,
+    dense_above: float = 1.0, exact_tail: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     who = "stem_attention"
     qlen = check_lens_values(q_lens, q.shape[2], "q_lens", who)
@@ -62,7 +62,7 @@ def _stem_attention_op(
                            k_block_num_rate_large, k_block_num_bias_large, topk_score_precision)
     out, lse, info = _stem(q, k, v, qlen, kvlen, prompt, params, scale, softcap, oam,
                            oam_lambda, indexer_scale, min_q_blocks, backend, want_lse,
-                           dense_above)
+                           dense_above, exact_tail)
     return out.contiguous(), _lse_or_nan(lse, q), info.encode()
 
 @_stem_attention_op.register_fake

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .contract import IndexerParams, check_bool, check_int, fail
+from .contract import IndexerParams, check_bool, check_exact_tail, check_int, fail
 from .prepare import DEFAULT_OAM_LAMBDA, check_oam_lambda, is_finite
 
 BACKENDS = ("auto", "native", "flex", "gather")
@@ -61,17 +61,18 @@ def _check_inference(who: str, *tensors: torch.Tensor) -> None:
 def check_stem_options(who: str, *, causal: bool = True, preset: str = "default",
                        oam: bool = True, oam_lambda: float = DEFAULT_OAM_LAMBDA,
                        indexer_scale: float | None = None, min_q_blocks: int = 2,
-                       backend: str = "auto",
+                       exact_tail: int = 0, backend: str = "auto",
                        **indexer_params) -> tuple[IndexerParams, float | None]:
     """The checks of ``stem_attention``'s options that need no tensor (the
     indexer's parameters and preset, the OAM, the dense threshold, the
-    backend), in one place for every caller that fixes them ahead of the
+    exact tail, the backend), in one place for every caller that fixes them ahead of the
     call (``integrations.transformers.register``). Returns the indexer's
     parameters and ``indexer_scale`` as a float (or None)."""
     params = IndexerParams.from_kwargs(who, preset=preset, causal=causal, **indexer_params)
     check_bool(who, "oam", oam)
     check_oam_lambda(oam_lambda, who)
     check_int(who, "min_q_blocks", min_q_blocks, 0)
+    check_exact_tail(who, exact_tail)
     _check_backend(who, backend)
     if indexer_scale is not None:
         indexer_scale = _check_scale(who, "indexer_scale", indexer_scale, 1)

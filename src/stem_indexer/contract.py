@@ -33,6 +33,8 @@ __all__ = [
     "prompt_budget",
     "row_budget",
     "reach_blocks",
+    "tail_rows",
+    "check_exact_tail",
     "dense_is_exact",
     "budget_pairs",
     "DENSE_ABOVE",
@@ -282,6 +284,22 @@ def reach_blocks(i: torch.Tensor, q_len, kv_len, block_size: int, causal: bool) 
     last_q = torch.minimum((i + 1) * block_size, q_len) - 1
     return ceil_div(torch.minimum(kv_len, last_q + kv_len - q_len + 1).clamp(min=0),
                     block_size)
+
+
+def tail_rows(q_len: int, kv_len: int, prompt: int, tail: int, block_size: int) -> range:
+    """The query blocks of a chunk (``q_len`` queries, the last of ``kv_len``
+    keys, of a ``prompt``-token prompt) holding one of the prompt's last
+    ``tail`` tokens: query token ``t`` is at position ``t + kv_len - q_len``.
+    Empty for ``tail`` 0, and for a chunk that ends before the prompt's tail."""
+    first = prompt - tail - (kv_len - q_len)
+    if tail <= 0 or q_len <= 0 or kv_len <= 0 or first >= q_len:
+        return range(0)
+    return range(max(first, 0) // block_size, (q_len - 1) // block_size + 1)
+
+
+def check_exact_tail(who: str, value) -> None:
+    """``exact_tail``: an int >= 0, the prompt's last tokens that attend exactly."""
+    check_int(who, "exact_tail", value, 0)
 
 
 def dense_is_exact(q_lens: torch.Tensor, kv_lens: torch.Tensor, prompt: torch.Tensor,

@@ -3,9 +3,11 @@
 ``_stem`` is the body of ``stem_attention``: dense attention where the
 budget keeps every block (``contract.dense_is_exact``), more than
 ``dense_above`` of the visible block pairs (``contract.budget_pairs``), or
-there are too few query blocks, else ``prepare.stem_inputs`` -> indexer metadata -> indexer ->
-block-sparse attention. ``_run`` runs block-sparse attention on the kernel
-that ``_backend`` picks (see ``attention.py``'s docstring for the backends).
+there are too few query blocks, else ``prepare.stem_inputs`` -> indexer
+metadata -> indexer -> (the rows of the prompt's last ``exact_tail`` tokens
+widened to every block, ``widen_tail``) -> block-sparse attention. ``_run``
+runs block-sparse attention on the kernel that ``_backend`` picks (see
+``attention.py``'s docstring for the backends).
 """
 
 from __future__ import annotations
@@ -184,8 +186,31 @@ def _dense_lists(qlen, kvlen, bs: int, causal: bool, hq: int, qmax: int, kmax: i
     idx = torch.arange(kmax, device=device).expand(*lengths.shape, kmax)
     return torch.where(idx < lengths[..., None], idx, -1), lengths
 
+def widen_tail(idx: torch.Tensor, lengths: torch.Tensor, qlen, kvlen, prompt, tail: int,
+               bs: int, causal: bool, kmax: int):
+    """The indexer's lists with every row of ``contract.tail_rows`` (the
+    prompt's last ``tail`` tokens) widened to every key block its tokens can
+    see: those rows are then dense attention. The lists are copied (and made
+    ``kmax`` wide) only where a row changes."""
+    rows = [(b, contract.tail_rows(ql, kl, p, tail, bs))
+            for b, (ql, kl, p) in enumerate(zip(qlen.tolist(), kvlen.tolist(), prompt.tolist()))]
+    rows = [(b, r) for b, r in rows if r]
+    if not rows:
+        return idx, lengths
+    wide = idx.new_full((*idx.shape[:3], max(kmax, idx.shape[3])), -1)
+    wide[..., :idx.shape[3]] = idx
+    lengths = lengths.clone()
+    blocks = torch.arange(wide.shape[3])
+    for b, r in rows:
+        reach = contract.reach_blocks(torch.arange(r.start, r.stop), qlen[b], kvlen[b], bs, causal)
+        listed = torch.where(blocks < reach[:, None], blocks, -1)
+        wide[b, :, r.start:r.stop] = listed.to(device=wide.device, dtype=wide.dtype)
+        lengths[b, :, r.start:r.stop] = reach.to(device=lengths.device, dtype=lengths.dtype)
+    return wide, lengths
+
 def _stem(q, k, v, qlen, kvlen, prompt, params: IndexerParams, scale, softcap, oam, oam_lambda,
-          indexer_scale, min_q_blocks, backend, want_lse, dense_above: float = 1.0):
+          indexer_scale, min_q_blocks, backend, want_lse, dense_above: float = 1.0,
+          exact_tail: int = 0):
     """The body of ``stem_attention`` on checked arguments: (out, lse, info)."""
     hq, hkv = q.shape[1], k.shape[1]
     bs, stride = params.stem_block_size, params.stem_stride
@@ -221,7 +246,10 @@ def _stem(q, k, v, qlen, kvlen, prompt, params: IndexerParams, scale, softcap, o
     idx, lengths = run_indexer(
         inputs.qflat, inputs.kflat, inputs.vbias, inputs.q_seq_lens, inputs.kv_seq_lens,
         prompt.to(device=q.device, dtype=torch.int32), metadata, params)
-    # The indexer's lists are valid and ascending by contract: no check needed.
+    idx, lengths = widen_tail(idx, lengths, qlen, kvlen, prompt, exact_tail, bs, params.causal,
+                               kmax)
+    # The lists are valid by contract (the indexer's ascend; a widened row is
+    # 0 .. reach-1): no check needed.
     out, lse = _run(_Call(q, k, v, idx, lengths, qlen, kvlen, bs, params.causal, scale,
                           softcap), backend, want_lse)
     return out, lse, StemInfo("sparse", "", backend, int(lengths.sum()), visible)

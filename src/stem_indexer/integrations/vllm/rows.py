@@ -40,6 +40,7 @@ import torch
 from ... import contract
 from ...api import run_indexer, stem_indexer_metadata
 from ...contract import ceil_div
+from ...dispatch import widen_tail
 from ...prepare import stem_inputs
 from .settings import StemSettings
 
@@ -147,7 +148,8 @@ def select_blocks(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: Ro
     ``query [q_len, Hq, D]`` (the row's new queries), ``k, v [Hkv, seq_len, D]``
     (all its keys and values). Returns ``(indices [Hq, Qb, W] int32 ascending
     then -1, lengths [Hq, Qb] int32)`` over the row's absolute query blocks
-    ``context // Bs ..``.
+    ``context // Bs ..``; the blocks holding the prompt's last
+    ``settings.exact_tail`` tokens list every block ``0 .. i``.
     """
     bs, stride = settings.block_size, settings.stride
     first, _, _ = _row_blocks(row, bs)
@@ -165,6 +167,11 @@ def select_blocks(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: Ro
     prompt = torch.tensor([max(row.prompt, row.seq_len)], dtype=torch.int32)
     idx, lengths = run_indexer(inputs.qflat, inputs.kflat, inputs.vbias, inputs.q_seq_lens,
                                inputs.kv_seq_lens, prompt, metadata, settings.params)
+    # The prompt's tail (settings.exact_tail) on the same window: a widened
+    # row lists blocks 0 .. i, so it still ends at its own block.
+    idx, lengths = widen_tail(idx, lengths, torch.tensor([lead + row.q_len]),
+                              torch.tensor([row.seq_len]), prompt.long(), settings.exact_tail,
+                              bs, True, ceil_div(row.seq_len, bs))
     return idx[0], lengths[0]
 
 

@@ -50,7 +50,10 @@ class StemSettings:
     * ``oam`` (true), ``oam_lambda`` (0.3): the Output-Aware Metric;
     * ``min_prompt_tokens`` (0): prompts shorter than this run vLLM's kernel;
     * ``dense_above`` (0.9): a row whose budget keeps more than this share of
-      its visible block pairs runs vLLM's kernel (1.0: never for that reason).
+      its visible block pairs runs vLLM's kernel (1.0: never for that reason);
+    * ``exact_tail`` (0): the prompt's last ``exact_tail`` tokens (its
+      question) attend to every key, as ``stem_attention``'s option: the
+      blocks holding them, in the chunk that ends the prompt, list every block.
     """
 
     params: IndexerParams = IndexerParams()
@@ -59,6 +62,7 @@ class StemSettings:
     oam_lambda: float = DEFAULT_OAM_LAMBDA
     min_prompt_tokens: int = 0
     dense_above: float = DEFAULT_DENSE_ABOVE
+    exact_tail: int = 0
 
     @property
     def block_size(self) -> int:
@@ -84,7 +88,7 @@ class StemSettings:
     @classmethod
     def from_mapping(cls, section: Mapping[str, Any]) -> "StemSettings":
         known = ("preset", "oam", "oam_lambda", "min_prompt_tokens",
-                 "dense_above") + _INDEXER_KEYS
+                 "dense_above", "exact_tail") + _INDEXER_KEYS
         for key in section:
             if key not in known:
                 fail(_WHO, repr(key), f"is not a Stem setting (those are {', '.join(known)})",
@@ -113,7 +117,11 @@ class StemSettings:
                 or not (0.0 < dense_above <= 1.0)):
             fail(_WHO, "dense_above", "must be a number with 0 < dense_above <= 1",
                  repr(dense_above))
-        return cls(params, preset, oam, float(oam_lambda), min_prompt, float(dense_above))
+        exact_tail = section.get("exact_tail", 0)
+        if isinstance(exact_tail, bool) or not isinstance(exact_tail, int) or exact_tail < 0:
+            fail(_WHO, "exact_tail", "must be an int >= 0", repr(exact_tail))
+        return cls(params, preset, oam, float(oam_lambda), min_prompt, float(dense_above),
+                   exact_tail)
 
     def check_kv_block_size(self, kv_block_size: int) -> None:
         """Stem's blocks must be whole KV-cache pages (the kernel reads pages)."""
@@ -128,5 +136,5 @@ class StemSettings:
                    for f in dataclasses.fields(IndexerParams)
                    if getattr(self.params, f.name) != getattr(base, f.name)]
         extra = [f"oam={self.oam}", f"min_prompt_tokens={self.min_prompt_tokens}",
-                 f"dense_above={self.dense_above}"]
+                 f"dense_above={self.dense_above}", f"exact_tail={self.exact_tail}"]
         return f"preset={self.preset} " + " ".join(changed + extra)
