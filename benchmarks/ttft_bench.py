@@ -24,7 +24,13 @@ is the noise of the machine between two identical computations.
 Models as in ``ruler_bench.py``: ``smollm2`` with its RoPE scaled x4 by YaRN
 (a 32K window; a "32K" length is 32,752 tokens), ``gemma3`` in its own 32K
 window (its sliding-window layers take the windowed path under every Stem
-configuration, and SDPA's masked square under dense).
+configuration, and SDPA's masked square under dense). To time Stem's
+selection alone there, start ``--configs`` with ``dense-window`` (exact
+attention through the integration: SDPA in the global layers, the windowed
+path in the sliding ones); the ratios are then against it:
+
+    python benchmarks/ttft_bench.py --model gemma3 --lengths 8K,16K \
+        --configs dense-window,default,balanced,tight
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from ruler_bench import append, read  # the same resumable results file
 
 RESULTS = Path(__file__).resolve().with_name("ttft_results.jsonl")
 CONFIGS = ("dense", "default", "balanced", "tight")
+BASELINES = ("dense", "dense-window")  # what --configs may start with
 WINDOW = 32768 - 16  # the longest prompt, with room for the answer's positions
 WARM_UP = 8192  # tokens of the warm-up calls, at most
 
@@ -105,24 +112,26 @@ def run(args, echo=print) -> int:
 
 
 def table(rows: list[dict]) -> list[str]:
-    """The side-by-side tables, one per (model, dtype, machine)."""
+    """The side-by-side tables, one per (model, dtype, machine, configurations);
+    the ratios are against the first configuration (the baseline)."""
     lines = []
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["model"], r["dtype"], r["machine"]), []).append(r)
-    for (model, dtype, where), group in groups.items():
-        configs = group[0]["configs"]
+        groups.setdefault((r["model"], r["dtype"], r["machine"], tuple(r["configs"])),
+                          []).append(r)
+    for (model, dtype, where, configs), group in groups.items():
+        base = configs[0]
         lines += [f"{model}, {dtype}; {where}", "",
                   "| tokens | turns | " + " | ".join(f"{c} s" for c in configs)
-                  + " | " + " | ".join(f"dense / {c}, median [min, max]"
-                                       for c in configs if c != "dense")
+                  + " | " + " | ".join(f"{base} / {c}, median [min, max]"
+                                       for c in configs[1:])
                   + " | paths of the Stem calls |",
                   "|---|---|" + "---|" * (2 * len(configs) - 1) + "---|"]
         for length in sorted({r["length"] for r in group}):
             turns = [r for r in group if r["length"] == length]
             cells = [f"{statistics.median(r['seconds'][c] for r in turns):.2f}" for c in configs]
-            for c in configs[1:]:  # dense is first
-                ratios = [r["seconds"]["dense"] / r["seconds"][c] for r in turns]
+            for c in configs[1:]:
+                ratios = [r["seconds"][base] / r["seconds"][c] for r in turns]
                 cells.append(f"{statistics.median(ratios):.2f}x "
                              f"[{min(ratios):.2f}, {max(ratios):.2f}]")
             paths = []
@@ -144,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="2K,4K,8K,16K,32K",
                         help="comma-separated token counts (8K or 8192)")
     parser.add_argument("--configs", default=",".join(CONFIGS),
-                        help="dense first, then names of model_quality.CONFIGS")
+                        help="the baseline first (dense, or dense-window: exact "
+                             "attention through the integration), then names of "
+                             "model_quality.CONFIGS")
     parser.add_argument("--reps", type=int, default=3, help="turns per length")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--table", action="store_true", help="print the table and stop")
@@ -158,9 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--lengths: positive token counts such as 8K or 8192; got {args.lengths!r}")
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in args.configs if c not in mq.CONFIGS]
-    if unknown or not args.configs or args.configs[0] != "dense":
-        parser.error(f"--configs: dense first, then names of {list(mq.CONFIGS)}; "
-                     f"got {args.configs}")
+    if unknown or not args.configs or args.configs[0] not in BASELINES:
+        parser.error(f"--configs: {' or '.join(BASELINES)} first, then names of "
+                     f"{list(mq.CONFIGS)}; got {args.configs}")
     if args.reps < 1:
         parser.error(f"--reps must be >= 1; got {args.reps}")
     if not args.lengths:

@@ -360,12 +360,21 @@ def test_ttft_table_gives_per_turn_ratios_and_what_ran(tmp_path):
     assert cells[:4] == ["16384", "3", "3.00", "1.00"]  # medians of 2, 3, 4 and 1, 2, 1
     assert cells[4] == "2.00x [1.50, 4.00]"  # ratios 2.0, 1.5, 4.0
     assert cells[5] == "default: dense:budget keeps most blocks+stem (50%)"
+    # A run against another baseline is its own table, its ratios against it.
+    other = [dict(base, configs=["dense-window", "default"], length=16384, turn=0,
+                  seconds={"dense-window": 3.0, "default": 2.0}, paths={}, density={})]
+    lines = ttft_bench.table(rows + other)
+    assert sum(x.startswith("| 16384") for x in lines) == 2
+    assert any("dense-window / default" in x for x in lines)
+    line = [x for x in lines if x.startswith("| 16384")][1]
+    assert [c.strip() for c in line.strip("|").split("|")][4] == "1.50x [1.50, 1.50]"
 
 
 def test_ttft_lengths_and_configs_are_checked():
     import ttft_bench
     assert ttft_bench.length_arg("8K") == 8192 and ttft_bench.length_arg("32K") == 32752
     for bad in (["--lengths", "0"], ["--configs", "default,dense"], ["--reps", "0"],
+                ["--configs", "tight,default"],
                 ["--configs", "dense,fast"]):
         with pytest.raises(SystemExit):
             ttft_bench.main(bad)
