@@ -166,8 +166,8 @@ def stem_attention(
             list every key block their tokens can see, whatever the budget
             (``contract.tail_rows``; the prompt is ``num_prompt_tokens``, so
             only the chunk that holds its end is widened). 0 (default): off.
-            ``benchmarks/QUALITY.md`` ("An exact question block") measures it:
-            128 costs at most two rows per head and layer.
+            ``benchmarks/QUALITY.md`` ("An exact question block") measures it;
+            with 128-token blocks, 128 widens at most two rows per head.
         backend: ``block_sparse_attention``'s backend.
         return_lse: also return the float32 log-sum-exp [B, Hq, Sq] of the
             scores attended (for merging partial results).

@@ -64,10 +64,10 @@ def check_stem_options(who: str, *, causal: bool = True, preset: str = "default"
                        exact_tail: int = 0, backend: str = "auto",
                        **indexer_params) -> tuple[IndexerParams, float | None]:
     """The checks of ``stem_attention``'s options that need no tensor (the
-    indexer's parameters and preset, the OAM, the dense threshold, the
-    exact tail, the backend), in one place for every caller that fixes them ahead of the
-    call (``integrations.transformers.register``). Returns the indexer's
-    parameters and ``indexer_scale`` as a float (or None)."""
+    indexer's parameters and preset, the OAM, the dense threshold, the exact
+    tail, the backend), in one place for every caller that fixes them ahead
+    of the call (``integrations.transformers.register``). Returns the
+    indexer's parameters and ``indexer_scale`` as a float (or None)."""
     params = IndexerParams.from_kwargs(who, preset=preset, causal=causal, **indexer_params)
     check_bool(who, "oam", oam)
     check_oam_lambda(oam_lambda, who)
