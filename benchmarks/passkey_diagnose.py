@@ -34,7 +34,9 @@ reference is ``dense-window``, exact attention through the integration):
 ``--dense-last-block`` runs the prompt once more with the configuration's
 selection everywhere but in the last query block (the question's, whose
 last position gives the first answer token), which attends to every key in
-each layer Stem selects for, and says whether that finds the key.
+each layer Stem selects for (the configuration with ``exact_tail`` of one
+block's tokens: the blocks holding the prompt's last 128), and says whether
+that finds the key.
 """
 
 from __future__ import annotations
@@ -89,23 +91,6 @@ def capture(fn, trial):
     finally:
         del fn._stem
     return found, seen
-
-
-def last_block_dense(fn, block: int):
-    """A replacement for ``fn._stem``: its output, with the last ``block``
-    query rows recomputed by dense causal attention over every key."""
-    original = fn._stem
-
-    def stem(module, query, key_, value, **kwargs):
-        out = original(module, query, key_, value, **kwargs).clone()
-        s, rows = query.shape[2], min(block, query.shape[2])
-        keys = key_.shape[2]
-        seen = torch.arange(keys - rows, keys)[:, None] >= torch.arange(keys)[None, :]
-        out[:, :, s - rows:] = torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, s - rows:], key_, value, attn_mask=seen, scale=kwargs.get("scale"),
-            enable_gqa=True)
-        return out
-    return stem
 
 
 def ruler_passkey(model_name: str, tok, length: int, trial: int, block: int):
@@ -198,6 +183,9 @@ def main(argv=None) -> int:
     elif args.depth is None or args.key is None:
         parser.error("--depth and --key (or --trial) are required")
     config = dict(mq.CONFIGS[args.config])
+    if config.get("exact_tail"):
+        parser.error(f"--config {args.config}: its question's blocks attend to every key, so "
+                     "their ranks say nothing; diagnose the configuration without the tail")
     for item in args.set:
         name, _, value = item.partition("=")
         if name not in contract.PARAM_NAMES or not value:
@@ -213,26 +201,30 @@ def main(argv=None) -> int:
         parser.error(str(err))
     factor = 4.0 if args.length > 8192 and args.model == "smollm2" else None
     block = params.stem_block_size
+    # --dense-last-block: the same configuration, the last block's rows exact
+    tail = {"tail": {**config, "exact_tail": block}} if args.dense_last_block else {}
     if args.ruler_trial is not None:
         tok, model = mq.load_model(args.model, mq.default_dtype(), rope_factor=factor)
         names = [args.config] + (["dense-window"] if args.model == "gemma3" else [])
-        fns = mq.register({n: config if n == args.config else mq.CONFIGS[n] for n in names})
+        fns = mq.register({**{n: config if n == args.config else mq.CONFIGS[n] for n in names},
+                           **tail})
         fn = fns[args.config]
         length, blocks, run, what = ruler_passkey(args.model, tok, args.length, args.ruler_trial,
                                                   block)
-        def trial() -> bool:
-            return run(model, fn.name)
-        found, seen = capture(fn, trial)
+        def trial(impl: str) -> bool:
+            return run(model, impl)
+        found, seen = capture(fn, lambda: trial(fn.name))
         reference = fns["dense-window"].name if args.model == "gemma3" else "sdpa"
         dense = run(model, reference)
     else:
         tok, model = mq.load(mq.default_dtype(), rope_factor=factor, rope=args.rope)
-        fn = mq.register({args.config: config})[args.config]
+        fns = mq.register({args.config: config, **tail})
+        fn = fns[args.config]
         length = args.length
         blocks = needle_blocks(tok, args.length, args.depth, args.key, block)
-        def trial() -> bool:
-            return mq.passkey_trial(model, tok, fn.name, args.length, args.depth, args.key)
-        found, seen = capture(fn, trial)
+        def trial(impl: str) -> bool:
+            return mq.passkey_trial(model, tok, impl, args.length, args.depth, args.key)
+        found, seen = capture(fn, lambda: trial(fn.name))
         dense = mq.passkey_trial(model, tok, "sdpa", args.length, args.depth, args.key)
         what = f"depth {args.depth}, key {args.key}"
     label = " ".join([args.config, *args.set])
@@ -247,11 +239,7 @@ def main(argv=None) -> int:
         where = f"{statistics.median(ranks):g}, {min(ranks)}" if ranks else "-"
         print(f"| {layer} | {kept}/{q.shape[1]} | {where} | {budget} |")
     if args.dense_last_block:
-        fn._stem = last_block_dense(fn, block)
-        try:
-            again = trial()
-        finally:
-            del fn._stem
+        again = trial(fns["tail"].name)
         print(f"\nWith the last query block attending to every key: Stem "
               f"{'found' if again else 'missed'} it")
     return 0

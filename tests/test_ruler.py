@@ -404,20 +404,12 @@ def test_diagnosis_replays_a_ruler_passkey_trial_and_finds_its_needle_blocks():
     assert sample.expected[0] in decode(sample.ids[blocks[0] * 64:(blocks[-1] + 1) * 64])
 
 
-def test_dense_last_block_recomputes_only_the_last_query_block_exactly():
-    """``passkey_diagnose --dense-last-block``: the configuration's output
-    everywhere but the last query block, which is causal attention over
-    every key (GQA), as an explicit softmax computes it."""
+def test_diagnosis_refuses_a_configuration_whose_question_is_exact(capsys):
+    """``passkey_diagnose`` ranks the needle in the question's row, which a
+    ``-tail`` configuration does not select: refused before any model loads."""
     import passkey_diagnose
-    gen = torch.Generator().manual_seed(2)
-    q = torch.randn(1, 4, 300, 16, generator=gen)
-    k, v = (torch.randn(1, 2, 300, 16, generator=gen) for _ in range(2))
-    fn = type("Fn", (), {"_stem": staticmethod(lambda module, q_, k_, v_, **kw:
-                                               torch.full_like(q_, 7.0))})()
-    out = passkey_diagnose.last_block_dense(fn, 128)(None, q, k, v, scale=0.3)
-    assert bool((out[:, :, :172] == 7.0).all())
-    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
-    logits = (q[:, :, 172:] @ kk.transpose(-1, -2)) * 0.3
-    visible = torch.arange(172, 300)[:, None] >= torch.arange(300)[None, :]
-    want = logits.masked_fill(~visible, -torch.inf).softmax(-1) @ vv
-    torch.testing.assert_close(out[:, :, 172:], want)
+    with pytest.raises(SystemExit):
+        passkey_diagnose.main(["--config", "tight-tail", "--length", "4096", "--depth", "0.5",
+                               "--key", "12345"])
+    assert "attend to every key" in capsys.readouterr().err
+
