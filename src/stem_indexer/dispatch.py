@@ -192,6 +192,8 @@ def widen_tail(idx: torch.Tensor, lengths: torch.Tensor, qlen, kvlen, prompt, ta
     prompt's last ``tail`` tokens) widened to every key block its tokens can
     see: those rows are then dense attention. The lists are copied (and made
     ``kmax`` wide) only where a row changes."""
+    if tail <= 0:  # the default: nothing to read back from the lengths
+        return idx, lengths
     rows = [(b, contract.tail_rows(ql, kl, p, tail, bs))
             for b, (ql, kl, p) in enumerate(zip(qlen.tolist(), kvlen.tolist(), prompt.tolist()))]
     rows = [(b, r) for b, r in rows if r]

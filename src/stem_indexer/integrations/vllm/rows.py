@@ -169,9 +169,10 @@ def select_blocks(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: Ro
                                inputs.kv_seq_lens, prompt, metadata, settings.params)
     # The prompt's tail (settings.exact_tail) on the same window: a widened
     # row lists blocks 0 .. i, so it still ends at its own block.
-    idx, lengths = widen_tail(idx, lengths, torch.tensor([lead + row.q_len]),
-                              torch.tensor([row.seq_len]), prompt.long(), settings.exact_tail,
-                              bs, True, ceil_div(row.seq_len, bs))
+    if settings.exact_tail:
+        idx, lengths = widen_tail(idx, lengths, torch.tensor([lead + row.q_len]),
+                                  torch.tensor([row.seq_len]), prompt.long(),
+                                  settings.exact_tail, bs, True, ceil_div(row.seq_len, bs))
     return idx[0], lengths[0]
 
 
