@@ -297,11 +297,12 @@ def pairs(args) -> None:
             td.append(t1 - t0)
             ti.append(t2 - t1)
             tk.append(t3 - t2)
-        plan = plan_row(row, settings)
+        # the pairs the kernel ran: the budget's, and the prompt's widened tail
+        share = float(sel[1].sum()) / (hq * plan_row(row, settings).visible)
         d, i, k = (statistics.median(t) * 1e3 for t in (td, ti, tk))
         ratios = [a / (b + c) for a, b, c in zip(td, ti, tk)]
-        per_pair = (k / plan.share) / d  # kernel time per kept pair over dense's per pair
-        lines.append(f"| {length} | {plan.share:.0%} | {d:.0f} | {i + k:.0f}: {i:.0f} + {k:.0f} "
+        per_pair = (k / share) / d  # kernel time per kept pair over dense's per pair
+        lines.append(f"| {length} | {share:.0%} | {d:.0f} | {i + k:.0f}: {i:.0f} + {k:.0f} "
                      f"| {statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}] "
                      f"| {per_pair:.2f} |")
         print(lines[-1], flush=True)

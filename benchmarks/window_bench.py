@@ -75,7 +75,8 @@ def measure_budget(seq: int, dtype: torch.dtype, budget: int, reps: int) -> dict
     q = torch.randn(1, 8, seq, 128, generator=gen).to(dtype)
     k, v = (torch.randn(1, 2, seq, 128, generator=gen).to(dtype) for _ in range(2))
     kwargs = dict(k_block_num_rate_medium=0.0, k_block_num_bias_medium=budget,
-                  k_block_num_rate_large=0.0, k_block_num_bias_large=budget, dense_above=1.0)
+                  k_block_num_rate_large=0.0, k_block_num_bias_large=budget, dense_above=1.0,
+                  exact_tail=0)  # the budget's density, no row widened
     info = []
 
     def dense():

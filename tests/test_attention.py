@@ -262,11 +262,12 @@ def test_block_sparse_invalid_inputs(mutate, arg):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_stem_attention_is_the_indexer_selection(causal):
     """Long enough for the budget to drop blocks: the result is block-sparse
-    attention over exactly the indexer's selection (with scale/stride folded)."""
+    attention over exactly the indexer's selection (with scale/stride folded;
+    ``exact_tail=0``: no row widened, test_exact_tail_* cover the default)."""
     q, k, v = qkv(2, 4, 2, 1100, 1100, 8, 15)
     lens = [1100, 900]
     out = stem_attention(q, k, v, causal=causal, q_lens=lens, kv_lens=lens, dense_above=1.0,
-                         **SMALL)
+                         exact_tail=0, **SMALL)
     inputs = stem_indexer.stem_inputs(q, k, v, q_lens=lens, kv_lens=lens, scale=8 ** -0.5 / 4,
                                       stem_block_size=16, stem_stride=4)
     idx, seq_len = stem_indexer.stem_indexer(*inputs, causal=causal, stem_block_size=16,
@@ -286,7 +287,7 @@ def test_stem_attention_parameters_reach_the_indexer(change):
     attention on exactly the indexer's selection with that parameter: the
     float64 masked reference on the blocks the op keeps."""
     q, k, v = qkv(1, 2, 2, 1100, 1100, 8, 16)
-    out = stem_attention(q, k, v, **change, dense_above=1.0, **SMALL)
+    out = stem_attention(q, k, v, **change, dense_above=1.0, exact_tail=0, **SMALL)
     oam = {name: change[name] for name in ("oam", "oam_lambda") if name in change}
     indexer = {name: value for name, value in change.items() if name not in oam}
 
@@ -311,13 +312,15 @@ def test_exact_tail_rows_attend_to_every_block(tail, prompt):
     """The query blocks holding the prompt's last ``tail`` tokens attend to
     every block their tokens can see (the float64 dense reference on them);
     every other row is the indexer's selection, bit for bit as without the
-    option; the kept pairs count the widened rows."""
+    option; the kept pairs count the widened rows. 128 is the default."""
     q, k, v = qkv(2, 4, 2, 1100, 1100, 8, 15)
     lens = [1100, 900]
     kw = dict(q_lens=lens, kv_lens=lens, num_prompt_tokens=prompt, dense_above=1.0,
               return_info=True, **SMALL)
-    base, base_info = stem_attention(q, k, v, **kw)
+    base, base_info = stem_attention(q, k, v, exact_tail=0, **kw)
     out, info = stem_attention(q, k, v, exact_tail=tail, **kw)
+    if tail == 128:
+        assert torch.equal(stem_attention(q, k, v, **kw)[0], out)
     inputs = stem_indexer.stem_inputs(q, k, v, q_lens=lens, kv_lens=lens, scale=8 ** -0.5 / 4,
                                       **SMALL)
     idx, seq_len = stem_indexer.stem_indexer(

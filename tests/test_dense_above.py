@@ -53,13 +53,14 @@ def test_budget_pairs_equal_a_hand_count(q_len, kv_len, prompt_len, change):
 
 def test_budget_pairs_are_what_the_indexer_keeps():
     """Summed over a batch of two lengths: the pairs the indexer's own lists
-    hold (every head alike) and the visible pairs stem_attention reports."""
+    hold (every head alike) and the visible pairs stem_attention reports
+    (``exact_tail=0``: the count is the budget's, before any row is widened)."""
     q, k, v = qkv(2, 4, 2, SEQ, SEQ, 8, seed=3)
     lens = torch.tensor([SEQ, 900])
     params = IndexerParams(**SMALL)
     kept, visible = contract.budget_pairs(lens, lens, lens, params)
     _, info = stem_attention(q, k, v, q_lens=lens, kv_lens=lens, dense_above=1.0,
-                             return_info=True, **SMALL)
+                             exact_tail=0, return_info=True, **SMALL)
     assert info.path == "sparse"
     assert (info.kept_pairs, info.visible_pairs) == (4 * kept, 4 * visible)
 
@@ -76,7 +77,8 @@ def test_a_budget_above_the_share_runs_dense_and_equals_sdpa():
 
 def test_a_budget_below_the_share_runs_sparse_on_the_indexers_selection():
     q, k, v = qkv(1, 4, 2, SEQ, SEQ, 8, seed=1)
-    out, info = stem_attention(q, k, v, dense_above=0.99, return_info=True, **SMALL)
+    out, info = stem_attention(q, k, v, dense_above=0.99, exact_tail=0, return_info=True,
+                               **SMALL)
     assert info.path == "sparse" and 0.95 < info.density < 0.99
     inputs = stem_indexer.stem_inputs(q, k, v, scale=8 ** -0.5 / 4, **SMALL)
     idx, seq_len = stem_indexer.stem_indexer(*inputs, **SMALL)

@@ -91,7 +91,7 @@ def test_sparse_path_lse_matches_its_selection():
     q, k, v = qkv(1, 2, 1, 1100, 1100, 8, 4)
     scale = 8 ** -0.5
     out, lse, info = stem_attention(q, k, v, return_lse=True, return_info=True, preset="tight",
-                                    **SMALL)
+                                    exact_tail=0, **SMALL)
     assert info.path == "sparse" and info.density < 0.5
     inputs = stem_indexer.stem_inputs(q, k, v, stem_block_size=16, stem_stride=4, scale=scale / 4)
     idx, seq_len = stem_indexer.stem_indexer(*inputs, **PRESETS["tight"], **SMALL)
@@ -258,7 +258,7 @@ def test_softcap_on_the_dense_and_sparse_paths(backend):
     q, k, v = qkv(1, 2, 1, 1100, 1100, 8, 8)
     q = q * 4
     capped, info = stem_attention(q, k, v, softcap=5.0, backend=backend, return_info=True,
-                                  dense_above=1.0, **SMALL)
+                                  dense_above=1.0, exact_tail=0, **SMALL)
     assert info.path == "sparse" and info.backend == backend
     inputs = stem_indexer.stem_inputs(q, k, v, scale=scale / 4, **SMALL)
     idx, seq_len = stem_indexer.stem_indexer(*inputs, **SMALL)
@@ -298,7 +298,7 @@ def test_info_tells_which_path_ran():
     _, info = stem_attention(q[:, :, :1], k, v, return_info=True, **SMALL)
     assert (info.path, info.reason) == ("dense", "decode")
     q, k, v = qkv(1, 2, 1, 1100, 1100, 8, 12)
-    _, info = stem_attention(q, k, v, return_info=True, preset="tight", **SMALL)
+    _, info = stem_attention(q, k, v, return_info=True, preset="tight", exact_tail=0, **SMALL)
     assert info.path == "sparse" and info.reason == "" and 0 < info.density < 0.5
     assert info.visible_pairs == 2 * 69 * 70 // 2
 

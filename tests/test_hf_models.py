@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 import stem_indexer  # noqa: E402
 import stem_indexer.integrations.transformers as stem_hf  # noqa: E402
 from stem_indexer import PRESETS  # noqa: E402
+from stem_indexer.contract import DEFAULT_EXACT_TAIL  # noqa: E402
 
 BLOCKING = dict(stem_block_size=16, stem_stride=4)
 KEEP_ALL = dict(k_block_num_bias_medium=10**6, k_block_num_bias_large=10**6)
@@ -71,10 +72,12 @@ def _logits(model, impl, ids):
 DEFAULT_FAMILIES = ("llama", "gemma2", "qwen3")
 
 
-def _sparse_reference(q, k, v, scale, softcap, params):
+def _sparse_reference(q, k, v, scale, softcap, params, tail=DEFAULT_EXACT_TAIL):
     """float64 attention of one layer's q/k/v on the blocks the indexer keeps
     (its own lists, from stem_inputs and the op), right-down causal, the
-    scores capped as the model caps them."""
+    scores capped as the model caps them; the query blocks holding the
+    prompt's last ``tail`` tokens (the default ``exact_tail``) keep every
+    block (one unpadded prompt: q_len == kv_len == the prompt)."""
     bs, stride = params["stem_block_size"], params["stem_stride"]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     inputs = stem_indexer.stem_inputs(q, k, v, scale=scale / stride, stem_block_size=bs,
@@ -85,6 +88,8 @@ def _sparse_reference(q, k, v, scale, softcap, params):
     rows = torch.zeros(*idx.shape[:3], kb + 1, dtype=torch.bool)
     entries = torch.arange(idx.shape[-1]) < seq_len[..., None]
     rows.scatter_(-1, torch.where(entries, idx.long(), kb), True)
+    assert q.shape[2] == k.shape[2]
+    rows[:, :, max(q.shape[2] - tail, 0) // bs:] = True
     listed = rows[..., :kb].repeat_interleave(bs, 2)[:, :, :sq].repeat_interleave(bs, 3)
     causal = torch.arange(skv)[None, :] <= torch.arange(sq)[:, None] + skv - sq
     group = q.shape[1] // k.shape[1]

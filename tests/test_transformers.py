@@ -157,22 +157,22 @@ def test_exact_tail_reaches_each_padded_run(model, registered):
     """``register(exact_tail=...)`` reaches stem_attention for each valid run
     of a padded batch: a tail as long as the prompt makes every row exact
     (SDPA's logits, through the sparse path), a 40-token tail changes the
-    logits of its own blocks only (causal: earlier tokens never see it)."""
+    logits of its own blocks only against ``exact_tail=0`` (causal: earlier
+    tokens never see it)."""
     ids = _ids(3, 1024, seed=4)
     mask = torch.ones_like(ids)
     mask[1, :100] = 0        # left padding: the rotated path
     mask[2, -70:] = 0        # right padding
     valid = mask.bool()
-    sparse_pairs_before = registered[SPARSE].kept_pairs
-    sparse = _logits(model, SPARSE, ids, mask)
-    everything = stem_hf.register("stem-test-tail-all", exact_tail=4096, **BLOCKING, **TIGHT)
-    tail = stem_hf.register("stem-test-tail", exact_tail=40, **BLOCKING, **TIGHT)
+    names = {"none": 0, "tail": 40, "all": 4096}
+    fns = {key: stem_hf.register(f"stem-test-tail-{key}", exact_tail=n, **BLOCKING, **TIGHT)
+           for key, n in names.items()}
     try:
-        exact = _logits(model, "stem-test-tail-all", ids, mask)
-        last = _logits(model, "stem-test-tail", ids, mask)
+        sparse, last, exact = (_logits(model, fns[key].name, ids, mask) for key in names)
     finally:
-        stem_hf.unregister("stem-test-tail-all")
-        stem_hf.unregister("stem-test-tail")
+        for fn in fns.values():
+            stem_hf.unregister(fn.name)
+    everything, tail = fns["all"], fns["tail"]
     assert dict(everything.stats) == {"stem-rotated": 2}, everything.stats
     assert everything.kept_pairs == everything.visible_pairs  # every row widened
     torch.testing.assert_close(exact[valid], _logits(model, "sdpa", ids, mask)[valid],
@@ -186,7 +186,7 @@ def test_exact_tail_reaches_each_padded_run(model, registered):
     assert torch.equal(last[valid & ~in_tail], sparse[valid & ~in_tail])
     for b in range(3):  # each run's tail is its own: changed in every one
         assert not torch.allclose(last[b][in_tail[b]], sparse[b][in_tail[b]])
-    assert tail.kept_pairs > registered[SPARSE].kept_pairs - sparse_pairs_before
+    assert tail.kept_pairs > fns["none"].kept_pairs
 
 
 def test_generate_matches_sdpa_greedy(model, registered):

@@ -297,6 +297,7 @@ def test_sparse_rows_equal_stem_attention_on_the_same_inputs(model):
     run = cached(model, "sparse", SPARSE, check_rows=True)
     rec = run["record"]
     assert rec["rows"] > 20 and rec["selection_mismatches"] == 0, rec
+    assert rec["tail_rows"] > 0, rec  # the default exact_tail: the prompts' last rows
     assert rec["max_error"] < 1e-5, rec
     assert rec["kinds"].get("continuation", 0) > 0 and rec["kinds"].get("prefix hit", 0) > 0, rec
     assert rec["unaligned"] > 0, rec  # chunks starting inside a block

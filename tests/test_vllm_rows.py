@@ -41,8 +41,8 @@ def test_settings_take_a_preset_and_overrides():
                                          "stem_block_size": 64, "stem_stride": 8, "alpha": 0.5})
     assert s.params == want and s.min_prompt_tokens == 4096 and s.dense_above == 1.0
     assert "preset=tight" in s.describe() and "alpha=0.5" in s.describe()
-    assert s.exact_tail == 0 and "exact_tail=0" in s.describe()
-    assert StemSettings.from_mapping({"exact_tail": 128}).exact_tail == 128
+    assert s.exact_tail == 128 and "exact_tail=128" in s.describe()  # the default
+    assert StemSettings.from_mapping({"exact_tail": 0}).exact_tail == 0
 
 
 @pytest.mark.parametrize("section, key", [
@@ -106,9 +106,10 @@ def _random_row(gen, bs: int, prompt: int) -> Row:
 @pytest.mark.parametrize("preset", ["default", "tight"])
 def test_planned_pairs_are_what_the_indexer_keeps(preset):
     """plan_row (budget only, before scoring) = the indexer's own lengths,
-    for rows at any offset of long prompts."""
+    for rows at any offset of long prompts (no tail widened)."""
     bs, hq, hkv, dim = 16, 4, 2, 8
-    s = StemSettings.from_mapping({"preset": preset, "stem_block_size": bs, "stem_stride": 4})
+    s = StemSettings.from_mapping({"preset": preset, "stem_block_size": bs, "stem_stride": 4,
+                                   "exact_tail": 0})
     gen = torch.Generator().manual_seed(0)
     for prompt in (900, 2000, 3000):
         for _ in range(4):

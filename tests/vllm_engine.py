@@ -8,7 +8,9 @@ backend), ``engine`` (keyword arguments of ``vllm.LLM``), ``batches`` (lists of
 ``check_rows`` (compare every Stem row of every layer with ``stem_attention``
 on the same queries, keys and values). The result holds each request's
 tokens and their log-probabilities, ``stats(llm)``, and with ``check_rows`` the
-rows checked, their kinds and the largest difference from ``stem_attention``.
+rows checked, their kinds, the largest difference from ``stem_attention``, the
+selections that differ from the indexer's own lists (the prompt's tail rows,
+``exact_tail``, held to every block by hand) and how many tail rows there were.
 Each configuration runs in a process of its own: vLLM keeps process-wide
 state (its configuration, the distributed group, the platform).
 """
@@ -45,7 +47,8 @@ def _checker(settings, record: dict):
             want = stem_indexer.stem_attention(
                 q, trace.key[None], trace.value[None], scale=trace.scale,
                 num_prompt_tokens=prompt, oam=settings.oam, oam_lambda=settings.oam_lambda,
-                min_q_blocks=0, dense_above=1.0, **params)[0, :, lead:].transpose(0, 1)
+                min_q_blocks=0, dense_above=1.0, exact_tail=settings.exact_tail,
+                **params)[0, :, lead:].transpose(0, 1)
             inputs = stem_indexer.stem_inputs(q, trace.key[None], trace.value[None],
                                               stem_block_size=bs,
                                               stem_stride=settings.stride,
@@ -56,8 +59,21 @@ def _checker(settings, record: dict):
                 inputs.kv_seq_lens, num_prompt_tokens=torch.tensor(prompt, dtype=torch.int32),
                 **params)
         err = (trace.output.double() - want.double()).abs().max().item()
-        same = (torch.equal(lengths[0], trace.lengths)
-                and torch.equal(idx[0, ..., :trace.indices.shape[-1]], trace.indices))
+        # The indexer's lists, with each query block holding one of the
+        # prompt's last exact_tail tokens widened by hand: the row's block j
+        # is block first + j of the prompt and sees blocks 0 .. first + j.
+        first, width = row.context // bs, trace.indices.shape[-1]
+        want_idx = idx.new_full((hq, trace.lengths.shape[1], width), -1)
+        want_idx[..., :min(width, idx.shape[-1])] = idx[0, ..., :width]
+        want_len = lengths[0].clone()
+        for j in range(want_len.shape[1]):
+            last = min((first + j + 1) * bs, row.seq_len) - 1  # its last query's position
+            if settings.exact_tail and last >= prompt[0] - settings.exact_tail:
+                want_idx[:, j] = torch.where(torch.arange(width) <= first + j,
+                                             torch.arange(width), -1)
+                want_len[:, j] = first + j + 1
+                record["tail_rows"] += 1
+        same = torch.equal(want_len, trace.lengths) and torch.equal(want_idx, trace.indices)
         record["rows"] += 1
         record["max_error"] = max(record["max_error"], err)
         record["selection_mismatches"] += not same
@@ -78,8 +94,8 @@ def main() -> None:
     if spec.get("stem") is not None:
         kwargs.update(attention_backend="CUSTOM", additional_config={"stem": spec["stem"]})
     llm = LLM(model=spec["model"], seed=0, **kwargs)
-    record = {"rows": 0, "max_error": 0.0, "selection_mismatches": 0, "kinds": {},
-              "unaligned": 0, "beside_other_rows": 0}
+    record = {"rows": 0, "max_error": 0.0, "selection_mismatches": 0, "tail_rows": 0,
+              "kinds": {}, "unaligned": 0, "beside_other_rows": 0}
     if spec.get("check_rows"):
         from stem_indexer.integrations.vllm import backend
         from stem_indexer.integrations.vllm.settings import StemSettings

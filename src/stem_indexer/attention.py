@@ -53,7 +53,7 @@ from .checks import (BACKENDS, MAX_HEADS, _check_backend, _check_inference,  # n
                      _check_layout, _check_scale, _check_selection, _check_softcap,
                      check_backend_fits, check_stem_options)
 from . import contract
-from .contract import PARAM_NAMES, ceil_div, check_bool, check_int, fail
+from .contract import DEFAULT_EXACT_TAIL, PARAM_NAMES, ceil_div, check_bool, check_int, fail
 from .contract import dense_is_exact as _dense_is_exact  # noqa: F401  (its former home)
 from .dense import dense_attention
 from .dispatch import StemInfo, _backend, _native, _visible_pairs  # noqa: F401
@@ -129,7 +129,8 @@ def stem_attention(
     q_lens: Lengths = None, kv_lens: Lengths = None, num_prompt_tokens: Lengths = None,
     preset: str = "default",
     oam: bool = True, oam_lambda: float = DEFAULT_OAM_LAMBDA, indexer_scale: float | None = None,
-    min_q_blocks: int = 2, dense_above: float | None = None, exact_tail: int = 0,
+    min_q_blocks: int = 2, dense_above: float | None = None,
+    exact_tail: int = DEFAULT_EXACT_TAIL,
     backend: str = "auto", return_lse: bool = False, return_info: bool = False,
     **indexer_params,
 ) -> torch.Tensor | tuple:
@@ -165,9 +166,10 @@ def stem_attention(
             prompt's question) attend exactly: the query blocks holding them
             list every key block their tokens can see, whatever the budget
             (``contract.tail_rows``; the prompt is ``num_prompt_tokens``, so
-            only the chunk that holds its end is widened). 0 (default): off.
-            ``benchmarks/QUALITY.md`` ("An exact question block") measures it;
-            with 128-token blocks, 128 widens at most two rows per head.
+            only the chunk that holds its end is widened). Default 128
+            (``contract.DEFAULT_EXACT_TAIL``): with 128-token blocks, one or
+            two rows per head; 0: every row is the indexer's selection.
+            ``benchmarks/QUALITY.md`` ("An exact question block") measures it.
         backend: ``block_sparse_attention``'s backend.
         return_lse: also return the float32 log-sum-exp [B, Hq, Sq] of the
             scores attended (for merging partial results).

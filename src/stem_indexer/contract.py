@@ -34,6 +34,7 @@ __all__ = [
     "row_budget",
     "reach_blocks",
     "tail_rows",
+    "DEFAULT_EXACT_TAIL",
     "check_exact_tail",
     "dense_is_exact",
     "budget_pairs",
@@ -295,6 +296,15 @@ def tail_rows(q_len: int, kv_len: int, prompt: int, tail: int, block_size: int) 
     if tail <= 0 or q_len <= 0 or kv_len <= 0 or first >= q_len:
         return range(0)
     return range(max(first, 0) // block_size, (q_len - 1) // block_size + 1)
+
+
+# The prompt's last tokens that attend to every key by default, a retrieval
+# prompt's question (docs/CONTRACT.md section 7). On Gemma-3-270M's RULER
+# passkeys every one the presets lost at 16K and 32K was lost in the
+# question's own query block; with 128 exact tokens each preset finds every
+# passkey that exact attention finds, for one or two more rows per head and
+# layer (benchmarks/QUALITY.md, "An exact question block").
+DEFAULT_EXACT_TAIL = 128
 
 
 def check_exact_tail(who: str, value) -> None:

@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ...contract import PARAM_NAMES, PRESETS, IndexerParams, StemIndexerInputError, fail
+from ...contract import (DEFAULT_EXACT_TAIL, PARAM_NAMES, PRESETS, IndexerParams,
+                         StemIndexerInputError, fail)
 from ...prepare import DEFAULT_OAM_LAMBDA
 
 __all__ = ["StemSettings", "SETTINGS_KEY", "DEFAULT_DENSE_ABOVE"]
@@ -51,9 +52,10 @@ class StemSettings:
     * ``min_prompt_tokens`` (0): prompts shorter than this run vLLM's kernel;
     * ``dense_above`` (0.9): a row whose budget keeps more than this share of
       its visible block pairs runs vLLM's kernel (1.0: never for that reason);
-    * ``exact_tail`` (0): the prompt's last ``exact_tail`` tokens (its
-      question) attend to every key, as ``stem_attention``'s option: the
-      blocks holding them, in the chunk that ends the prompt, list every block.
+    * ``exact_tail`` (128, ``contract.DEFAULT_EXACT_TAIL``): the prompt's last
+      ``exact_tail`` tokens (its question) attend to every key, as
+      ``stem_attention``'s option: the blocks holding them, in the chunk that
+      ends the prompt, list every block; 0 keeps the indexer's selection there.
     """
 
     params: IndexerParams = IndexerParams()
@@ -62,7 +64,7 @@ class StemSettings:
     oam_lambda: float = DEFAULT_OAM_LAMBDA
     min_prompt_tokens: int = 0
     dense_above: float = DEFAULT_DENSE_ABOVE
-    exact_tail: int = 0
+    exact_tail: int = DEFAULT_EXACT_TAIL
 
     @property
     def block_size(self) -> int:
@@ -117,7 +119,7 @@ class StemSettings:
                 or not (0.0 < dense_above <= 1.0)):
             fail(_WHO, "dense_above", "must be a number with 0 < dense_above <= 1",
                  repr(dense_above))
-        exact_tail = section.get("exact_tail", 0)
+        exact_tail = section.get("exact_tail", DEFAULT_EXACT_TAIL)
         if isinstance(exact_tail, bool) or not isinstance(exact_tail, int) or exact_tail < 0:
             fail(_WHO, "exact_tail", "must be an int >= 0", repr(exact_tail))
         return cls(params, preset, oam, float(oam_lambda), min_prompt, float(dense_above),
