@@ -516,7 +516,9 @@ def register(name: str = "stem", *, min_prefill_tokens: int | None = None,
         **stem_kwargs: keyword arguments for every ``stem_attention`` call
             (``preset``, ``stem_block_size``, ``stem_stride``, ``alpha``,
             ``initial_blocks``, ``window_size``, ``oam``, ``oam_lambda``,
-            budget rates, ``backend``, ...). The model supplies q/k/v,
+            budget rates, ``exact_tail`` (128: the prompt's last 128 tokens
+            attend to every key; 0: every row is the indexer's), ``backend``,
+            ...). The model supplies q/k/v,
             ``causal``, ``scale``, ``softcap`` and the lengths; the
             integration asks for the info it counts.
 
