@@ -344,6 +344,22 @@ def _results(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def stem_config_name(stem: dict) -> str:
+    """The name a Stem engine's trials get in the results: its preset, with
+    ``-tail`` where the prompt's last tokens attend exactly (``exact_tail``,
+    128 unless the settings say otherwise; ``-tailN`` for another count), and
+    any other setting spelled out. ``{"preset": "default", "exact_tail": 0}``
+    is ``default``, the name of every trial recorded before that default."""
+    from stem_indexer.integrations.vllm.settings import StemSettings
+
+    settings = StemSettings.from_mapping(stem)
+    name = settings.preset
+    if settings.exact_tail:
+        name += "-tail" if settings.exact_tail == 128 else f"-tail{settings.exact_tail}"
+    rest = {k: v for k, v in stem.items() if k not in ("preset", "exact_tail")}
+    return f"{name} {json.dumps(rest, sort_keys=True)}" if rest else name
+
+
 def passkey(args) -> None:
     if args.table:  # from the results file alone: no model, no engine
         done = _results(Path(args.results))
@@ -359,10 +375,12 @@ def passkey(args) -> None:
     trials = [int(x) for x in args.trials.split(",")]
     results = Path(args.results)
     done = _results(results)
-    configs = {"vllm": None, "default": json.loads(args.stem)}
+    stem = json.loads(args.stem)
+    configs = {"vllm": None, stem_config_name(stem): stem}
     only = [c.strip() for c in args.configs.split(",") if c.strip()]
-    if not only or set(only) - set(configs):
-        raise SystemExit(f"--configs: choose from {', '.join(configs)}; got {args.configs!r}")
+    if not only or set(only) - {"vllm", "stem"}:
+        raise SystemExit(f"--configs: choose from vllm, stem; got {args.configs!r}")
+    only = ["vllm" if c == "vllm" else stem_config_name(stem) for c in only]
     window = _window(args.model)
     lengths = [min(length, window - 16) for length in lengths]
     limit = min(max(lengths) + 64, window)
@@ -422,7 +440,8 @@ def oneshot(args) -> None:
                 out = model.generate(ids, max_new_tokens=8, do_sample=False)
             text = tok.decode(out[0, ids.shape[1]:])
             print(json.dumps({"length": args.length, "trial": t, "depth": round(depth, 3),
-                              "config": "dense" if impl == "sdpa" else "stem one-shot",
+                              "config": ("dense" if impl == "sdpa" else
+                                         f"{stem_config_name(json.loads(args.stem))} one-shot"),
                               "found": str(key) in text, "answer": text}), flush=True)
 
 
@@ -527,9 +546,11 @@ def main(argv=None) -> None:
     sub.choices["passkey"].add_argument("--lengths", default="16384,32768")
     sub.choices["passkey"].add_argument("--trials", default="20,10")
     sub.choices["passkey"].add_argument("--results", default="benchmarks/vllm_passkey.jsonl")
-    sub.choices["passkey"].add_argument("--configs", default="vllm,default",
-                                        help="which engines this process runs (vllm, default); "
-                                             "trials already in --results are skipped")
+    sub.choices["passkey"].add_argument("--configs", default="vllm,stem",
+                                        help="which engines this process runs (vllm, and stem: "
+                                             "the settings of --stem, recorded under "
+                                             "stem_config_name); trials already in --results "
+                                             "are skipped")
     sub.choices["passkey"].add_argument("--table", action="store_true",
                                         help="print the table of the results file and stop")
     sub.choices["oneshot"].add_argument("--length", type=int, default=16384)
