@@ -108,3 +108,18 @@ def test_shapes_match_the_benchmark_brief():
     assert s["S4"].q_lens == s["S4"].kv_lens == (1 << 17,)
     assert len(s["S5"].q_lens) == 8 and max(s["S5"].kv_lens) <= 65536
     assert dataclasses.asdict(s["S2"].params) == dataclasses.asdict(stem_indexer.IndexerParams())
+
+
+@pytest.mark.parametrize("stem, name", [
+    ({"preset": "default", "exact_tail": 0}, "default"),     # the recorded cells' settings
+    ({"preset": "default"}, "default-tail"),                 # the default exact_tail, 128
+    ({"preset": "tight", "exact_tail": 64}, "tight-tail64"),
+    ({"exact_tail": 0, "alpha": 0.5}, 'default {"alpha": 0.5}'),
+])
+def test_vllm_passkey_trials_are_named_by_their_settings(stem, name):
+    """``vllm_bench.py passkey`` files a Stem engine's trials under a name
+    its settings decide, so trials with and without the exact tail never
+    share a cell."""
+    import vllm_bench  # no vLLM import at module level
+
+    assert vllm_bench.stem_config_name(stem) == name
