@@ -141,12 +141,14 @@ def done_keys(rows: list[dict]) -> set[tuple]:
     return {key(row) for row in rows}
 
 
-def plan(model: str, tasks, trials: dict[int, int], configs, done: set[tuple]) -> list[Trial]:
+def plan(model: str, tasks, trials: dict[int, int], configs, done: set[tuple],
+         first: int = 0) -> list[Trial]:
     """What is left to run, trial after trial (every task and configuration of
-    one trial together), so that a stopped run leaves even cells."""
+    one trial together), so that a stopped run leaves even cells; trials
+    ``first`` to ``count - 1`` of each cell."""
     out = []
     for nominal, count in trials.items():
-        for trial in range(count):
+        for trial in range(first, count):
             for task in tasks:
                 length = cell_length(task, nominal)
                 out += [t for config in configs
@@ -326,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"planned cells ({TRIALS})")
     parser.add_argument("--trials", type=int,
                         help="trials per task and cell (default: the planned count per length)")
+    parser.add_argument("--first-trial", type=int, default=0, metavar="N",
+                        help="start at trial N, so that two processes can share one cell "
+                             "(one with --trials N, the other with --first-trial N)")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                         help=f"comma-separated, from {', '.join(mq.CONFIGS)}")
     parser.add_argument("--perplexity", type=int, default=0, metavar="N",
@@ -363,12 +368,16 @@ def main(argv: list[str] | None = None) -> int:
         tasks, trials = ["perplexity"], {n: args.perplexity for n in lengths}
     else:
         trials = {n: args.trials or TRIALS[args.model].get(n, 10) for n in lengths}
+    if not 0 <= args.first_trial < min(trials.values()):
+        parser.error(f"--first-trial must be >= 0 and below each cell's trial count "
+                     f"({min(trials.values())}); got {args.first_trial}")
     started = time.perf_counter()
 
     def echo(text: str) -> None:
         print(f"[{time.perf_counter() - started:6.0f} s] {text}", flush=True)
 
-    todo = plan(args.model, tasks, trials, configs, done_keys(read(args.results)))
+    todo = plan(args.model, tasks, trials, configs, done_keys(read(args.results)),
+                first=args.first_trial)
     if not todo:
         echo("every trial asked for is in the results file")
         return 0

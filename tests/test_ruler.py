@@ -192,6 +192,11 @@ def test_results_resume_skips_what_is_recorded(tmp_path):
     assert ("gemma3", "passkey", 8192, "default", 1) not in done
     todo = ruler_bench.plan("gemma3", ["passkey"], {8192: 2}, ["dense", "default"], done)
     assert [(t.config, t.trial) for t in todo] == [("default", 1)]
+    # Two processes share a cell: one runs trials 0 to 1, the other 2 to 3.
+    upper = ruler_bench.plan("gemma3", ["passkey"], {8192: 4}, ["dense", "default"], done,
+                             first=2)
+    assert [(t.config, t.trial) for t in upper] == [(c, t) for t in (2, 3)
+                                                    for c in ("dense", "default")]
     # Another filler is another cell; the task's own filler named is the same cell.
     other = ruler_bench.plan("gemma3", ["passkey@docs"], {8192: 1}, ["dense"], done)
     assert [t.task for t in other] == ["passkey@docs"]
@@ -199,6 +204,14 @@ def test_results_resume_skips_what_is_recorded(tmp_path):
     assert ruler_bench.key(dict(rows[0], filler="docs")) not in done
     ruler_bench.append(path, rows[0])  # appending after the torn line starts a new line
     assert len(ruler_bench.read(path)) == 4
+
+
+@pytest.mark.parametrize("bad", [["--first-trial", "-1"], ["--first-trial", "3", "--trials", "3"]])
+def test_first_trial_is_checked(bad, tmp_path, capsys):
+    import ruler_bench
+    with pytest.raises(SystemExit):
+        ruler_bench.main(["--results", str(tmp_path / "r.jsonl"), *bad])
+    assert "--first-trial must be >= 0 and below each cell's trial count" in capsys.readouterr().err
 
 
 def test_table_counts_and_wilson_intervals(tmp_path):
