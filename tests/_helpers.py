@@ -219,12 +219,31 @@ def spec_row_facts(q_len: int, kv_len: int, prompt_len: int, i: int, params: Ind
 SMALL = dict(stem_block_size=16, stem_stride=4)
 
 
-def qkv(batch, hq, hkv, sq, skv, dim, seed, dtype=torch.float32):
-    """Random q [batch, hq, sq, dim], k and v [batch, hkv, skv, dim]."""
+def qkv(batch, hq, hkv, sq, skv, dim, seed, dtype=torch.float32, device="cpu"):
+    """Random q [batch, hq, sq, dim], k and v [batch, hkv, skv, dim] on
+    ``device`` (drawn on the CPU: every device sees the same numbers)."""
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(batch, hq, sq, dim, generator=gen).to(dtype),
-            torch.randn(batch, hkv, skv, dim, generator=gen).to(dtype),
-            torch.randn(batch, hkv, skv, dim, generator=gen).to(dtype))
+    return (torch.randn(batch, hq, sq, dim, generator=gen).to(device, dtype),
+            torch.randn(batch, hkv, skv, dim, generator=gen).to(device, dtype),
+            torch.randn(batch, hkv, skv, dim, generator=gen).to(device, dtype))
+
+
+def host(t: torch.Tensor, device) -> torch.Tensor:
+    """``t``, checked to be on ``device``, on the CPU (where the float64
+    references are computed)."""
+    assert t.device.type == torch.device(device).type, (t.device, device)
+    return t.cpu()
+
+
+def cpu_dense_above(device, dtype=torch.float32) -> dict:
+    """``stem_attention``'s ``dense_above`` for a test whose calls must take
+    the path they take on the CPU: nothing there (the default), the CPU's
+    measured share elsewhere. CUDA's own default (``contract.DENSE_ABOVE``,
+    0.6) sends the default budget's 1,100-token calls, sparse on the CPU, to
+    dense attention, and the test would no longer reach the sparse path."""
+    if torch.device(device).type == "cpu":
+        return {}
+    return dict(dense_above=stem_indexer.contract.default_dense_above("cpu", dtype))
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ from stem_indexer import attention
 from stem_indexer.attention import block_sparse_attention, dense_attention, stem_attention
 from stem_indexer.ops import gather_attention
 
-from _helpers import SMALL, qkv
+from _helpers import SMALL, cpu_dense_above, host, qkv
 
 
 def expanded_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, causal):
@@ -70,6 +70,16 @@ SHAPES = [  # (B, Hq, Hkv, Sq, Skv, D, Bs, q_lens, kv_lens)
 ]
 
 
+def _to(device, *tensors):
+    """The tensors on ``device`` (drawn on the CPU, where the references stay)."""
+    return tuple(t.to(device) for t in tensors)
+
+
+def _skip_native_off_cpu(backend, device):
+    if backend == "native" and device != "cpu":
+        pytest.skip("backend 'native' runs on CPU tensors only")
+
+
 def _ids(s):
     return f"B{s[0]}-Hq{s[1]}-Hkv{s[2]}-Sq{s[3]}-Skv{s[4]}-Bs{s[6]}" + ("-lens" if s[7] else "")
 
@@ -99,11 +109,13 @@ def _backends() -> list:
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("shape, backend", _backends())
-def test_block_sparse_matches_masked_dense(shape, causal, backend):
+def test_block_sparse_matches_masked_dense(shape, causal, backend, device):
+    _skip_native_off_cpu(backend, device)
     batch, hq, hkv, sq, skv, dim, bs, q_lens, kv_lens = shape
     q, k, v, idx, seq_len = _random_case(shape, sum(shape[:7]))
-    out = block_sparse_attention(q, k, v, idx, seq_len, stem_block_size=bs, causal=causal,
-                                 q_lens=q_lens, kv_lens=kv_lens, backend=backend)
+    out = block_sparse_attention(*_to(device, q, k, v, idx, seq_len), stem_block_size=bs,
+                                 causal=causal, q_lens=q_lens, kv_lens=kv_lens, backend=backend)
+    out = host(out, device)
     mask = expanded_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, causal)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
@@ -111,15 +123,17 @@ def test_block_sparse_matches_masked_dense(shape, causal, backend):
 
 @pytest.mark.parametrize("backend", [b for b in ("gather", "native", "flex")
                                      if b != "native" or attention._native() is not None])
-def test_block_sparse_softcap_matches_capped_masked_dense(backend):
+def test_block_sparse_softcap_matches_capped_masked_dense(backend, device):
     """Soft-capped scores (Gemma 2) on each backend: FlexAttention takes the
     cap as a score_mod, the others cap in their own softmax."""
+    _skip_native_off_cpu(backend, device)
     shape = SHAPES[1]
     batch, hq, hkv, sq, skv, dim, bs, _, _ = shape
     q, k, v, idx, seq_len = _random_case(shape, 23)
     q = q * 4  # large logits, where the cap matters
-    out = block_sparse_attention(q, k, v, idx, seq_len, stem_block_size=bs, softcap=2.0,
-                                 backend=backend)
+    out = block_sparse_attention(*_to(device, q, k, v, idx, seq_len), stem_block_size=bs,
+                                 softcap=2.0, backend=backend)
+    out = host(out, device)
     mask = expanded_mask(idx, seq_len, bs, sq, skv, None, None, True)
     capped = reference(q, k, v, mask, softcap=2.0)
     torch.testing.assert_close(out.double(), capped, rtol=1e-5, atol=1e-5)
@@ -128,7 +142,7 @@ def test_block_sparse_softcap_matches_capped_masked_dense(backend):
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("lens", [None, ([64, 40], [64, 40])], ids=["full", "lens"])
-def test_complete_rows_and_sparse_rows_together(causal, lens):
+def test_complete_rows_and_sparse_rows_together(causal, lens, device):
     """Rows listing every block they see (as the budget makes early rows) plus
     sparse later rows: the result is exactly the masked one."""
     batch, hq, hkv, seq, dim, bs = 2, 4, 2, 64, 8, 8
@@ -148,8 +162,9 @@ def test_complete_rows_and_sparse_rows_together(causal, lens):
                 keep = list(range(visible)) if i < 4 else sorted({0, i, i - 1, (3 * i + h) % i})
                 idx[b, h, i, :len(keep)] = torch.tensor(keep, dtype=torch.int32)
                 seq_len[b, h, i] = len(keep)
-    out = block_sparse_attention(q, k, v, idx, seq_len, stem_block_size=bs, causal=causal,
-                                 q_lens=q_lens, kv_lens=kv_lens)
+    out = block_sparse_attention(*_to(device, q, k, v, idx, seq_len), stem_block_size=bs,
+                                 causal=causal, q_lens=q_lens, kv_lens=kv_lens)
+    out = host(out, device)
     mask = expanded_mask(idx, seq_len, bs, seq, seq, q_lens, kv_lens, causal)
     torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
 
@@ -158,20 +173,21 @@ def test_complete_rows_and_sparse_rows_together(causal, lens):
 @pytest.mark.parametrize("score_bytes", [8 * 8 * 4 * 2, 8 * 8 * 4 * 3, 1 << 20],
                          ids=["keys-split", "split-and-padded", "padded-chunks"])
 @pytest.mark.parametrize("shape", SHAPES[1:4], ids=[_ids(s) for s in SHAPES[1:4]])
-def test_gather_chunking_is_exact(shape, causal, score_bytes, monkeypatch):
+def test_gather_chunking_is_exact(shape, causal, score_bytes, monkeypatch, device):
     """Lists split across key segments (running max / sum) and rows of
     different list lengths padded into one chunk give the masked result."""
     monkeypatch.setattr(gather_attention, "SCORE_BYTES", score_bytes)
     batch, hq, hkv, sq, skv, dim, bs, q_lens, kv_lens = shape
     q, k, v, idx, seq_len = _random_case(shape, sum(shape[:7]) + 1)
-    out = block_sparse_attention(q, k, v, idx, seq_len, stem_block_size=bs, causal=causal,
-                                 q_lens=q_lens, kv_lens=kv_lens, backend="gather")
+    out = block_sparse_attention(*_to(device, q, k, v, idx, seq_len), stem_block_size=bs,
+                                 causal=causal, q_lens=q_lens, kv_lens=kv_lens, backend="gather")
+    out = host(out, device)
     mask = expanded_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, causal)
     torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64, "strided"])
-def test_gather_dtypes_and_layouts(dtype):
+def test_gather_dtypes_and_layouts(dtype, device):
     """Converted / padded (batch, KV head) slices: bf16 (float32 compute,
     bf16 out), float64 (float64 compute), non-contiguous float32 q; GQA, a
     key tail, padded lengths, and a KV head whose rows are all empty."""
@@ -186,8 +202,11 @@ def test_gather_dtypes_and_layouts(dtype):
     idx, seq_len = random_selection(batch, hq, 5, 6, gen)
     seq_len[1, 2:] = 0  # batch 1, KV head 1: nothing listed
     q_lens, kv_lens = [40, 27], [44, 30]
-    out = block_sparse_attention(q, k, v, idx, seq_len, stem_block_size=bs, q_lens=q_lens,
+    on_device = _to(device, q, k, v, idx, seq_len)
+    assert on_device[0].is_contiguous() == (dtype != "strided")  # .to keeps the layout
+    out = block_sparse_attention(*on_device, stem_block_size=bs, q_lens=q_lens,
                                  kv_lens=kv_lens, backend="gather")
+    out = host(out, device)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert torch.equal(out[1, 2:], torch.zeros_like(out[1, 2:]))
     mask = expanded_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, True)
@@ -195,7 +214,7 @@ def test_gather_dtypes_and_layouts(dtype):
     torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=tol, atol=tol)
 
 
-def test_bf16_and_unsorted_lists():
+def test_bf16_and_unsorted_lists(device):
     gen = torch.Generator().manual_seed(12)
     q = torch.randn(1, 2, 48, 16, generator=gen).bfloat16()
     k = torch.randn(1, 1, 48, 16, generator=gen).bfloat16()
@@ -204,13 +223,14 @@ def test_bf16_and_unsorted_lists():
     shuffled = idx.clone()
     shuffled[..., :2] = idx[..., :2].flip(-1)
     shuffled = torch.where(seq_len[..., None] >= 2, shuffled, idx)
-    out = block_sparse_attention(q, k, v, shuffled, seq_len, stem_block_size=16)
+    out = block_sparse_attention(*_to(device, q, k, v, shuffled, seq_len), stem_block_size=16)
+    out = host(out, device)
     assert out.dtype == torch.bfloat16
     ref = reference(q, k, v, expanded_mask(idx, seq_len, 16, 48, 48, None, None, True))
     torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
 
 
-def test_empty_rows_and_padded_queries_are_zero():
+def test_empty_rows_and_padded_queries_are_zero(device):
     gen = torch.Generator().manual_seed(13)
     q = torch.randn(2, 2, 16, 4, generator=gen)
     k = torch.randn(2, 2, 16, 4, generator=gen)
@@ -218,7 +238,9 @@ def test_empty_rows_and_padded_queries_are_zero():
     idx = torch.tensor([0, 1]).expand(2, 2, 2, 2).clone().int()
     seq_len = torch.full((2, 2, 2), 2, dtype=torch.int32)
     seq_len[0, 1, 1] = 0
-    out = block_sparse_attention(q, k, v, idx, seq_len, stem_block_size=8, q_lens=[16, 5])
+    out = block_sparse_attention(*_to(device, q, k, v, idx, seq_len), stem_block_size=8,
+                                 q_lens=[16, 5])
+    out = host(out, device)
     assert torch.equal(out[0, 1, 8:], torch.zeros(8, 4))
     assert torch.equal(out[1, :, 5:], torch.zeros(2, 11, 4))
     assert out[0, 0].abs().sum() > 0
@@ -240,12 +262,15 @@ def test_empty_rows_and_padded_queries_are_zero():
     (lambda a: a.update(causal=None), "causal"),
     (lambda a: a.update(scale=float("inf")), "scale"),
 ])
-def test_block_sparse_invalid_inputs(mutate, arg):
+def test_block_sparse_invalid_inputs(mutate, arg, device):
+    """Each refusal, with the selection checked on the tensors' device."""
     gen = torch.Generator().manual_seed(14)
     a = dict(q=torch.randn(1, 2, 24, 4, generator=gen), k=torch.randn(1, 2, 24, 4, generator=gen),
              v=torch.randn(1, 2, 24, 4, generator=gen),
              idx=torch.tensor([0, 1, -1]).expand(1, 2, 3, 3).clone().int(),
-             len=torch.full((1, 2, 3), 2, dtype=torch.int32), stem_block_size=8)
+             len=torch.full((1, 2, 3), 2, dtype=torch.int32))
+    a = {name: t.to(device) for name, t in a.items()}
+    a["stem_block_size"] = 8
     mutate(a)
     with pytest.raises(stem_indexer.StemIndexerInputError,
                        match="^block_sparse_attention: " + arg):
@@ -260,21 +285,22 @@ def test_block_sparse_invalid_inputs(mutate, arg):
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_stem_attention_is_the_indexer_selection(causal):
+def test_stem_attention_is_the_indexer_selection(causal, device):
     """Long enough for the budget to drop blocks: the result is block-sparse
     attention over exactly the indexer's selection (with scale/stride folded;
     ``exact_tail=0``: no row widened, test_exact_tail_* cover the default)."""
-    q, k, v = qkv(2, 4, 2, 1100, 1100, 8, 15)
+    q, k, v = qkv(2, 4, 2, 1100, 1100, 8, 15, device=device)
     lens = [1100, 900]
     out = stem_attention(q, k, v, causal=causal, q_lens=lens, kv_lens=lens, dense_above=1.0,
                          exact_tail=0, **SMALL)
     inputs = stem_indexer.stem_inputs(q, k, v, q_lens=lens, kv_lens=lens, scale=8 ** -0.5 / 4,
                                       stem_block_size=16, stem_stride=4)
-    idx, seq_len = stem_indexer.stem_indexer(*inputs, causal=causal, stem_block_size=16,
-                                             stem_stride=4)
+    idx, seq_len = (host(t, device) for t in stem_indexer.stem_indexer(
+        *inputs, causal=causal, stem_block_size=16, stem_stride=4))
     assert int(seq_len.sum()) < int((idx.shape[-1] * (seq_len > 0)).sum())  # really sparse
     mask = expanded_mask(idx, seq_len, 16, 1100, 1100, lens, lens, causal)
-    torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(host(out, device).double(), reference(*_to("cpu", q, k, v), mask),
+                               rtol=1e-5, atol=1e-5)
     dense = dense_attention(q, k, v, causal=causal, q_lens=lens, kv_lens=lens)
     assert (out - dense).abs().max() > 1e-4  # sparse, so not the dense result
 
@@ -282,11 +308,11 @@ def test_stem_attention_is_the_indexer_selection(causal):
 @pytest.mark.parametrize("change", [dict(alpha=0.3), dict(oam=False), dict(oam_lambda=3.0),
                                     dict(initial_blocks=1, window_size=1)],
                          ids=["alpha", "no-oam", "oam-lambda", "sink-window"])
-def test_stem_attention_parameters_reach_the_indexer(change):
+def test_stem_attention_parameters_reach_the_indexer(change, device):
     """Each parameter changes the selection (here), and the result is
     attention on exactly the indexer's selection with that parameter: the
     float64 masked reference on the blocks the op keeps."""
-    q, k, v = qkv(1, 2, 2, 1100, 1100, 8, 16)
+    q, k, v = qkv(1, 2, 2, 1100, 1100, 8, 16, device=device)
     out = stem_attention(q, k, v, **change, dense_above=1.0, exact_tail=0, **SMALL)
     oam = {name: change[name] for name in ("oam", "oam_lambda") if name in change}
     indexer = {name: value for name, value in change.items() if name not in oam}
@@ -295,11 +321,12 @@ def test_stem_attention_parameters_reach_the_indexer(change):
         inputs = stem_indexer.stem_inputs(q, k, v, scale=8 ** -0.5 / 4, **oam, **SMALL)
         return stem_indexer.stem_indexer(*inputs, **indexer, **SMALL)
 
-    idx, seq_len = selection(oam, indexer)
-    default_idx, default_len = selection({}, {})
+    idx, seq_len = (host(t, device) for t in selection(oam, indexer))
+    default_idx, default_len = (host(t, device) for t in selection({}, {}))
     assert not (torch.equal(idx, default_idx) and torch.equal(seq_len, default_len))
     mask = expanded_mask(idx, seq_len, 16, 1100, 1100, None, None, True)
-    torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(host(out, device).double(), reference(*_to("cpu", q, k, v), mask),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("tail, prompt", [
@@ -308,12 +335,12 @@ def test_stem_attention_parameters_reach_the_indexer(change):
     (5000, None),           # longer than the prompts: every row, so dense attention
     (100, [1100, 1500]),    # the second sequence is a chunk before its prompt's end
 ], ids=["128", "1", "all", "early-chunk"])
-def test_exact_tail_rows_attend_to_every_block(tail, prompt):
+def test_exact_tail_rows_attend_to_every_block(tail, prompt, device):
     """The query blocks holding the prompt's last ``tail`` tokens attend to
     every block their tokens can see (the float64 dense reference on them);
     every other row is the indexer's selection, bit for bit as without the
     option; the kept pairs count the widened rows. 128 is the default."""
-    q, k, v = qkv(2, 4, 2, 1100, 1100, 8, 15)
+    q, k, v = qkv(2, 4, 2, 1100, 1100, 8, 15, device=device)
     lens = [1100, 900]
     kw = dict(q_lens=lens, kv_lens=lens, num_prompt_tokens=prompt, dense_above=1.0,
               return_info=True, **SMALL)
@@ -321,10 +348,12 @@ def test_exact_tail_rows_attend_to_every_block(tail, prompt):
     out, info = stem_attention(q, k, v, exact_tail=tail, **kw)
     if tail == 128:
         assert torch.equal(stem_attention(q, k, v, **kw)[0], out)
+    base, out = host(base, device), host(out, device)
     inputs = stem_indexer.stem_inputs(q, k, v, q_lens=lens, kv_lens=lens, scale=8 ** -0.5 / 4,
                                       **SMALL)
-    idx, seq_len = stem_indexer.stem_indexer(
-        *inputs, num_prompt_tokens=None if prompt is None else torch.tensor(prompt).int(), **SMALL)
+    prompt_tokens = None if prompt is None else torch.tensor(prompt).int().to(device)
+    idx, seq_len = (host(t, device) for t in stem_indexer.stem_indexer(
+        *inputs, num_prompt_tokens=prompt_tokens, **SMALL))
     idx = torch.cat([idx, idx.new_full((*idx.shape[:3], 70 - idx.shape[3]), -1)], -1)
     widened = torch.zeros(2, 70, dtype=torch.bool)  # [batch, query block]
     for b, n in enumerate(lens):
@@ -336,12 +365,13 @@ def test_exact_tail_rows_attend_to_every_block(tail, prompt):
                 seq_len[b, :, i] = i + 1  # causal, q_len == kv_len: blocks 0 .. i
     assert widened.any() and not widened.all()
     mask = expanded_mask(idx, seq_len, 16, 1100, 1100, lens, lens, True)
-    torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), reference(*_to("cpu", q, k, v), mask), rtol=1e-5,
+                               atol=1e-5)
     rows = widened.repeat_interleave(16, dim=1)[:, None, :1100, None].expand_as(out)
     assert torch.equal(out[~rows], base[~rows])
     assert info.kept_pairs == int(seq_len.sum()) > base_info.kept_pairs
     if tail == 5000:
-        dense = dense_attention(q, k, v, q_lens=lens, kv_lens=lens)
+        dense = host(dense_attention(q, k, v, q_lens=lens, kv_lens=lens), device)
         torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
     if prompt is not None:
         assert not widened[1].any() and torch.equal(out[1], base[1])
@@ -375,24 +405,28 @@ def test_exact_tail_is_checked(value):
     dict(shape=(1, 2, 1, 16, 700, 8), lens=(None, None)),  # one query block: decode-like chunk
 ], ids=["short", "decode", "one-q-block"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_stem_attention_dense_fallback(case, causal):
+def test_stem_attention_dense_fallback(case, causal, device):
     batch, hq, hkv, sq, skv, dim = case["shape"]
     q_lens, kv_lens = case["lens"]
     q, k, v = qkv(batch, hq, hkv, sq, skv, dim, 17)
-    out = stem_attention(q, k, v, causal=causal, q_lens=q_lens, kv_lens=kv_lens, **SMALL)
+    out = stem_attention(*_to(device, q, k, v), causal=causal, q_lens=q_lens, kv_lens=kv_lens,
+                         **SMALL)
+    out = host(out, device)
     full = torch.ones(batch, hq, -(-sq // 16), -(-skv // 16), dtype=torch.int32)
     everything = torch.arange(full.shape[-1], dtype=torch.int32).expand_as(full)
     mask = expanded_mask(everything, full.sum(-1), 16, sq, skv, q_lens, kv_lens, causal)
     torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
 
 
-def test_stem_attention_dtype_scale_and_errors():
-    q, k, v = qkv(1, 2, 1, 64, 64, 8, 18, torch.bfloat16)
+def test_stem_attention_dtype_scale_and_errors(device):
+    q, k, v = qkv(1, 2, 1, 64, 64, 8, 18, torch.bfloat16, device=device)
     out = stem_attention(q, k, v, scale=0.2, **SMALL)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    out = host(out, device)
     every = torch.ones(1, 2, 4, 4, dtype=torch.bool)
-    ref = reference(q, k, v, expanded_mask(torch.arange(4).expand(1, 2, 4, 4), every.sum(-1),
-                                           16, 64, 64, None, None, True), scale=0.2)
+    ref = reference(*_to("cpu", q, k, v),
+                    expanded_mask(torch.arange(4).expand(1, 2, 4, 4), every.sum(-1), 16, 64, 64,
+                                  None, None, True), scale=0.2)
     torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
     with pytest.raises(stem_indexer.StemIndexerInputError, match="alpha"):
         stem_attention(q, k, v, alpha=0.0)
@@ -427,23 +461,27 @@ def test_arguments_are_checked_whichever_path_runs(call, name, value):
 
 
 @pytest.mark.parametrize("seq", [64, 1100], ids=["dense-path", "sparse-path"])
-def test_inference_only_the_same_on_every_path(seq):
-    q, k, v = qkv(1, 2, 1, seq, seq, 8, 20)
+def test_inference_only_the_same_on_every_path(seq, device):
+    q, k, v = qkv(1, 2, 1, seq, seq, 8, 20, device=device)
     q.requires_grad_()
+    paths = cpu_dense_above(device)  # 1100 tokens: the sparse path on every device
     with pytest.raises(stem_indexer.StemIndexerInputError, match="inference-only"):
-        stem_attention(q, k, v, **SMALL)
+        stem_attention(q, k, v, **paths, **SMALL)
     with torch.no_grad():
-        assert stem_attention(q, k, v, **SMALL).shape == q.shape
+        out, info = stem_attention(q, k, v, return_info=True, **paths, **SMALL)
+        assert out.shape == q.shape
+    assert info.path == ("dense" if seq == 64 else "sparse")
 
 
 @pytest.mark.parametrize("backend", [b for b in ("gather", "native", "flex")
                                      if b != "native" or attention._native() is not None])
-def test_nan_and_inf_in_padding_never_reach_valid_outputs(backend):
+def test_nan_and_inf_in_padding_never_reach_valid_outputs(backend, device):
     """Padded positions of q, k and v (past the lengths, and the tail of the
     last block) hold NaN and inf; valid outputs equal those of clean inputs."""
+    _skip_native_off_cpu(backend, device)
     shape = SHAPES[2]  # padded batches, tails, GQA
     batch, hq, hkv, sq, skv, dim, bs, q_lens, kv_lens = shape
-    q, k, v, idx, seq_len = _random_case(shape, 23)
+    q, k, v, idx, seq_len = _to(device, *_random_case(shape, 23))
     dirty = [x.clone() for x in (q, k, v)]
     for b in range(batch):
         dirty[0][b, :, q_lens[b]:] = float("nan")
@@ -473,13 +511,16 @@ def test_block_mask_splits_full_and_partial_blocks():
     assert visible[1] == [j <= 10 for j in range(12)]  # key 11 is past kv_len
 
 
-def test_stem_attention_flex_backend_equals_gather():
-    """The one-call path through compiled FlexAttention on CPU (the CUDA
-    default) gives the gather backend's result on the same selection."""
-    q, k, v = qkv(2, 4, 2, 1100, 1100, 8, 22)
+def test_stem_attention_flex_backend_equals_gather(device):
+    """The one-call path through compiled FlexAttention (on CPU, and on CUDA
+    where it is the default) gives the gather backend's result on the same
+    selection."""
+    q, k, v = qkv(2, 4, 2, 1100, 1100, 8, 22, device=device)
     lens = [1100, 900]
-    flex = stem_attention(q, k, v, q_lens=lens, kv_lens=lens, backend="flex", **SMALL)
-    gather = stem_attention(q, k, v, q_lens=lens, kv_lens=lens, backend="gather", **SMALL)
+    kw = dict(q_lens=lens, kv_lens=lens, return_info=True, **cpu_dense_above(device), **SMALL)
+    flex, info = stem_attention(q, k, v, backend="flex", **kw)
+    gather, _ = stem_attention(q, k, v, backend="gather", **kw)
+    assert (info.path, info.backend) == ("sparse", "flex")
     torch.testing.assert_close(flex, gather, rtol=1e-5, atol=1e-5)
 
 
@@ -582,7 +623,7 @@ def _reachable(q_len, kv_len, bs, qmax, kmax):
     (64, 1000, False),           # a chunk after a long prefix
 ])
 def test_dense_when_the_budget_keeps_every_block_is_the_contracts_rule(q_len, kv_len, exact,
-                                                                      monkeypatch):
+                                                                      monkeypatch, device):
     """contract.dense_is_exact (the rule's one home, beside the budget) is True
     exactly where the indexer's own lists hold every block the tokens reach
     (checked by hand here), so dense attention is then the sparse result;
@@ -590,8 +631,9 @@ def test_dense_when_the_budget_keeps_every_block_is_the_contracts_rule(q_len, kv
     params = stem_indexer.IndexerParams(stem_block_size=16, stem_stride=4)
     lens = torch.tensor([q_len]), torch.tensor([kv_len])
     assert stem_indexer.contract.dense_is_exact(*lens, lens[1], params) is exact
-    q, k, v = qkv(1, 2, 1, q_len, kv_len, 8, q_len + kv_len)
-    idx, seq_len = stem_indexer.stem_indexer(*stem_indexer.stem_inputs(q, k, v, **SMALL), **SMALL)
+    q, k, v = qkv(1, 2, 1, q_len, kv_len, 8, q_len + kv_len, device=device)
+    idx, seq_len = (host(t, device) for t in stem_indexer.stem_indexer(
+        *stem_indexer.stem_inputs(q, k, v, **SMALL), **SMALL))
     qmax, kmax = -(-q_len // 16), -(-kv_len // 16)
     listed = torch.zeros(1, 2, qmax, kmax + 1, dtype=torch.bool)
     listed.scatter_(-1, torch.where(idx >= 0, idx, kmax).long(), True)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import stem_indexer
-from _helpers import SMALL, qkv, spec_row_facts
+from _helpers import SMALL, host, qkv, spec_row_facts
 from stem_indexer import IndexerParams, StemIndexerInputError, contract, stem_attention
 
 MOST = "budget keeps most blocks"
@@ -51,11 +51,11 @@ def test_budget_pairs_equal_a_hand_count(q_len, kv_len, prompt_len, change):
     assert got == _hand_pairs(q_len, kv_len, prompt_len, params)
 
 
-def test_budget_pairs_are_what_the_indexer_keeps():
+def test_budget_pairs_are_what_the_indexer_keeps(device):
     """Summed over a batch of two lengths: the pairs the indexer's own lists
     hold (every head alike) and the visible pairs stem_attention reports
     (``exact_tail=0``: the count is the budget's, before any row is widened)."""
-    q, k, v = qkv(2, 4, 2, SEQ, SEQ, 8, seed=3)
+    q, k, v = qkv(2, 4, 2, SEQ, SEQ, 8, seed=3, device=device)
     lens = torch.tensor([SEQ, 900])
     params = IndexerParams(**SMALL)
     kept, visible = contract.budget_pairs(lens, lens, lens, params)
@@ -65,8 +65,8 @@ def test_budget_pairs_are_what_the_indexer_keeps():
     assert (info.kept_pairs, info.visible_pairs) == (4 * kept, 4 * visible)
 
 
-def test_a_budget_above_the_share_runs_dense_and_equals_sdpa():
-    q, k, v = qkv(1, 4, 2, SEQ, SEQ, 8, seed=1)
+def test_a_budget_above_the_share_runs_dense_and_equals_sdpa(device):
+    q, k, v = qkv(1, 4, 2, SEQ, SEQ, 8, seed=1, device=device)
     kept, visible = contract.budget_pairs(*(torch.tensor([SEQ]),) * 3, IndexerParams(**SMALL))
     assert 0.95 < kept / visible < 0.99
     out, info = stem_attention(q, k, v, dense_above=0.95, return_info=True, **SMALL)
@@ -75,8 +75,8 @@ def test_a_budget_above_the_share_runs_dense_and_equals_sdpa():
     assert torch.equal(out, want)
 
 
-def test_a_budget_below_the_share_runs_sparse_on_the_indexers_selection():
-    q, k, v = qkv(1, 4, 2, SEQ, SEQ, 8, seed=1)
+def test_a_budget_below_the_share_runs_sparse_on_the_indexers_selection(device):
+    q, k, v = qkv(1, 4, 2, SEQ, SEQ, 8, seed=1, device=device)
     out, info = stem_attention(q, k, v, dense_above=0.99, exact_tail=0, return_info=True,
                                **SMALL)
     assert info.path == "sparse" and 0.95 < info.density < 0.99
@@ -89,36 +89,36 @@ def test_a_budget_below_the_share_runs_sparse_on_the_indexers_selection():
 
 
 @pytest.mark.parametrize("want_lse", [False, True], ids=["out", "out-and-lse"])
-def test_stepping_aside_with_softcap_or_lse_is_dense_too(want_lse):
+def test_stepping_aside_with_softcap_or_lse_is_dense_too(want_lse, device):
     """With a soft-cap (and the log-sum-exp) the step-aside runs dense
     attention through the block kernels: the capped dense reference."""
     q, k, v = qkv(1, 2, 1, SEQ, SEQ, 8, seed=2)
     q = 4 * q
-    result = stem_attention(q, k, v, softcap=5.0, dense_above=0.9, return_info=True,
-                            return_lse=want_lse, **SMALL)
-    out, info = result[0], result[-1]
+    result = stem_attention(*(x.to(device) for x in (q, k, v)), softcap=5.0, dense_above=0.9,
+                            return_info=True, return_lse=want_lse, **SMALL)
+    out, info = host(result[0], device), result[-1]
     assert (info.path, info.reason) == ("dense", MOST)
     kk, vv = k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1)
     s = 5.0 * torch.tanh(q.double() @ kk.transpose(2, 3) * 8 ** -0.5 / 5.0)
     s = s.masked_fill(~torch.ones(SEQ, SEQ, dtype=torch.bool).tril(), -math.inf)
     torch.testing.assert_close(out.double(), torch.softmax(s, -1) @ vv, rtol=1e-5, atol=1e-5)
     if want_lse:
-        torch.testing.assert_close(result[1].double(), torch.logsumexp(s, -1), rtol=1e-5,
-                                   atol=1e-5)
+        torch.testing.assert_close(host(result[1], device).double(), torch.logsumexp(s, -1),
+                                   rtol=1e-5, atol=1e-5)
 
 
-def test_the_default_is_the_measured_share_for_the_device_and_dtype(monkeypatch):
-    q, k, v = qkv(1, 4, 2, SEQ, SEQ, 8, seed=1)
-    assert contract.default_dense_above("cpu", torch.float32) == \
-        contract.DENSE_ABOVE[("cpu", torch.float32)]
-    monkeypatch.setitem(contract.DENSE_ABOVE, ("cpu", torch.float32), 0.9)
+def test_the_default_is_the_measured_share_for_the_device_and_dtype(monkeypatch, device):
+    q, k, v = qkv(1, 4, 2, SEQ, SEQ, 8, seed=1, device=device)
+    assert contract.default_dense_above(device, torch.float32) == \
+        contract.DENSE_ABOVE[(device, torch.float32)]
+    monkeypatch.setitem(contract.DENSE_ABOVE, (device, torch.float32), 0.9)
     _, info = stem_attention(q, k, v, return_info=True, **SMALL)
     assert (info.path, info.reason) == ("dense", MOST)
-    monkeypatch.setitem(contract.DENSE_ABOVE, ("cpu", torch.float32), 1.0)
+    monkeypatch.setitem(contract.DENSE_ABOVE, (device, torch.float32), 1.0)
     _, info = stem_attention(q, k, v, return_info=True, **SMALL)
     assert info.path == "sparse"
     # bfloat16 reads its own entry.
-    monkeypatch.setitem(contract.DENSE_ABOVE, ("cpu", torch.bfloat16), 0.5)
+    monkeypatch.setitem(contract.DENSE_ABOVE, (device, torch.bfloat16), 0.5)
     _, info = stem_attention(*(x.bfloat16() for x in (q, k, v)), return_info=True, **SMALL)
     assert (info.path, info.reason) == ("dense", MOST)
 
@@ -145,7 +145,7 @@ def test_register_refuses_a_bad_dense_above(value):
     assert "stem-dense-above-bad" not in transformers.AttentionInterface._global_mapping
 
 
-def test_register_dense_above_steps_aside_in_a_model():
+def test_register_dense_above_steps_aside_in_a_model(device):
     """A tiny Llama at 960 tokens in 16-token blocks (the default budget keeps
     97% of the pairs): with ``dense_above=0.9`` every layer steps aside
     (counted) and the logits are SDPA's; with ``1.0`` every layer runs Stem."""
@@ -153,8 +153,8 @@ def test_register_dense_above_steps_aside_in_a_model():
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, max_position_embeddings=2048)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    ids = torch.randint(0, 128, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    model = transformers.LlamaForCausalLM(config).eval().to(device)
+    ids = torch.randint(0, 128, (1, SEQ), generator=torch.Generator().manual_seed(0)).to(device)
     aside = stem_hf.register("stem-dense-above-0.9", dense_above=0.9, **SMALL)
     sparse = stem_hf.register("stem-dense-above-1", dense_above=1.0, **SMALL)
     try:

@@ -5,9 +5,12 @@
   the rows allow it; the H200-tuned set only where all of it fits.
 * ``block_mask`` for a block size no CUDA tile divides: a coarse grid whose
   ``mask_mod`` keeps exactly the selection (checked through compiled
-  FlexAttention on CPU against dense attention under the token mask).
+  FlexAttention, on each device, against dense attention under the token mask).
 * ``flex_attention_forward`` compiles once for many sequence lengths and never
   runs FlexAttention eagerly (which would build the whole score matrix).
+
+The tests that build masks or run FlexAttention take the ``device`` fixture;
+their float64 references stay on the CPU.
 """
 
 from __future__ import annotations
@@ -116,7 +119,7 @@ def test_mask_block_size_must_be_a_multiple_of_the_block():
 
 
 # --------------------------------------------------------------------------- #
-# Compiled FlexAttention on CPU (inductor's C++ template)
+# Compiled FlexAttention (inductor's C++ template on CPU, its Triton kernel on CUDA)
 # --------------------------------------------------------------------------- #
 
 
@@ -189,23 +192,26 @@ class _EagerFlexCounter:
         monkeypatch.setattr(module, "math_attention", counting)
 
 
-def _coarse_case():
+def _coarse_case(device):
     """A 20-token Stem block (no CUDA tile divides it) on the 80-token grid
-    CUDA would use, with tails and a batch of two."""
+    CUDA would use, with tails and a batch of two; q/k/v and the mask on
+    ``device``, the float64 reference and the token mask on the CPU."""
     bs, q_lens, kv_lens = 20, [70, 50], [130, 90]
     q, k, v, idx, lens = _inputs(bs, q_lens, kv_lens, seed=3)
     grid = flex.choose_mask_block_size(bs, "cuda")
     flex._COARSE_REPORTED.discard((bs, grid))
     with pytest.warns(RuntimeWarning, match="cannot tile 20-token blocks"):
-        mask = flex.block_mask(idx, lens, block_size=bs, q_len=q.shape[2], kv_len=k.shape[2],
-                               q_lens=torch.tensor(q_lens), kv_lens=torch.tensor(kv_lens),
+        mask = flex.block_mask(idx.to(device), lens.to(device), block_size=bs, q_len=q.shape[2],
+                               kv_len=k.shape[2], q_lens=torch.tensor(q_lens, device=device),
+                               kv_lens=torch.tensor(kv_lens, device=device),
                                mask_block_size=grid)
     want, allowed = _dense_reference(q, k, v, idx, lens, bs, q_lens, kv_lens, 0.25)
+    q, k, v = (x.to(device) for x in (q, k, v))
     return q, k, v, mask, grid, q_lens, want, allowed
 
 
-def test_coarse_grid_lists_and_mask_are_exactly_the_selection():
-    q, k, v, mask, grid, q_lens, want, allowed = _coarse_case()
+def test_coarse_grid_lists_and_mask_are_exactly_the_selection(device):
+    q, k, v, mask, grid, q_lens, want, allowed = _coarse_case(device)
     assert grid == 80 and tuple(mask.BLOCK_SIZE) == (grid, grid)
     assert mask.full_kv_num_blocks is None  # every coarse block is checked token by token
     batch, heads = allowed.shape[:2]
@@ -214,9 +220,9 @@ def test_coarse_grid_lists_and_mask_are_exactly_the_selection():
             # The mask_mod, token by token, is the reference's token mask
             # (on the valid queries: padded ones are cut from the output) ...
             for t in range(q_lens[b]):
-                got = mask.mask_mod(torch.tensor(b), torch.tensor(h), torch.tensor(t),
-                                    torch.arange(k.shape[2]))
-                assert torch.equal(got, allowed[b, h, t]), (b, h, t)
+                got = mask.mask_mod(*(torch.tensor(x, device=device) for x in (b, h, t)),
+                                    torch.arange(k.shape[2], device=device))
+                assert torch.equal(got.cpu(), allowed[b, h, t]), (b, h, t)
             # ... and the coarse lists hold exactly the coarse blocks with an allowed pair.
             for i in range(mask.kv_num_blocks.shape[2]):
                 listed = set(mask.kv_indices[b, h, i, :mask.kv_num_blocks[b, h, i]].tolist())
@@ -226,17 +232,19 @@ def test_coarse_grid_lists_and_mask_are_exactly_the_selection():
 
 
 @pytest.mark.slow
-def test_coarse_grid_through_compiled_flex_attention(monkeypatch):
-    q, k, v, mask, grid, q_lens, want, allowed = _coarse_case()
+def test_coarse_grid_through_compiled_flex_attention(monkeypatch, device):
+    q, k, v, mask, grid, q_lens, want, allowed = _coarse_case(device)
     eager = _EagerFlexCounter(monkeypatch)
     out, _ = flex.flex_attention_forward(q, k, v, mask, 0.25)
     assert eager.calls == 0
+    assert out.device == q.device
+    out = out.cpu()
     for b in range(len(q_lens)):
         torch.testing.assert_close(out[b, :, :q_lens[b]].double(), want[b, :, :q_lens[b]],
                                    rtol=1e-4, atol=1e-5)
 
 
-def test_one_compilation_serves_many_lengths_and_never_runs_eagerly(monkeypatch):
+def test_one_compilation_serves_many_lengths_and_never_runs_eagerly(monkeypatch, device):
     """Ten sequence lengths (past Dynamo's default limit of 8 recompiles, where
     a static-shape compile would fall back to eager FlexAttention): at most
     two compilations (the first call's sizes, then symbolic ones), no eager
@@ -249,9 +257,12 @@ def test_one_compilation_serves_many_lengths_and_never_runs_eagerly(monkeypatch)
     lengths = [48 + 16 * n + (n % 3) for n in range(10)]  # 3 .. 12 blocks, tails
     for n, seq in enumerate(lengths):
         q, k, v, idx, lens = _inputs(bs, [seq], [seq], seed=n, heads=2, kv_heads=1, d=8)
-        mask = flex.block_mask(idx, lens, block_size=bs, q_len=q.shape[2], kv_len=k.shape[2],
-                               q_lens=torch.tensor([seq]), kv_lens=torch.tensor([seq]))
-        out, _ = flex.flex_attention_forward(q, k, v, mask, 0.5)
+        seqs = torch.tensor([seq], device=device)
+        mask = flex.block_mask(idx.to(device), lens.to(device), block_size=bs, q_len=q.shape[2],
+                               kv_len=k.shape[2], q_lens=seqs, kv_lens=seqs)
+        out, _ = flex.flex_attention_forward(*(x.to(device) for x in (q, k, v)), mask, 0.5)
+        assert out.device.type == torch.device(device).type
+        out = out.cpu()
         want, _ = _dense_reference(q, k, v, idx, lens, bs, [seq], [seq], 0.5)
         torch.testing.assert_close(out[:, :, :seq].double(), want[:, :, :seq],
                                    rtol=1e-4, atol=1e-5)
@@ -260,7 +271,7 @@ def test_one_compilation_serves_many_lengths_and_never_runs_eagerly(monkeypatch)
     assert eager.calls == 0
 
 
-def test_recompile_limit_is_an_error_not_an_eager_run(monkeypatch):
+def test_recompile_limit_is_an_error_not_an_eager_run(monkeypatch, device):
     """Past the recompile limit Dynamo would run FlexAttention eagerly; here
     the call raises instead. Forced with a limit of one compilation and a
     second dtype (a guard every compilation has)."""
@@ -270,7 +281,8 @@ def test_recompile_limit_is_an_error_not_an_eager_run(monkeypatch):
     eager = _EagerFlexCounter(monkeypatch)
     bs = 16
     monkeypatch.setattr(flex, "_compiled", None)  # a fresh compiled function
-    q, k, v, idx, lens = _inputs(bs, [48], [48], heads=2, kv_heads=1, d=8)
+    q, k, v, idx, lens = (x.to(device) for x in _inputs(bs, [48], [48], heads=2, kv_heads=1,
+                                                        d=8))
     mask = flex.block_mask(idx, lens, block_size=bs, q_len=48, kv_len=48)
     with torch._dynamo.config.patch(recompile_limit=1):
         flex.flex_attention_forward(q, k, v, mask, 0.5)

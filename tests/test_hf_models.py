@@ -54,11 +54,13 @@ def registered():
         stem_hf.unregister(fn.name)
 
 
-def _model(family: str):
+def _model(family: str, device="cpu"):
+    """The family's tiny model, built on the CPU from one seed (the same
+    weights on every device), on ``device``."""
     config_name, model_name, extra = FAMILIES[family]
     torch.manual_seed(0)
     config = getattr(transformers, config_name)(**COMMON, **extra)
-    return getattr(transformers, model_name)(config).eval(), config
+    return getattr(transformers, model_name)(config).eval().to(device), config
 
 
 def _logits(model, impl, ids):
@@ -74,15 +76,17 @@ DEFAULT_FAMILIES = ("llama", "gemma2", "qwen3")
 
 def _sparse_reference(q, k, v, scale, softcap, params, tail=DEFAULT_EXACT_TAIL):
     """float64 attention of one layer's q/k/v on the blocks the indexer keeps
-    (its own lists, from stem_inputs and the op), right-down causal, the
-    scores capped as the model caps them; the query blocks holding the
-    prompt's last ``tail`` tokens (the default ``exact_tail``) keep every
-    block (one unpadded prompt: q_len == kv_len == the prompt)."""
+    (its own lists, from stem_inputs and the op on q's device), right-down
+    causal, the scores capped as the model caps them; the query blocks
+    holding the prompt's last ``tail`` tokens (the default ``exact_tail``)
+    keep every block (one unpadded prompt: q_len == kv_len == the prompt).
+    Computed on the CPU."""
     bs, stride = params["stem_block_size"], params["stem_stride"]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     inputs = stem_indexer.stem_inputs(q, k, v, scale=scale / stride, stem_block_size=bs,
                                       stem_stride=stride)
-    idx, seq_len = stem_indexer.stem_indexer(*inputs, **params)
+    idx, seq_len = (t.cpu() for t in stem_indexer.stem_indexer(*inputs, **params))
+    q, k, v = q.cpu(), k.cpu(), v.cpu()
     sq, skv = q.shape[2], k.shape[2]
     kb = -(-skv // bs)
     rows = torch.zeros(*idx.shape[:3], kb + 1, dtype=torch.bool)
@@ -104,14 +108,14 @@ def _sparse_reference(q, k, v, scale, softcap, params, tail=DEFAULT_EXACT_TAIL):
 @pytest.mark.parametrize("family", [f if f in DEFAULT_FAMILIES
                                     else pytest.param(f, marks=pytest.mark.slow)
                                     for f in FAMILIES])
-def test_family_runs_stem_on_full_attention_layers(family, registered, monkeypatch):
+def test_family_runs_stem_on_full_attention_layers(family, registered, monkeypatch, device):
     """Keep-all budget: the model's eager logits. Tight preset: every
     full-attention layer runs Stem, and each such layer's output is the
     float64 reference on the indexer's own selection for that layer's q/k/v
     (scale and soft-cap as the model passes them); sliding-window layers
     run the windowed path, never the dense 4-D mask."""
-    model, config = _model(family)
-    ids = torch.randint(3, 128, (1, 1024), generator=torch.Generator().manual_seed(1))
+    model, config = _model(family, device)
+    ids = torch.randint(3, 128, (1, 1024), generator=torch.Generator().manual_seed(1)).to(device)
     eager = _logits(model, "eager", ids)
     torch.testing.assert_close(_logits(model, registered["all"].name, ids), eager,
                                atol=1e-4, rtol=1e-4)
@@ -139,10 +143,11 @@ def test_family_runs_stem_on_full_attention_layers(family, registered, monkeypat
     params = dict(**PRESETS["tight"], **BLOCKING)
     for q, k, v, kwargs, (out, info) in calls:
         assert info.path == "sparse" and kwargs["causal"]
+        assert out.device == q.device == ids.device
         want, density = _sparse_reference(q, k, v, kwargs["scale"], kwargs.get("softcap"),
                                           params)
         assert density < 0.9  # blocks were dropped
-        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.cpu().double(), want, atol=1e-5, rtol=1e-5)
 
 
 class _Module(torch.nn.Module):
@@ -157,7 +162,7 @@ def _capped_reference(q, k, v, scaling, softcap, mask):
 
 
 @pytest.mark.parametrize("path", ["stem", "dense-mask"])
-def test_softcap_is_applied_on_every_path(registered, path):
+def test_softcap_is_applied_on_every_path(registered, path, device):
     """Large logits and a cap of 2: the capped result differs from the
     uncapped one, and the integration's output is the capped one, whether
     Stem runs (no mask) or a 4-D mask sends the call to dense attention."""
@@ -165,10 +170,12 @@ def test_softcap_is_applied_on_every_path(registered, path):
     q = 3 * torch.randn(1, 4, 256, 16, generator=gen)
     k, v = torch.randn(2, 1, 2, 256, 16, generator=gen)
     causal = torch.ones(256, 256, dtype=torch.bool).tril()[None, None]
-    mask = causal if path == "dense-mask" else None
+    mask = causal.to(device) if path == "dense-mask" else None
     fn = registered["all"]
-    out, _ = fn(_Module(), q, k, v, mask, scaling=0.25, softcap=2.0)
+    out, _ = fn(_Module(), q.to(device), k.to(device), v.to(device), mask, scaling=0.25,
+                softcap=2.0)
+    assert out.device.type == torch.device(device).type
     want = _capped_reference(q, k, v, 0.25, 2.0, causal)
-    torch.testing.assert_close(out.transpose(1, 2).double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.cpu().transpose(1, 2).double(), want, atol=1e-5, rtol=1e-5)
     uncapped = _capped_reference(q, k, v, 0.25, 1e9, causal)
     assert (want - uncapped).abs().max() > 1e-2

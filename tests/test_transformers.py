@@ -6,6 +6,10 @@ Two registrations, both with 16-token blocks and stride 4:
   block, so Stem must reproduce SDPA (to float rounding);
 * ``SPARSE``: budget ``Ks = P/8`` (rates 0.125, biases 0); 1024-token prompts
   (64 blocks) keep a fraction of the blocks.
+
+The model and the attention function's inputs are on the ``device`` fixture's
+device (the model built on the CPU from one seed, then moved: every device
+runs the same weights).
 """
 
 from __future__ import annotations
@@ -23,12 +27,16 @@ from transformers.masking_utils import (  # noqa: E402
 )
 
 import stem_indexer.integrations.transformers as stem_hf  # noqa: E402
-from stem_indexer import StemIndexerInputError  # noqa: E402
+from stem_indexer import StemIndexerInputError, contract  # noqa: E402
 from stem_indexer.attention import stem_attention  # noqa: E402
 
 BLOCKING = dict(stem_block_size=16, stem_stride=4)
 TIGHT = dict(k_block_num_rate_medium=0.125, k_block_num_bias_medium=0,
              k_block_num_rate_large=0.125, k_block_num_bias_large=0)
+# SPARSE steps aside at the CPU's measured share on every device: CUDA's own
+# (0.6) would send the left-padded batch of test_left_padding_runs_each_valid_run_sparse
+# (runs of 1024 and 824 tokens: 0.66 of the visible pairs together) to dense attention.
+CPU_SHARE = dict(dense_above=contract.default_dense_above("cpu", torch.float32))
 DENSE, SPARSE = "stem-test-dense", "stem-test-sparse"
 KEEPS_ALL = "dense:budget keeps every block"  # stem_attention's reason for running dense
 VOCAB = 128
@@ -37,19 +45,27 @@ VOCAB = 128
 @pytest.fixture(scope="module")
 def registered():
     fns = {DENSE: stem_hf.register(DENSE, **BLOCKING),
-           SPARSE: stem_hf.register(SPARSE, **BLOCKING, **TIGHT)}
+           SPARSE: stem_hf.register(SPARSE, **BLOCKING, **TIGHT, **CPU_SHARE)}
     yield fns
     for name in fns:
         stem_hf.unregister(name)
 
 
 @pytest.fixture(scope="module")
-def model(registered):
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=2048, pad_token_id=0)
-    return LlamaForCausalLM(config).eval()
+def _models(registered):
+    """The tiny model of each device, built on first use."""
+    return {}
+
+
+@pytest.fixture
+def model(_models, device):
+    if device not in _models:
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=2048, pad_token_id=0)
+        _models[device] = LlamaForCausalLM(config).eval().to(device)
+    return _models[device]
 
 
 def _logits(model, impl, ids, mask=None):
@@ -58,8 +74,9 @@ def _logits(model, impl, ids, mask=None):
         return model(ids, attention_mask=mask).logits
 
 
-def _ids(batch, length, seed):
-    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+def _ids(batch, length, seed, device="cpu"):
+    return torch.randint(1, VOCAB, (batch, length),
+                         generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 # --------------------------------------------------------------------------- #
@@ -67,8 +84,8 @@ def _ids(batch, length, seed):
 # --------------------------------------------------------------------------- #
 
 
-def test_dense_equivalent_config_matches_sdpa(model, registered):
-    ids = _ids(2, 320, seed=1)
+def test_dense_equivalent_config_matches_sdpa(model, registered, device):
+    ids = _ids(2, 320, seed=1, device=device)
     before = registered[DENSE].stats.copy()
     ref = _logits(model, "sdpa", ids)
     out = _logits(model, DENSE, ids)
@@ -80,8 +97,8 @@ def test_dense_equivalent_config_matches_sdpa(model, registered):
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
-def test_dense_equivalent_config_matches_sdpa_with_padding(model, registered, side):
-    ids = _ids(3, 288, seed=2)
+def test_dense_equivalent_config_matches_sdpa_with_padding(model, registered, side, device):
+    ids = _ids(3, 288, seed=2, device=device)
     mask = torch.ones_like(ids)
     pads = [0, 37, 130]
     for b, p in enumerate(pads):
@@ -99,8 +116,8 @@ def test_dense_equivalent_config_matches_sdpa_with_padding(model, registered, si
     assert not any(k.startswith("dense:mask") for k in stats)
 
 
-def test_sparse_config_is_sparse_finite_and_close(model, registered):
-    ids = _ids(2, 1024, seed=3)
+def test_sparse_config_is_sparse_finite_and_close(model, registered, device):
+    ids = _ids(2, 1024, seed=3, device=device)
     ref = _logits(model, "sdpa", ids)
     out = _logits(model, SPARSE, ids)
     assert torch.isfinite(out).all()
@@ -110,9 +127,9 @@ def test_sparse_config_is_sparse_finite_and_close(model, registered):
     assert 1e-3 < rel < 0.25, rel
 
 
-def test_density_by_layer_counts_the_sparse_calls_and_resets(model, registered):
+def test_density_by_layer_counts_the_sparse_calls_and_resets(model, registered, device):
     fn = registered[SPARSE]
-    ids = _ids(1, 1024, seed=5)
+    ids = _ids(1, 1024, seed=5, device=device)
     _logits(model, SPARSE, ids)
     fn.reset_stats()
     assert not fn.stats and fn.density_by_layer() == {} and fn.kept_pairs == 0
@@ -130,9 +147,9 @@ def test_density_by_layer_counts_the_sparse_calls_and_resets(model, registered):
 
 
 @pytest.mark.parametrize("impl", [DENSE, SPARSE])
-def test_padded_rows_equal_unpadded_sequences(model, registered, impl):
+def test_padded_rows_equal_unpadded_sequences(model, registered, impl, device):
     length = 1024 if impl == SPARSE else 300
-    ids = _ids(3, length, seed=4)
+    ids = _ids(3, length, seed=4, device=device)
     mask = torch.ones_like(ids)
     mask[1, :100] = 0        # left padding (generate's layout)
     mask[2, -70:] = 0        # right padding
@@ -153,29 +170,29 @@ def test_padded_rows_equal_unpadded_sequences(model, registered, impl):
             assert rel < 1e-2, rel
 
 
-def test_exact_tail_reaches_each_padded_run(model, registered):
+def test_exact_tail_reaches_each_padded_run(model, registered, device):
     """``register(exact_tail=...)`` reaches stem_attention for each valid run
     of a padded batch: a tail as long as the prompt makes every row exact
     (SDPA's logits, through the sparse path), a 40-token tail changes the
     logits of its own blocks only against ``exact_tail=0`` (causal: earlier
     tokens never see it)."""
-    ids = _ids(3, 1024, seed=4)
+    ids = _ids(3, 1024, seed=4, device=device)
     mask = torch.ones_like(ids)
     mask[1, :100] = 0        # left padding: the rotated path
     mask[2, -70:] = 0        # right padding
-    valid = mask.bool()
+    valid = mask.bool().cpu()
     names = {"none": 0, "tail": 40, "all": 4096}
     fns = {key: stem_hf.register(f"stem-test-tail-{key}", exact_tail=n, **BLOCKING, **TIGHT)
            for key, n in names.items()}
     try:
-        sparse, last, exact = (_logits(model, fns[key].name, ids, mask) for key in names)
+        sparse, last, exact = (_logits(model, fns[key].name, ids, mask).cpu() for key in names)
     finally:
         for fn in fns.values():
             stem_hf.unregister(fn.name)
     everything, tail = fns["all"], fns["tail"]
     assert dict(everything.stats) == {"stem-rotated": 2}, everything.stats
     assert everything.kept_pairs == everything.visible_pairs  # every row widened
-    torch.testing.assert_close(exact[valid], _logits(model, "sdpa", ids, mask)[valid],
+    torch.testing.assert_close(exact[valid], _logits(model, "sdpa", ids, mask).cpu()[valid],
                                atol=1e-4, rtol=1e-4)
     # Blocks of 16 count from each run's first valid token: the tail's first
     # block starts at start + 16 * ((length - 40) // 16).
@@ -189,8 +206,8 @@ def test_exact_tail_reaches_each_padded_run(model, registered):
     assert tail.kept_pairs > fns["none"].kept_pairs
 
 
-def test_generate_matches_sdpa_greedy(model, registered):
-    ids = _ids(2, 160, seed=5)
+def test_generate_matches_sdpa_greedy(model, registered, device):
+    ids = _ids(2, 160, seed=5, device=device)
     mask = torch.ones_like(ids)
     ids[1, :40], mask[1, :40] = 0, 0   # a shorter prompt, left padded
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -206,11 +223,11 @@ def test_generate_matches_sdpa_greedy(model, registered):
     assert after["dense:decode"] - before["dense:decode"] == 2 * 5  # 5 decode steps x 2 layers
 
 
-def test_generate_decodes_from_the_sparse_prefill(model, registered):
+def test_generate_decodes_from_the_sparse_prefill(model, registered, device):
     """generate() runs the prompt through Stem (sparse: its logits differ
     from SDPA's) and then decodes densely; its first token is the argmax of
     the sparse prefill's last logits."""
-    ids = _ids(1, 1024, seed=6)
+    ids = _ids(1, 1024, seed=6, device=device)
     before = registered[SPARSE].stats.copy()
     with torch.no_grad():
         model.set_attn_implementation(SPARSE)
@@ -234,72 +251,72 @@ class _Module(torch.nn.Module):
     num_key_value_groups = 2
 
 
-def _qkv(batch, q_len, kv_len, seed):
+def _qkv(batch, q_len, kv_len, seed, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, 4, q_len, 16, generator=gen)
     k = torch.randn(batch, 2, kv_len, 16, generator=gen)
     v = torch.randn(batch, 2, kv_len, 16, generator=gen)
-    return q, k, v
+    return q.to(device), k.to(device), v.to(device)
 
 
 def _sdpa_reference(q, k, v, valid):
     mask = sdpa_mask(batch_size=q.shape[0], q_length=q.shape[2], kv_length=k.shape[2],
                      q_offset=k.shape[2] - q.shape[2], attention_mask=valid,
-                     allow_is_causal_skip=False)
+                     allow_is_causal_skip=False, device=q.device)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                            enable_gqa=True)
     return out.transpose(1, 2)
 
 
-def test_left_padding_runs_each_valid_run_sparse(registered):
+def test_left_padding_runs_each_valid_run_sparse(registered, device):
     fn = registered[SPARSE]
-    q, k, v = _qkv(2, 1024, 1024, seed=7)
-    valid = torch.ones(2, 1024, dtype=torch.bool)
+    q, k, v = _qkv(2, 1024, 1024, seed=7, device=device)
+    valid = torch.ones(2, 1024, dtype=torch.bool, device=device)
     valid[1, :200] = False
     out, weights = fn(_Module(), q, k, v, valid, scaling=0.25)
     assert weights is None and out.shape == (2, 1024, 4, 16)
     alone = stem_attention(q[1:, :, 200:], k[1:, :, 200:], v[1:, :, 200:], scale=0.25,
-                           **BLOCKING, **TIGHT)
+                           **BLOCKING, **TIGHT, **CPU_SHARE)
     torch.testing.assert_close(out[1, 200:], alone[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
     assert out[1, :200].abs().max() == 0                  # padding rows are zero
-    whole = stem_attention(q[:1], k[:1], v[:1], scale=0.25, **BLOCKING, **TIGHT)
+    whole = stem_attention(q[:1], k[:1], v[:1], scale=0.25, **BLOCKING, **TIGHT, **CPU_SHARE)
     torch.testing.assert_close(out[0], whole[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
 
 
-def test_chunked_prefill_with_padding_matches_sdpa(registered):
+def test_chunked_prefill_with_padding_matches_sdpa(registered, device):
     # 64 new queries after 96 cached keys, left padding of 30 in batch 1.
     fn = registered[DENSE]
-    q, k, v = _qkv(2, 64, 160, seed=8)
-    valid = torch.ones(2, 160, dtype=torch.bool)
+    q, k, v = _qkv(2, 64, 160, seed=8, device=device)
+    valid = torch.ones(2, 160, dtype=torch.bool, device=device)
     valid[1, :30] = False
     out, _ = fn(_Module(), q, k, v, valid)
     torch.testing.assert_close(out, _sdpa_reference(q, k, v, valid), atol=1e-5, rtol=1e-5)
 
 
-def test_mask_with_holes_falls_back_to_dense(registered):
+def test_mask_with_holes_falls_back_to_dense(registered, device):
     fn = registered[DENSE]
-    q, k, v = _qkv(2, 64, 64, seed=9)
-    valid = torch.ones(2, 64, dtype=torch.bool)
+    q, k, v = _qkv(2, 64, 64, seed=9, device=device)
+    valid = torch.ones(2, 64, dtype=torch.bool, device=device)
     valid[0, 10:20] = False                                # not one contiguous run
     before = fn.stats["dense:mask-holes"]
     out, _ = fn(_Module(), q, k, v, valid)
     assert fn.stats["dense:mask-holes"] == before + 1
     ref = _sdpa_reference(q, k, v, valid)
-    rows = torch.ones(2, 64, dtype=torch.bool)
+    rows = torch.ones(2, 64, dtype=torch.bool, device=device)
     rows[0, 10:20] = False                                 # padded queries: any output
     torch.testing.assert_close(out[rows], ref[rows], atol=1e-5, rtol=1e-5)
 
 
-def test_four_d_mask_and_decode_use_sdpa(registered):
+def test_four_d_mask_and_decode_use_sdpa(registered, device):
     fn = registered[DENSE]
     module = _Module()
-    q, k, v = _qkv(1, 1, 50, seed=10)
+    q, k, v = _qkv(1, 1, 50, seed=10, device=device)
     before = fn.stats.copy()
     out, _ = fn(module, q, k, v, None)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-6, rtol=1e-6)
-    q, k, v = _qkv(1, 40, 40, seed=11)
-    mask = torch.rand(1, 1, 40, 40, generator=torch.Generator().manual_seed(0)) > 0.3
+    q, k, v = _qkv(1, 40, 40, seed=11, device=device)
+    mask = (torch.rand(1, 1, 40, 40, generator=torch.Generator().manual_seed(0)) > 0.3).to(device)
     mask[..., 0] = True
     out, _ = fn(module, q, k, v, mask)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,

@@ -6,7 +6,9 @@ The reference is always transformers' own sliding mask
 ``scaled_dot_product_attention``, or, with soft-capping, the model's eager
 formula on that mask. Tolerances: float32 1e-6 (absolute and relative);
 bfloat16 one unit in the last place of the output (2**-7, absolute and
-relative): both results are rounded to bfloat16 once at the end.
+relative): both results are rounded to bfloat16 once at the end. The
+attention tests and the tiny models run on the ``device`` fixture's device,
+the reference beside them.
 """
 
 from __future__ import annotations
@@ -35,10 +37,10 @@ BLOCKING = dict(stem_block_size=16, stem_stride=4)
 KEEP_ALL = dict(k_block_num_bias_medium=10**6, k_block_num_bias_large=10**6)
 
 
-def _qkv(b, hq, hkv, sq, skv, d, dtype, seed):
+def _qkv(b, hq, hkv, sq, skv, d, dtype, seed, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, sq, d, generator=gen).to(dtype)
-    k, v = (torch.randn(b, hkv, skv, d, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(b, hq, sq, d, generator=gen).to(device, dtype)
+    k, v = (torch.randn(b, hkv, skv, d, generator=gen).to(device, dtype) for _ in range(2))
     return q, k, v
 
 
@@ -47,11 +49,11 @@ def _hf_sliding_mask(valid, q_len, window):
     b, kv_len = valid.shape
     return sdpa_mask(batch_size=b, q_length=q_len, kv_length=kv_len, q_offset=kv_len - q_len,
                      mask_function=sliding_window_causal_mask_function(window),
-                     attention_mask=valid, allow_is_causal_skip=False)
+                     attention_mask=valid, allow_is_causal_skip=False, device=valid.device)
 
 
-def _left_padded(b, kv_len, pads):
-    valid = torch.ones(b, kv_len, dtype=torch.bool)
+def _left_padded(b, kv_len, pads, device="cpu"):
+    valid = torch.ones(b, kv_len, dtype=torch.bool, device=device)
     for i, p in enumerate(pads):
         valid[i, :p] = False
     return valid
@@ -71,26 +73,32 @@ CASES = {  # name: (B, Hq, Hkv, Sq, Skv, D, W, chunk, left pads per batch)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_windowed_attention_equals_sdpa_with_transformers_sliding_mask(case, dtype):
+def test_windowed_attention_equals_sdpa_with_transformers_sliding_mask(case, dtype, device):
     b, hq, hkv, sq, skv, d, w, chunk, pads = CASES[case]
-    q, k, v = _qkv(b, hq, hkv, sq, skv, d, dtype, seed=len(case))
-    valid = _left_padded(b, skv, pads)
+    q, k, v = _qkv(b, hq, hkv, sq, skv, d, dtype, seed=len(case), device=device)
+    valid = _left_padded(b, skv, pads, device)
     mask = _hf_sliding_mask(valid, sq, w)
     assert torch.equal(mask, window_mod.sliding_window_mask(valid, sq, w))
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hq != hkv)
     got = sliding_window_attention(q, k, v, w, key_valid=valid, chunk=chunk)
-    assert got.dtype == dtype and got.shape == want.shape
-    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert got.dtype == dtype and got.shape == want.shape and got.device == q.device
+    seen = mask.any(-1, keepdim=True)  # [B, 1, Sq, 1]: the query sees a key
+    assert not bool(got.masked_fill(seen, 0).any())  # rows that see none: zero (window.py)
+    if device == "cpu":
+        torch.testing.assert_close(got, want, **TOL[dtype])
+    else:  # SDPA's CUDA kernels leave the rows that see no key undefined (not zero in bf16)
+        torch.testing.assert_close(got.masked_fill(~seen, 0), want.masked_fill(~seen, 0),
+                                   **TOL[dtype])
 
 
-def test_window_semantics_are_transformers_own():
+def test_window_semantics_are_transformers_own(device):
     """Query p sees keys p - W < j <= p (W keys, its own included): with
     one-hot values the output says which keys each query attended."""
     w, s = 5, 12
-    q = torch.zeros(1, 1, s, s)  # equal scores: uniform weights over the visible keys
-    k = torch.zeros(1, 1, s, s)
-    v = torch.eye(s)[None, None]
-    got = sliding_window_attention(q, k, v, w, chunk=4)[0, 0]
+    q = torch.zeros(1, 1, s, s, device=device)  # equal scores: uniform weights
+    k = torch.zeros(1, 1, s, s, device=device)
+    v = torch.eye(s, device=device)[None, None]
+    got = sliding_window_attention(q, k, v, w, chunk=4)[0, 0].cpu()
     for p in range(s):
         seen = [j for j in range(s) if p - w < j <= p]
         want = torch.zeros(s)
@@ -99,18 +107,18 @@ def test_window_semantics_are_transformers_own():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_softcap_on_the_windowed_path_is_the_eager_formula(dtype):
+def test_softcap_on_the_windowed_path_is_the_eager_formula(dtype, device):
     """Gemma 2's capped logits: the windowed path equals the model's eager
     formula (``_eager_softcap``, which the dense fallback runs) on
     transformers' sliding mask, at valid query rows; the cap matters."""
-    q, k, v = _qkv(2, 4, 2, 130, 130, 16, dtype, seed=5)
+    q, k, v = _qkv(2, 4, 2, 130, 130, 16, dtype, seed=5, device=device)
     q = 4 * q
-    valid = _left_padded(2, 130, (0, 20))
+    valid = _left_padded(2, 130, (0, 20), device)
     mask = _hf_sliding_mask(valid, 130, 24)
     want, _ = stem_hf._eager_softcap(torch.nn.Module(), q, k, v, mask, 0.0, 0.25, 2.0)
     got = sliding_window_attention(q, k, v, 24, key_valid=valid, scale=0.25, softcap=2.0,
                                    chunk=32).transpose(1, 2)
-    rows = torch.zeros(2, 130, dtype=torch.bool)
+    rows = torch.zeros(2, 130, dtype=torch.bool, device=device)
     rows[0], rows[1, 20:] = True, True
     torch.testing.assert_close(got[rows], want[rows], **TOL[dtype])
     assert bool((got[1, :20] == 0).all())  # left padding: no visible key, zero
@@ -202,16 +210,17 @@ class _Module(torch.nn.Module):
 
 
 @pytest.mark.parametrize("q_len", [150, 3], ids=["prefill-windowed", "decode-dense"])
-def test_attention_function_on_the_window_form_equals_sdpa(fn, q_len):
+def test_attention_function_on_the_window_form_equals_sdpa(fn, q_len, device):
     """Prefill on a sliding layer runs the windowed path (``stats["window"]``),
     a short query dense SDPA with the sliding mask (``dense:decode``); both
     equal SDPA with transformers' mask, left padding included."""
     kv_len, w = 150, 40
-    q, k, v = _qkv(2, 4, 1, q_len, kv_len, 16, torch.float32, seed=q_len)
-    valid = _left_padded(2, kv_len, (0, 30))
+    q, k, v = _qkv(2, 4, 1, q_len, kv_len, 16, torch.float32, seed=q_len, device=device)
+    valid = _left_padded(2, kv_len, (0, 30), device)
     form = stem_hf.stem_mask(batch_size=2, q_length=q_len, kv_length=kv_len,
                              q_offset=kv_len - q_len, local_size=w, attention_mask=valid,
-                             mask_function=sliding_window_causal_mask_function(w))
+                             mask_function=sliding_window_causal_mask_function(w),
+                             device=valid.device)  # as transformers calls it
     before = fn.stats.copy()
     out, _ = fn(_Module(), q, k, v, form, scaling=0.3, sliding_window=w)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=_hf_sliding_mask(valid, q_len, w),
@@ -238,7 +247,7 @@ MODELS = {  # name: (config, model, extra config, sliding layers)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_tiny_model_sliding_layers_run_windowed_and_equal_sdpa(name, fn):
+def test_tiny_model_sliding_layers_run_windowed_and_equal_sdpa(name, fn, device):
     """A random tiny Gemma 3 (sliding and full layers, W 16) and Mistral (W 20),
     a batch of two prompts, the second left-padded: with a keep-all budget the
     logits at valid positions equal SDPA's (float32, 1e-5); every sliding layer
@@ -247,8 +256,8 @@ def test_tiny_model_sliding_layers_run_windowed_and_equal_sdpa(name, fn):
     config_name, model_name, extra, sliding = MODELS[name]
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(
-        getattr(transformers, config_name)(**COMMON, **extra)).eval()
-    ids = torch.randint(3, 128, (2, 300), generator=torch.Generator().manual_seed(1))
+        getattr(transformers, config_name)(**COMMON, **extra)).eval().to(device)
+    ids = torch.randint(3, 128, (2, 300), generator=torch.Generator().manual_seed(1)).to(device)
     attention_mask = torch.ones_like(ids)
     attention_mask[1, :37] = 0
     logits = {}
