@@ -273,8 +273,9 @@ def test_one_compilation_serves_many_lengths_and_never_runs_eagerly(monkeypatch,
 
 def test_recompile_limit_is_an_error_not_an_eager_run(monkeypatch, device):
     """Past the recompile limit Dynamo would run FlexAttention eagerly; here
-    the call raises instead. Forced with a limit of one compilation and a
-    second dtype (a guard every compilation has)."""
+    the call raises instead. Forced with a limit of one compilation (the
+    function's own limit, ``RECOMPILE_LIMIT`` otherwise) and a second dtype
+    (a guard every compilation has)."""
     import torch._dynamo
     from torch._dynamo.exc import FailOnRecompileLimitHit
 
@@ -284,8 +285,10 @@ def test_recompile_limit_is_an_error_not_an_eager_run(monkeypatch, device):
     q, k, v, idx, lens = (x.to(device) for x in _inputs(bs, [48], [48], heads=2, kv_heads=1,
                                                         d=8))
     mask = flex.block_mask(idx, lens, block_size=bs, q_len=48, kv_len=48)
-    with torch._dynamo.config.patch(recompile_limit=1):
-        flex.flex_attention_forward(q, k, v, mask, 0.5)
-        with pytest.raises(FailOnRecompileLimitHit):
-            flex.flex_attention_forward(q.double(), k.double(), v.double(), mask, 0.5)
+    for name in ("recompile_limit", "cache_size_limit"):
+        if name in flex._COMPILE_CONFIG:
+            monkeypatch.setitem(flex._COMPILE_CONFIG, name, 1)
+    flex.flex_attention_forward(q, k, v, mask, 0.5)
+    with pytest.raises(FailOnRecompileLimitHit):
+        flex.flex_attention_forward(q.double(), k.double(), v.double(), mask, 0.5)
     assert eager.calls == 0

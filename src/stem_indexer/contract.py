@@ -98,6 +98,14 @@ def ceil_div(a, b):
 # --------------------------------------------------------------------------- #
 
 
+def is_finite(x) -> bool:
+    """``math.isfinite`` for a number that may be symbolic: under
+    ``torch.compile(dynamic=True)`` Python floats (defaults and constants
+    too) are traced as symbols, which ``math.isfinite`` refuses; comparisons
+    are traced (and guarded on)."""
+    return x == x and -math.inf < x < math.inf
+
+
 @dataclass(frozen=True)
 class IndexerParams:
     """The scalar attributes of ``npu_stem_indexer`` (schema defaults)."""
@@ -128,14 +136,14 @@ class IndexerParams:
             fail(who, "stem_block_size", f"must be a multiple of stem_stride "
                  f"({self.stem_stride})", self.stem_block_size)
         if (isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float))
-                or not (math.isfinite(self.alpha) and 0.0 < self.alpha <= 1.0)):
+                or not (is_finite(self.alpha) and 0.0 < self.alpha <= 1.0)):
             fail(who, "alpha", "must be a finite number with 0 < alpha <= 1", self.alpha)
         check_int(who, "initial_blocks", self.initial_blocks, 0)
         check_int(who, "window_size", self.window_size, 0)
         for name in ("k_block_num_rate_medium", "k_block_num_rate_large"):
             v = getattr(self, name)
             if (isinstance(v, bool) or not isinstance(v, (int, float))
-                    or not (math.isfinite(v) and v >= 0.0)):
+                    or not (is_finite(v) and v >= 0.0)):
                 fail(who, name, "must be a finite number >= 0", v)
         for name in ("k_block_num_bias_medium", "k_block_num_bias_large"):
             check_int(who, name, getattr(self, name), 0)
@@ -396,7 +404,7 @@ def check_dense_above(who: str, value) -> None:
     if value is None:
         return
     if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not (math.isfinite(value) and 0.0 < value <= 1.0)):
+            or not (is_finite(value) and 0.0 < value <= 1.0)):
         fail(who, "dense_above", "must be None or a number with 0 < dense_above <= 1",
              repr(value))
 

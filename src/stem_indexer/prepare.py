@@ -49,13 +49,14 @@ from typing import NamedTuple, Sequence, Union
 import torch
 
 from ._renamed import take_renamed
-from .contract import ceil_div, check_int, fail
+from .contract import ceil_div, check_int, fail, is_finite
 
 __all__ = [
     "StemInputs",
     "stem_inputs",
     "block_representation",
     "output_aware_bias",
+    "bias_from_run_max",
     "seq_lens_tensor",
     "lens_argument",
     "check_lens_values",
@@ -115,14 +116,6 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, who: str, *,
     if skv == 0:
         fail(who, "k", "must have a non-empty sequence dim", tuple(k.shape))
     return batch, hq, hkv, sq, skv, dim
-
-
-def is_finite(x) -> bool:
-    """``math.isfinite`` for a number that may be symbolic: under
-    ``torch.compile(dynamic=True)`` Python floats (defaults and constants
-    too) are traced as symbols, which ``math.isfinite`` refuses; comparisons
-    are traced (and guarded on)."""
-    return x == x and -math.inf < x < math.inf
 
 
 def check_oam_lambda(oam_lambda: float, who: str) -> None:
@@ -246,18 +239,31 @@ def output_aware_bias(
     # Norms are >= 0, so zeroed padding never wins a run's max over valid tokens.
     norms = norms.masked_fill(~valid[:, None, :], 0.0)
     norms = torch.nn.functional.pad(norms, (0, nblocks * block_size - seq))
-    run_max = norms.view(batch, heads, nruns, stride).amax(dim=-1).double()
-    logs = torch.log(run_max + eps)
+    run_max = norms.view(batch, heads, nruns, stride).amax(dim=-1)
+    return bias_from_run_max(run_max, ceil_div(lens, stride), ratio, oam_lambda, eps)
 
-    n = ceil_div(lens, stride)  # valid runs per batch
-    run_valid = (torch.arange(nruns, device=v.device) < n[:, None])[:, None, :]
+
+def bias_from_run_max(run_max: torch.Tensor, valid_runs: torch.Tensor, ratio: int,
+                      oam_lambda: float = DEFAULT_OAM_LAMBDA, eps: float = _EPS) -> torch.Tensor:
+    """The Output-Aware Metric from each run's largest value norm.
+
+    ``run_max [B, H, nruns]`` float32 (``nruns`` a multiple of ``ratio`` = R,
+    runs past the valid ones ignored), ``valid_runs [B]`` the valid runs per
+    batch. Returns ``vbias [B, H, nruns / R]`` float32, as ``output_aware_bias``
+    (which is this on the run maxima of ``v``; the vLLM backend's indexer
+    cache keeps the run maxima of the pages it writes and calls this).
+    """
+    batch, heads, nruns = run_max.shape
+    logs = torch.log(run_max.double() + eps)
+    n = valid_runs.to(device=run_max.device, dtype=torch.int64)
+    run_valid = (torch.arange(nruns, device=run_max.device) < n[:, None])[:, None, :]
     nf = n.to(torch.float64)[:, None, None]
     mean = torch.where(run_valid, logs, 0.0).sum(-1, keepdim=True) / nf.clamp(min=1)
     centred = torch.where(run_valid, logs - mean, 0.0)
     var = centred.square().sum(-1, keepdim=True) / (nf - 1).clamp(min=1)
     std = torch.where(nf >= 2, var.sqrt(), 0.0)
     z = torch.where(run_valid & (nf >= 2), centred / (std + eps), 0.0)
-    per_block = torch.relu(z).view(batch, heads, nblocks, ratio).sum(-1) / ratio
+    per_block = torch.relu(z).view(batch, heads, nruns // ratio, ratio).sum(-1) / ratio
     return (float(oam_lambda) * per_block).to(torch.float32)
 
 

@@ -150,6 +150,9 @@ def _windowed(q, k, v, window, key_valid, scale, softcap, chunk):
     if softcap is None:
         out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale,
                                              enable_gqa=hq != hkv)
+        # A row with no visible key is zero (SDPA's CPU kernels give zero,
+        # its CUDA kernels need not).
+        out = out.masked_fill(~mask.any(-1, keepdim=True), 0)
     else:
         out = _capped(qc, kc, vc, mask, scale, softcap)
     out = out.reshape(batch, n, hq, size, dim).transpose(1, 2).reshape(batch, hq, n * size, dim)

@@ -281,14 +281,23 @@ def cuda_kernel_options(q_block: int, kv_block: int, head_dim: int, v_head_dim: 
 # One compiled FlexAttention for the process, with dynamic shapes: sequence
 # lengths (and batch, heads) are symbols, so a serving process that sees
 # thousands of lengths compiles it once per head dim / dtype / options /
-# score_mod kind, not per length. Hitting the recompile limit raises: past
-# it, Dynamo would run FlexAttention eagerly, which materialises the whole
-# (Sq, Skv) score matrix. Floats (scale, softcap) stay constants: a model
-# has a few, and a symbolic softcap inside score_mod does not lower.
+# score_mod kind, not per length. Each of those is a recompile of the one
+# function, and a process serving several models (or a test suite) has more
+# than Dynamo's default 8: the limit is RECOMPILE_LIMIT for this function.
+# Hitting it raises: past it, Dynamo would run FlexAttention eagerly, which
+# materialises the whole (Sq, Skv) score matrix. Floats (scale, softcap) stay
+# constants: a model has a few, and a symbolic softcap inside score_mod does
+# not lower.
+RECOMPILE_LIMIT = 64
 _COMPILE_CONFIG = {name: value for name, value in (("fail_on_recompile_limit_hit", True),
                                                    ("fail_on_cache_limit_hit", True),
-                                                   ("specialize_float", True))
+                                                   ("specialize_float", True),
+                                                   ("recompile_limit", RECOMPILE_LIMIT),
+                                                   ("cache_size_limit", RECOMPILE_LIMIT))
                    if hasattr(torch._dynamo.config, name)}
+# FlexAttention's CUDA kernel refuses head dims under 16: q/k (and v) are
+# zero-padded to it there, which changes no score and no output column.
+MIN_CUDA_HEAD_DIM = 16
 
 
 def _compiled_flex():
@@ -313,6 +322,12 @@ def flex_attention_forward(q, k, v, mask, scale: float, softcap: float | None = 
     scaled scores as ``softcap * tanh(score / softcap)`` (a score_mod).
     ``kernel_options`` default on CUDA: ``cuda_kernel_options`` for the
     mask's block size and these tensors."""
+    dim_v = v.shape[-1]
+    if q.is_cuda and q.shape[-1] < MIN_CUDA_HEAD_DIM:
+        pad = MIN_CUDA_HEAD_DIM - q.shape[-1]
+        q, k = (torch.nn.functional.pad(x, (0, pad)) for x in (q, k))
+    if q.is_cuda and dim_v < MIN_CUDA_HEAD_DIM:
+        v = torch.nn.functional.pad(v, (0, MIN_CUDA_HEAD_DIM - dim_v))
     compiled = _compiled_flex()
     score_mod = None if softcap is None else _softcap_score_mod(float(softcap))
     if kernel_options is None and q.is_cuda:
@@ -324,4 +339,7 @@ def flex_attention_forward(q, k, v, mask, scale: float, softcap: float | None = 
         out = compiled(q, k, v, score_mod=score_mod, block_mask=mask, scale=float(scale),
                        enable_gqa=q.shape[1] != k.shape[1], return_lse=return_lse,
                        kernel_options=kernel_options)
-    return out if return_lse else (out, None)
+    if return_lse:
+        out, lse = out
+        return out[..., :dim_v], lse
+    return out[..., :dim_v], None
