@@ -82,12 +82,15 @@ def _masked_reference(q, k, v, idx, lens, rows, bs, scale):
 
 
 def _flex_dense(q, k, v, scale):
-    """Compiled FlexAttention under the plain causal BlockMask."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
+    """Compiled FlexAttention under the plain causal BlockMask: every block
+    up to the diagonal listed (built from the lists: ``create_block_mask``
+    would evaluate a (S, S) mask, 128 GiB at 128K tokens)."""
     seq, bs = q.shape[2], _shape(q.device.type)[3]
-    mask = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, seq, seq,
-                             device=q.device, BLOCK_SIZE=bs)
+    nb = -(-seq // bs)
+    lengths = (torch.arange(nb, device=q.device) + 1).int().expand(1, 1, nb)
+    idx = torch.arange(nb, device=q.device).int().expand(1, 1, nb, nb)
+    idx = torch.where(idx < lengths[..., None], idx, -1)
+    mask = flex.block_mask(idx, lengths, block_size=bs, q_len=seq, kv_len=seq)
     return lambda: flex.flex_attention_forward(q, k, v, mask, scale)[0]
 
 

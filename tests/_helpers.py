@@ -239,7 +239,7 @@ def cpu_dense_above(device, dtype=torch.float32) -> dict:
     """``stem_attention``'s ``dense_above`` for a test whose calls must take
     the path they take on the CPU: nothing there (the default), the CPU's
     measured share elsewhere. CUDA's own default (``contract.DENSE_ABOVE``,
-    0.6) sends the default budget's 1,100-token calls, sparse on the CPU, to
+    0.35) sends the default budget's 1,100-token calls, sparse on the CPU, to
     dense attention, and the test would no longer reach the sparse path."""
     if torch.device(device).type == "cpu":
         return {}

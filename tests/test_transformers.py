@@ -34,7 +34,7 @@ BLOCKING = dict(stem_block_size=16, stem_stride=4)
 TIGHT = dict(k_block_num_rate_medium=0.125, k_block_num_bias_medium=0,
              k_block_num_rate_large=0.125, k_block_num_bias_large=0)
 # SPARSE steps aside at the CPU's measured share on every device: CUDA's own
-# (0.6) would send the left-padded batch of test_left_padding_runs_each_valid_run_sparse
+# (0.35) would send the left-padded batch of test_left_padding_runs_each_valid_run_sparse
 # (runs of 1024 and 824 tokens: 0.66 of the visible pairs together) to dense attention.
 CPU_SHARE = dict(dense_above=contract.default_dense_above("cpu", torch.float32))
 DENSE, SPARSE = "stem-test-dense", "stem-test-sparse"

@@ -380,15 +380,20 @@ def budget_pairs(q_lens: torch.Tensor, kv_lens: torch.Tensor, prompt: torch.Tens
 # against dense SDPA at 8K tokens and budgets of 85% to 99.5% of the pairs
 # broke even near 95% in float32 (1.06x at 93.5%, 0.96x at 96.2%) and not
 # below 99.5% in bfloat16 (1.11x at 98.3%, 1.03x at 99.5%), where 0.98
-# leaves a margin. CUDA: a projection from benchmarks/GPU.md (E 0.68 and the
-# scoring 13% of dense at 64K give E (1 - 0.13) = 0.59), not a sweep. Other
-# dtypes on CPU run the gather backend (E 0.55 to 0.59, ATTENTION.md).
+# leaves a margin. CUDA (measured on an H200 in bfloat16, benchmarks/GPU.md,
+# 2026-12-04): a call costs about 10 ms whatever its density (the indexer
+# and the block mask) plus the kept pairs, so the break-even share rises with
+# the length. At 32K no budget broke even (0.82x at 28.8% of the pairs; the
+# default budget keeps 43%), at 64K the default budget (31.7%) ran 1.43x
+# faster than SDPA. 0.35 takes the faster path at both lengths; float16 and
+# float32 share it, unmeasured. Other dtypes on CPU run the gather backend
+# (E 0.55 to 0.59, ATTENTION.md).
 DENSE_ABOVE: dict[tuple[str, torch.dtype], float] = {
     ("cpu", torch.float32): 0.95,
     ("cpu", torch.bfloat16): 0.98,
-    ("cuda", torch.bfloat16): 0.6,
-    ("cuda", torch.float16): 0.6,
-    ("cuda", torch.float32): 0.6,
+    ("cuda", torch.bfloat16): 0.35,
+    ("cuda", torch.float16): 0.35,
+    ("cuda", torch.float32): 0.35,
 }
 _DENSE_ABOVE_OTHER = 0.55
 
