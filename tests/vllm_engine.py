@@ -25,7 +25,43 @@ import sys
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def _checker(settings, record: dict):
+class _Shadow:
+    """Every key and value the Stem layers wrote, by layer and slot: the
+    checker reads a row's keys and values from here, whatever the layout of
+    vLLM's own cache."""
+
+    def __init__(self) -> None:
+        self.layers: dict = {}
+
+    def write(self, layer, key, value, slots) -> None:
+        import torch
+
+        keep = slots >= 0
+        key, value, slots = key[keep], value[keep], slots[keep].long()
+        if slots.numel() == 0:
+            return
+        k, v = self.layers.get(layer, (None, None))
+        need = int(slots.max()) + 1
+        if k is None or k.shape[0] < need:
+            size = max(need, 2 * (0 if k is None else k.shape[0]))
+            grown = [torch.zeros(size, *key.shape[1:], dtype=key.dtype) for _ in range(2)]
+            if k is not None:
+                grown[0][:k.shape[0]], grown[1][:v.shape[0]] = k, v
+            k, v = grown
+            self.layers[layer] = (k, v)
+        k[slots], v[slots] = key, value
+
+    def row(self, layer, plan):
+        """The row's keys and values [Hkv, seq_len, D]."""
+        import torch
+
+        t = torch.arange(plan.row.seq_len)
+        slots = plan.pages[t // plan.page] * plan.page + t % plan.page
+        k, v = self.layers[layer]
+        return k[slots].transpose(0, 1), v[slots].transpose(0, 1)
+
+
+def _checker(settings, record: dict, shadow: _Shadow):
     import dataclasses
 
     import torch
@@ -36,6 +72,7 @@ def _checker(settings, record: dict):
 
     def check(trace) -> None:
         row, bs = trace.row, settings.block_size
+        key, value = shadow.row(trace.layer, trace.plan)
         lead = row.context - (row.context // bs) * bs
         hq, dim = trace.query.shape[1], trace.query.shape[2]
         q = trace.query.new_zeros(1, hq, lead + row.q_len, dim)
@@ -45,11 +82,11 @@ def _checker(settings, record: dict):
             # The backend chose Stem for this row; stem_attention must not step
             # aside on its own density rule (dense_above=1.0: only keep-all).
             want = stem_indexer.stem_attention(
-                q, trace.key[None], trace.value[None], scale=trace.scale,
+                q, key[None], value[None], scale=trace.scale,
                 num_prompt_tokens=prompt, oam=settings.oam, oam_lambda=settings.oam_lambda,
                 min_q_blocks=0, dense_above=1.0, exact_tail=settings.exact_tail,
                 **params)[0, :, lead:].transpose(0, 1)
-            inputs = stem_indexer.stem_inputs(q, trace.key[None], trace.value[None],
+            inputs = stem_indexer.stem_inputs(q, key[None], value[None],
                                               stem_block_size=bs,
                                               stem_stride=settings.stride,
                                               scale=trace.scale / settings.stride,
@@ -58,6 +95,9 @@ def _checker(settings, record: dict):
                 inputs.qflat, inputs.kflat, inputs.vbias, inputs.q_seq_lens,
                 inputs.kv_seq_lens, num_prompt_tokens=torch.tensor(prompt, dtype=torch.int32),
                 **params)
+        # The indexer cache gives stem_inputs's key-side inputs, bit for bit.
+        record["cache_mismatches"] += not (torch.equal(trace.kflat, inputs.kflat[0])
+                                           and torch.equal(trace.vbias, inputs.vbias[0]))
         err = (trace.output.double() - want.double()).abs().max().item()
         # The indexer's lists, with each query block holding one of the
         # prompt's last exact_tail tokens widened by hand: the row's block j
@@ -80,8 +120,33 @@ def _checker(settings, record: dict):
         record["kinds"][row.kind] = record["kinds"].get(row.kind, 0) + 1
         record["unaligned"] += row.context % bs != 0
         record["beside_other_rows"] += row.start > 0  # other rows come first in the step
+        record["sparse_rows"] += int((trace.lengths < first + 1
+                                      + torch.arange(trace.lengths.shape[1])).sum())
 
     return check
+
+
+def _inject_failure(kind: str, after: int) -> None:
+    """Make Stem fail in the worker (this process): ``select`` raises in a
+    row's selection, ``write`` in the indexer cache's writer, each from its
+    ``after``-th call on."""
+    from stem_indexer.integrations.vllm import backend
+    from stem_indexer.integrations.vllm.index_cache import IndexCache
+
+    calls = [0]
+
+    def wrap(fn):
+        def failing(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] > after:
+                raise RuntimeError(f"injected {kind} failure")
+            return fn(*args, **kwargs)
+        return failing
+
+    if kind == "select":
+        backend.select_blocks = wrap(backend.select_blocks)
+    else:
+        IndexCache.write = wrap(IndexCache.write)
 
 
 def main() -> None:
@@ -93,14 +158,21 @@ def main() -> None:
     kwargs = dict(spec.get("engine", {}))
     if spec.get("stem") is not None:
         kwargs.update(attention_backend="CUSTOM", additional_config={"stem": spec["stem"]})
+    if spec.get("fail") or spec.get("check_rows"):
+        assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0", "needs the worker here"
     llm = LLM(model=spec["model"], seed=0, **kwargs)
     record = {"rows": 0, "max_error": 0.0, "selection_mismatches": 0, "tail_rows": 0,
-              "kinds": {}, "unaligned": 0, "beside_other_rows": 0}
+              "kinds": {}, "unaligned": 0, "beside_other_rows": 0, "cache_mismatches": 0,
+              "sparse_rows": 0}
     if spec.get("check_rows"):
         from stem_indexer.integrations.vllm import backend
         from stem_indexer.integrations.vllm.settings import StemSettings
 
-        backend.observe(_checker(StemSettings.from_mapping(spec["stem"]), record))
+        shadow = _Shadow()
+        backend.observe_writes(shadow.write)
+        backend.observe(_checker(StemSettings.from_mapping(spec["stem"]), record, shadow))
+    if spec.get("fail"):
+        _inject_failure(*spec["fail"])
     results = []
     for batch in spec["batches"]:
         prompts = [{"prompt_token_ids": r["prompt"]} for r in batch]

@@ -186,29 +186,57 @@ def _dense_lists(qlen, kvlen, bs: int, causal: bool, hq: int, qmax: int, kmax: i
     idx = torch.arange(kmax, device=device).expand(*lengths.shape, kmax)
     return torch.where(idx < lengths[..., None], idx, -1), lengths
 
-def widen_tail(idx: torch.Tensor, lengths: torch.Tensor, qlen, kvlen, prompt, tail: int,
-               bs: int, causal: bool, kmax: int):
-    """The indexer's lists with every row of ``contract.tail_rows`` (the
-    prompt's last ``tail`` tokens) widened to every key block its tokens can
-    see: those rows are then dense attention. The lists are copied (and made
-    ``kmax`` wide) only where a row changes."""
-    if tail <= 0:  # the default: nothing to read back from the lengths
-        return idx, lengths
-    rows = [(b, contract.tail_rows(ql, kl, p, tail, bs))
-            for b, (ql, kl, p) in enumerate(zip(qlen.tolist(), kvlen.tolist(), prompt.tolist()))]
-    rows = [(b, r) for b, r in rows if r]
-    if not rows:
+class TailRows(NamedTuple):
+    """The rows ``exact_tail`` widens in one batch: query blocks
+    ``rows.start .. rows.stop - 1`` of batch ``batch``, each listing the key
+    blocks ``0 .. reach - 1`` (``reach`` [len(rows)] int64)."""
+
+    batch: int
+    rows: range
+    reach: torch.Tensor
+
+
+def tail_plan(qlen, kvlen, prompt, tail: int, bs: int, causal: bool) -> tuple[TailRows, ...]:
+    """Host work of ``exact_tail``: for each batch (host int lengths), the
+    query blocks holding the prompt's last ``tail`` tokens
+    (``contract.tail_rows``) and the key blocks each one's tokens can see
+    (``contract.reach_blocks``). Empty when ``tail`` is 0."""
+    if tail <= 0:
+        return ()
+    plan = []
+    for b, (ql, kl, p) in enumerate(zip(qlen.tolist(), kvlen.tolist(), prompt.tolist())):
+        r = contract.tail_rows(ql, kl, p, tail, bs)
+        if r:
+            reach = contract.reach_blocks(torch.arange(r.start, r.stop), torch.tensor(ql),
+                                          torch.tensor(kl), bs, causal)
+            plan.append(TailRows(b, r, reach))
+    return tuple(plan)
+
+
+def apply_tail(idx: torch.Tensor, lengths: torch.Tensor, plan: tuple[TailRows, ...],
+               kmax: int):
+    """The indexer's lists with the rows of ``plan`` (``tail_plan``) widened
+    to every key block they can see: those rows are then dense attention.
+    Tensor work only; the lists are copied (and made ``kmax`` wide) only
+    where a row changes."""
+    if not plan:
         return idx, lengths
     wide = idx.new_full((*idx.shape[:3], max(kmax, idx.shape[3])), -1)
     wide[..., :idx.shape[3]] = idx
     lengths = lengths.clone()
     blocks = torch.arange(wide.shape[3])
-    for b, r in rows:
-        reach = contract.reach_blocks(torch.arange(r.start, r.stop), qlen[b], kvlen[b], bs, causal)
+    for b, r, reach in plan:
         listed = torch.where(blocks < reach[:, None], blocks, -1)
         wide[b, :, r.start:r.stop] = listed.to(device=wide.device, dtype=wide.dtype)
         lengths[b, :, r.start:r.stop] = reach.to(device=lengths.device, dtype=lengths.dtype)
     return wide, lengths
+
+def widen_tail(idx: torch.Tensor, lengths: torch.Tensor, qlen, kvlen, prompt, tail: int,
+               bs: int, causal: bool, kmax: int):
+    """The indexer's lists with every row of ``contract.tail_rows`` (the
+    prompt's last ``tail`` tokens) widened to every key block its tokens can
+    see: ``apply_tail`` of ``tail_plan``."""
+    return apply_tail(idx, lengths, tail_plan(qlen, kvlen, prompt, tail, bs, causal), kmax)
 
 def _stem(q, k, v, qlen, kvlen, prompt, params: IndexerParams, scale, softcap, oam, oam_lambda,
           indexer_scale, min_q_blocks, backend, want_lse, dense_above: float = 1.0,

@@ -20,25 +20,36 @@ checked when the engine's configuration is built.
 What runs where (``backend.py``): decode rows, short prompts and rows whose
 budget keeps nearly every block run vLLM's own CPU kernel; long prefill rows
 (a fresh prompt, any chunk of a chunked prompt, a prefix-cache hit) run Stem's
-indexer on the row's queries and the keys in the paged cache, then vLLM's
-kernel on the kept pages only. ``stats(llm)`` says what ran; each request's
-prefill ends with one log line giving its density.
+indexer on the row's queries and the indexer cache's entries of its pages
+(``index_cache.py``: written beside the KV cache as vLLM writes it), then
+vLLM's kernel on the kept pages only, in every CPU cache layout that has
+one (``amx``, ``vec``, ``vec16``). ``stats(llm)`` says what ran; each
+request's prefill ends with one log line giving its rows and density.
 
-This release serves the CPU platform; on other platforms the backend refuses
-to start, naming the platform.
+This release serves the CPU platform: elsewhere ``register()`` warns once
+and leaves vLLM as it is. Every patch it makes to vLLM is listed in
+``patches.py``, with the release it was written against.
 """
 
 from __future__ import annotations
 
 import logging
 
+from .patches import RESET_METHOD, STATS_METHOD, TESTED_VLLM
 from .settings import StemSettings
 from .stats import merge
 
-__all__ = ["register", "stats", "reset_stats", "StemSettings", "BACKEND_PATH"]
+__all__ = ["register", "stats", "reset_stats", "StemSettings", "BACKEND_PATH", "TESTED_VLLM"]
 
 BACKEND_PATH = "stem_indexer.integrations.vllm.backend.StemAttentionBackend"
 _LOG = logging.getLogger("vllm.stem_indexer")
+_WARNED: set = set()
+
+
+def _warn_once(key: str, message: str, *args, exc: BaseException | None = None) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        _LOG.warning(message, *args, exc_info=exc)
 
 
 def register() -> None:
@@ -46,19 +57,42 @@ def register() -> None:
 
     Idempotent (vLLM calls it in every process, possibly more than once); it
     leaves a ``CUSTOM`` backend registered by another package in place and
-    logs a warning instead.
+    logs a warning instead. It never raises: on a platform other than CPU it
+    warns once and changes nothing; on a vLLM release other than
+    ``TESTED_VLLM`` it warns once and registers; if registering fails, it
+    warns once with the traceback and vLLM runs as without the plugin. The
+    patches it makes (``patches.py``) change nothing unless ``CUSTOM`` is
+    asked for.
     """
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    try:
+        import vllm
+        from vllm.platforms import current_platform
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    custom = AttentionBackendEnum.CUSTOM
-    if custom.is_overridden() and custom.get_path() != BACKEND_PATH:
-        _LOG.warning("Stem: the CUSTOM attention backend is already registered by another "
-                     "package (%s); Stem's backend is not registered", custom.get_path())
-        return
-    if not custom.is_overridden():
-        register_backend(custom, BACKEND_PATH)
-    _patch_platforms()
-    _add_worker_methods()
+        if not current_platform.is_cpu():
+            _warn_once("platform", "Stem's vLLM backend serves the CPU platform; on %s it is "
+                       "not registered and vLLM runs without it",
+                       type(current_platform).__name__)
+            return
+        version = getattr(vllm, "__version__", "unknown")
+        if version != TESTED_VLLM:
+            _warn_once("version", "Stem's vLLM backend was tested with vLLM %s, not %s; it "
+                       "registers, and runs only where --attention-backend CUSTOM is asked for",
+                       TESTED_VLLM, version)
+        custom = AttentionBackendEnum.CUSTOM
+        if custom.is_overridden() and custom.get_path() != BACKEND_PATH:
+            _LOG.warning("Stem: the CUSTOM attention backend is already registered by another "
+                         "package (%s); Stem's backend is not registered", custom.get_path())
+            return
+        from .patches import add_worker_methods, patch_platform
+
+        patch_platform(_ours, BACKEND_PATH)
+        add_worker_methods()
+        if not custom.is_overridden():
+            register_backend(custom, BACKEND_PATH)
+    except Exception as exc:  # a plugin must never stop vLLM
+        _warn_once("register", "Stem's vLLM backend could not be registered (%s); vLLM runs "
+                   "without it", exc, exc=exc)
 
 
 def _ours(selected) -> bool:
@@ -68,76 +102,23 @@ def _ours(selected) -> bool:
             and AttentionBackendEnum.CUSTOM.get_path() == BACKEND_PATH)
 
 
-def _patch_platforms() -> None:
-    """CPU: select the backend for CUSTOM, and check Stem's settings when the
-    engine's configuration is built. Other platforms: refuse it clearly."""
-    from vllm.platforms.cpu import CpuPlatform
-
-    select = CpuPlatform.get_attn_backend_cls.__func__
-    if getattr(select, "_stem", False):
-        return
-
-    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
-        if _ours(selected_backend) and not (attn_selector_config.use_mla
-                                            or attn_selector_config.use_sparse):
-            _LOG.info("Using Stem sparse-prefill attention (CUSTOM) on CPU")
-            return BACKEND_PATH
-        return select(cls, selected_backend, attn_selector_config, num_heads)
-
-    check = CpuPlatform.check_and_update_config.__func__
-
-    def check_and_update_config(cls, vllm_config) -> None:
-        check(cls, vllm_config)
-        if _ours(vllm_config.attention_config.backend):
-            settings = StemSettings.from_config(vllm_config.additional_config)
-            settings.check_kv_block_size(vllm_config.cache_config.block_size)
-            _LOG.info("Stem sparse prefill: %s", settings.describe())
-
-    get_attn_backend_cls._stem = True
-    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
-    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
-
-
-# Worker methods, by name: a name is what every executor (in-process or
-# multiprocess) can send to its workers without pickling code.
-_STATS_METHOD = "stem_indexer_stats"
-_RESET_METHOD = "stem_indexer_reset_stats"
-
-
-def _worker_snapshot(worker) -> dict:
-    from .stats import STATS
-
-    return STATS.snapshot()
-
-
-def _worker_reset(worker) -> None:
-    from .stats import STATS
-
-    STATS.reset()
-
-
-def _add_worker_methods() -> None:
-    from vllm.v1.worker.worker_base import WorkerBase
-
-    for name, fn in ((_STATS_METHOD, _worker_snapshot), (_RESET_METHOD, _worker_reset)):
-        if not hasattr(WorkerBase, name):
-            setattr(WorkerBase, name, fn)
-
-
 def stats(llm) -> dict:
     """What the Stem backend ran, summed over ``llm``'s workers.
 
     Returns ``{"rows": {path: count}, "layers": {name: {"kept", "visible",
-    "density"}}, "density": float | None}``: ``rows`` counts (layer, row)
-    pairs by ``"sparse:fresh"``, ``"sparse:continuation"``, ``"sparse:prefix
-    hit"`` or ``"dense:<reason>"``; ``layers`` gives, per attention layer, the
+    "density"}}, "density": float | None, "layouts": {layout: count}}``:
+    ``rows`` counts (layer, row) pairs by ``"sparse:fresh"``,
+    ``"sparse:continuation"``, ``"sparse:prefix hit"`` or
+    ``"dense:<reason>"`` (``"dense:error:<type>"``: Stem failed there and
+    vLLM's kernel ran); ``layers`` gives, per attention layer, the
     (query block, key block) pairs the Stem rows kept and could see, all heads;
-    ``density`` is kept over visible for all of them (None before any Stem row).
+    ``density`` is kept over visible for all of them (None before any Stem
+    row); ``layouts`` counts the sparse rows by the KV-cache layout they ran
+    on (``"amx"``, ``"vec"``, ``"vec16"``).
     """
-    return merge(llm.collective_rpc(_STATS_METHOD))
+    return merge(llm.collective_rpc(STATS_METHOD))
 
 
 def reset_stats(llm) -> None:
     """Zero the counters in every worker of ``llm``."""
-    llm.collective_rpc(_RESET_METHOD)
-
+    llm.collective_rpc(RESET_METHOD)

@@ -1,26 +1,46 @@
 """The vLLM attention backend: vLLM's CPU backend, with Stem on long prefill rows.
 
 Imported by vLLM (the class path registered for ``AttentionBackendEnum.CUSTOM``)
-in its worker processes. Per step the metadata builder sorts the rows:
+in its worker processes.
 
-* a row of a request still in its prompt, of a prompt at least
-  ``min_prompt_tokens`` long, whose budget keeps at most ``dense_above`` of its
-  visible block pairs, runs **Stem**: the indexer on the row's queries and on
-  the keys and values read back from the paged cache, then vLLM's own paged
-  kernel on *virtual rows* that list only the kept pages (``rows.py``);
-* every other row (decodes, short prompts, rows the budget keeps nearly whole)
-  runs **vLLM's kernel** as it would without this backend. A step without a
-  Stem row is exactly the plain backend's call.
+**Once per step**, the metadata builder plans the step (``StepPlan``): it
+sorts the rows and does all their host work.
+
+* A row of a request still in its prompt, of a prompt at least
+  ``min_prompt_tokens`` long, whose budget keeps at most ``dense_above`` of
+  its visible block pairs, runs **Stem**; ``rows.plan_stem_row`` prepares
+  its pages, lengths, the indexer's metadata, its tail rows and its virtual
+  rows' query counts.
+* Every other row (decodes, short prompts, rows the budget keeps nearly
+  whole) runs **vLLM's kernel** as it would without this backend. A step
+  without a Stem row is exactly the plain backend's call, and decode rows
+  are counted in bulk.
+
+**Every layer** then does tensor work only:
+
+* ``do_kv_cache_update`` writes the step's keys and values into vLLM's cache
+  (vLLM's own writer, for its layout) and into the layer's indexer cache
+  (``index_cache.py``: per page, the keys' group sums and the values' run
+  maxima);
+* ``forward`` runs, for each Stem row, the indexer on the row's queries and
+  the indexer cache's entries of its pages (its keys and values are never
+  read back), then vLLM's own paged kernel on *virtual rows* that list only
+  the kept pages, in the layer's own cache layout (``amx``, ``vec`` or
+  ``vec16``).
 
 A layer Stem cannot serve (sliding window, ALiBi, attention sinks, encoder or
-cross attention, a quantised KV cache, a cache layout other than ``vec``) runs
-vLLM's kernel for every row, and the reason is counted.
+cross attention, KV sharing, a quantised KV cache, a cache layout other than
+those three) runs vLLM's kernel for every row, and the reason is counted. An
+exception in Stem's part of a layer never reaches the engine: that layer's
+step runs vLLM's kernel, counted as ``dense:error:<type>`` and logged once
+with its traceback.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import functools
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -36,12 +56,20 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from .rows import Row, RowKinds, context_kv, plan_row, select_blocks, virtual_rows
+from .index_cache import IndexCache
+from .patches import install_step_hook
+from .rows import Row, RowKinds, StemRow, plan_row, plan_stem_row, select_blocks, virtual_rows
 from .settings import StemSettings
 from .stats import STATS
 
 __all__ = ["StemAttentionBackend", "StemAttentionImpl", "StemMetadataBuilder",
-           "StemAttentionMetadata", "RowTrace", "observe"]
+           "StemAttentionMetadata", "StepPlan", "RowTrace", "observe", "observe_writes",
+           "LAYOUTS"]
+
+_LOG = logging.getLogger("vllm.stem_indexer")
+
+#: vLLM's CPU cache layouts (``layer.isa``) whose attention runs on virtual rows.
+LAYOUTS = ("amx", "vec", "vec16")
 
 
 class StemAttentionBackend(CPUAttentionBackend):
@@ -82,13 +110,26 @@ class DenseRows:
 
 
 @dataclass
+class StepPlan:
+    """A step's rows, sorted and planned once for every layer."""
+
+    #: the rows that run Stem, with their host work done
+    stem: tuple[StemRow, ...] = ()
+    #: prefill rows that run vLLM's kernel, with the reason
+    dense: tuple[tuple[Row, str], ...] = ()
+    #: the other rows (decodes, empty rows), counted by reason
+    bulk: tuple[tuple[str, int], ...] = ()
+    #: the non-Stem rows as a batch, where Stem rows run beside them
+    batch: DenseRows | None = None
+    #: every Stem row's pages, and what a complete indexer cache holds on them
+    pages: torch.Tensor | None = None
+    fill: torch.Tensor | None = None
+
+
+@dataclass
 class StemAttentionMetadata(CPUAttentionMetadata):
-    #: the step's rows that run Stem (empty: the step is the plain backend's)
-    stem_rows: tuple[Row, ...] = ()
-    #: the step's other rows, with the reason each runs vLLM's kernel
-    dense_rows: tuple[tuple[Row, str], ...] = ()
-    #: those rows as a batch, where Stem rows run beside them
-    dense: DenseRows | None = None
+    #: the step's plan (None: a step Stem does not touch, as the plain backend's)
+    step: StepPlan | None = None
 
 
 # --------------------------------------------------------------------------- #
@@ -101,44 +142,34 @@ class _Step(threading.local):
 
     prompts: list[int] | None = None
     requests: list[str] | None = None
-    kinds: list[str] | None = None
+    kinds: dict[int, str] | None = None
 
 
 _STEP = _Step()
 _KINDS = RowKinds()
 
 
-def _install_step_hook() -> None:
-    """Wrap the runner's metadata build so that each step records its
-    requests' prompt lengths (idempotent; in the calling process only)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    build = GPUModelRunner._build_attention_metadata
-    if getattr(build, "_stem_step_hook", False):
+def _record_step(batch, scheduled) -> None:
+    """The model runner's step, before its attention metadata is built (None
+    after): its requests' prompt lengths, and the kinds of the rows still in
+    their prompt (``patches.install_step_hook``)."""
+    if batch is None:
+        _STEP.prompts = _STEP.requests = _STEP.kinds = None
         return
-
-    @functools.wraps(build)
-    def hooked(self, *args, **kwargs):
-        batch = self.input_batch
-        n = batch.num_reqs
-        prompts = batch.num_prompt_tokens_cpu_tensor[:n].tolist()
-        computed = batch.num_computed_tokens_cpu_tensor[:n].tolist()
-        requests = list(batch.req_ids[:n])
-        scheduled = kwargs.get("num_scheduled_tokens") or {}
-        _STEP.prompts, _STEP.requests = prompts, requests
-        _STEP.kinds = [_KINDS.kind(r, c, p, scheduled.get(r, 1))
-                       for r, c, p in zip(requests, computed, prompts)]
-        try:
-            return build(self, *args, **kwargs)
-        finally:
-            _STEP.prompts = _STEP.requests = _STEP.kinds = None
-
-    hooked._stem_step_hook = True
-    GPUModelRunner._build_attention_metadata = hooked
+    n = batch.num_reqs
+    prompts = batch.num_prompt_tokens_cpu_tensor[:n]
+    computed = batch.num_computed_tokens_cpu_tensor[:n]
+    requests = list(batch.req_ids[:n])
+    _STEP.prompts, _STEP.requests = prompts.tolist(), requests
+    # Only requests still in their prompt have a kind worth tracking.
+    open_ = computed < prompts
+    _STEP.kinds = {r: _KINDS.kind(requests[r], c, p, scheduled.get(requests[r], 1))
+                   for r, c, p in zip(open_.nonzero().flatten().tolist(),
+                                      computed[open_].tolist(), prompts[open_].tolist())}
 
 
 # --------------------------------------------------------------------------- #
-# Metadata
+# Metadata: the step's plan
 # --------------------------------------------------------------------------- #
 
 
@@ -147,7 +178,14 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.settings = StemSettings.from_config(vllm_config.additional_config)
         self.settings.check_kv_block_size(self.block_size)
-        _install_step_hook()
+        # Why none of this group's layers can run Stem ("" when some can): their
+        # rows are then sorted, not planned.
+        self.group_reason = ("sliding window" if self.window_size != -1 else
+                             _layout_reason(self.isa, self.block_size, self.settings))
+        if self.group_reason and self.window_size == -1:
+            _LOG.warning("Stem: %s; these layers run vLLM's kernel for every row",
+                         self.group_reason)
+        install_step_hook(_record_step)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
@@ -155,38 +193,43 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
                                       for f in dataclasses.fields(base)})
         if not isinstance(md.causal, bool) or not md.causal or md.encoder_cache is not None:
             return md
-        stem, dense = self._sort_rows(common_attn_metadata)
-        md.stem_rows, md.dense_rows = tuple(stem), tuple(dense)
-        if stem and dense:
-            md.dense = self._dense_batch(md, [row for row, _ in dense])
+        md.step = self._plan(common_attn_metadata, md)
         return md
 
-    def _sort_rows(self, cm) -> tuple[list[Row], list[tuple[Row, str]]]:
+    def _plan(self, cm, md: StemAttentionMetadata) -> StepPlan:
         n = cm.num_reqs
-        starts = cm.query_start_loc_cpu[:n + 1].tolist()
-        seq_lens = cm.seq_lens[:n].tolist()
-        prompts, requests, kinds = _STEP.prompts, _STEP.requests, _STEP.kinds
-        known = prompts is not None and len(prompts) == n
+        starts = cm.query_start_loc_cpu[:n + 1].to(torch.int64)
+        seq_lens = cm.seq_lens[:n].to(device="cpu", dtype=torch.int64)
+        q_lens = starts[1:] - starts[:-1]
+        prompts = _STEP.prompts
+        if prompts is None or len(prompts) != n:
+            return StepPlan(bulk=(("no prompt length", n),))
+        prompt = torch.tensor(prompts, dtype=torch.int64)
+        context = seq_lens - q_lens
+        bulk = collections.Counter({"decode": int(((q_lens > 0) & (context >= prompt)).sum()),
+                                    "empty row": int((q_lens == 0).sum())})
+        kinds = _STEP.kinds or {}
         stem, dense = [], []
-        for r in range(n):
-            q_len = starts[r + 1] - starts[r]
-            context = seq_lens[r] - q_len
-            if not known:
-                dense.append((Row(r, starts[r], q_len, context, seq_lens[r]),
-                              "no prompt length"))
-                continue
-            row = Row(r, starts[r], q_len, context, prompts[r], kinds[r], requests[r])
-            if q_len == 0 or context >= row.prompt:
-                dense.append((row, "decode" if q_len else "empty row"))
-                continue
-            plan = plan_row(row, self.settings)  # once a step, for every layer
-            row = dataclasses.replace(row, visible=plan.visible)
-            reason = self._dense_reason(row, plan.share)
+        for r in ((q_lens > 0) & (context < prompt)).nonzero().flatten().tolist():
+            row = Row(r, int(starts[r]), int(q_lens[r]), int(context[r]), prompts[r],
+                      kinds.get(r, "fresh"), _STEP.requests[r])
+            budget = plan_row(row, self.settings)
+            row = dataclasses.replace(row, visible=budget.visible)
+            reason = self.group_reason or self._dense_reason(row, budget.share)
             if reason:
                 dense.append((row, reason))
             else:
-                stem.append(row)
-        return stem, dense
+                stem.append(plan_stem_row(row, self.settings, md.block_table[r],
+                                          self.block_size, self.num_heads, self.num_kv_heads,
+                                          self.head_dim))
+        plan = StepPlan(tuple(stem), tuple(dense), tuple((k, v) for k, v in bulk.items() if v))
+        if stem:
+            plan.pages = torch.cat([s.pages for s in stem])
+            plan.fill = torch.cat([s.fill for s in stem])
+            others = sorted(set(range(n)) - {s.row.index for s in stem})
+            if others:
+                plan.batch = self._dense_batch(md, others, starts, q_lens)
+        return plan
 
     def _dense_reason(self, row: Row, share: float) -> str:
         s = self.settings
@@ -198,11 +241,12 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
             return "budget keeps most blocks"
         return ""
 
-    def _dense_batch(self, md: StemAttentionMetadata, rows: list[Row]) -> DenseRows:
-        lens = torch.tensor([row.q_len for row in rows], dtype=torch.int32)
+    def _dense_batch(self, md: StemAttentionMetadata, rows: list[int], starts: torch.Tensor,
+                     q_lens: torch.Tensor) -> DenseRows:
+        index = torch.tensor(rows)
+        lens = q_lens[index].to(torch.int32)
         qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
         torch.cumsum(lens, 0, out=qsl[1:])
-        index = torch.tensor([row.index for row in rows])
         seq_lens = md.seq_lens[index]
         scheduler = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=len(rows), num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
@@ -210,8 +254,17 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
             query_start_loc=qsl, causal=True, sliding_window_size=self.window_size,
             isa=self.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
             kv_cache_dtype=self.kv_cache_dtype)
-        spans = tuple((row.start, row.start + row.q_len) for row in rows)
+        spans = tuple((int(starts[r]), int(starts[r] + q_lens[r])) for r in rows)
         return DenseRows(spans, qsl, seq_lens, md.block_table[index], scheduler)
+
+
+def _layout_reason(isa: str, page: int, settings: StemSettings) -> str:
+    """Why a cache layout cannot run Stem ("" when it can)."""
+    if isa not in LAYOUTS:
+        return f"kv cache layout {isa}"
+    if page % settings.stride:
+        return f"kv cache block size {page} not a multiple of stem_stride {settings.stride}"
+    return ""
 
 
 # --------------------------------------------------------------------------- #
@@ -220,32 +273,47 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
 
 
 _LAYER_COUNT = [0]
-# Callables given every Stem row a layer ran (``observe``): for tests and
-# diagnostics that compare a row with Stem's own functions on the same inputs.
+# Callables given every Stem row a layer ran (``observe``) and every indexer
+# cache write (``observe_writes``): for tests and diagnostics that compare the
+# backend with Stem's own functions on the same inputs.
 _OBSERVERS: list = []
+_WRITE_OBSERVERS: list = []
+# Reported once per process: the first failure of each kind, and the cache's size.
+_REPORTED: set = set()
 
 
 @dataclass(frozen=True)
 class RowTrace:
-    """One Stem row of one layer, as it ran: the row, its queries
-    ``[q_len, Hq, D]``, all its keys and values ``[Hkv, seq_len, D]`` read
-    from the cache, the selection (``indices [Hq, Qb, W]``, ``lengths [Hq, Qb]``)
-    and the output ``[q_len, Hq, D]``."""
+    """One Stem row of one layer, as it ran: the row's plan, its queries
+    ``[q_len, Hq, D]``, the indexer's key-side inputs from the indexer cache
+    (``kflat [Hkv, Kb, Ts*D]``, ``vbias [Hkv, Kb]``), the selection
+    (``indices [Hq, Qb, W]``, ``lengths [Hq, Qb]``) and the output
+    ``[q_len, Hq, D]``."""
 
     layer: str
-    row: Row
+    plan: StemRow
     scale: float
     query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
+    kflat: torch.Tensor
+    vbias: torch.Tensor
     indices: torch.Tensor
     lengths: torch.Tensor
     output: torch.Tensor
+
+    @property
+    def row(self) -> Row:
+        return self.plan.row
 
 
 def observe(fn) -> None:
     """Call ``fn(RowTrace)`` for every Stem row this process runs from now on."""
     _OBSERVERS.append(fn)
+
+
+def observe_writes(fn) -> None:
+    """Call ``fn(layer_name, key, value, slot_mapping)`` for every step's keys
+    and values a Stem layer of this process writes from now on."""
+    _WRITE_OBSERVERS.append(fn)
 
 
 def _tp_rank() -> int:
@@ -254,6 +322,13 @@ def _tp_rank() -> int:
         return get_tensor_model_parallel_rank()
     except Exception:  # no parallel state (single process tools)
         return 0
+
+
+def _report_once(key: str, message: str, *args, exc: BaseException | None = None) -> None:
+    if key in _REPORTED:
+        return
+    _REPORTED.add(key)
+    _LOG.warning(message, *args, exc_info=exc)
 
 
 class StemAttentionImpl(CPUAttentionBackendImpl):
@@ -266,13 +341,15 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                          kv_sharing_target_layer_name, sinks)
         self.settings = StemSettings.from_config(get_current_vllm_config().additional_config)
         self.layer_reason = self._layer_reason()
+        self.index_cache: IndexCache | None = None
         self.ordinal = _LAYER_COUNT[0]
         _LAYER_COUNT[0] += 1
         STATS.layers = _LAYER_COUNT[0]
         STATS.log_requests = _tp_rank() == 0
 
     def _layer_reason(self) -> str:
-        """Why this layer can never run Stem ("" when it can)."""
+        """Why this layer can never run Stem ("" when it can; its cache layout
+        is known later, from the layer)."""
         if self.attn_type != AttentionType.DECODER:
             return f"{self.attn_type} attention"
         if self.sliding_window != -1:
@@ -281,47 +358,102 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
             return "alibi"
         if self.sinks is not None:
             return "attention sinks"
+        if self.kv_sharing_target_layer_name is not None:
+            return "kv sharing"
         if self.is_fp8_kv_cache:
             return f"kv cache dtype {self.kv_cache_dtype}"
         return ""
 
+    def _reason(self, layer, kv_cache: torch.Tensor) -> str:
+        """Why this layer's rows run vLLM's kernel ("" when Stem can serve them)."""
+        return self.layer_reason or _layout_reason(getattr(layer, "isa", "unknown"),
+                                                    kv_cache.shape[2], self.settings)
+
+    # The indexer cache ------------------------------------------------------
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        if self._reason(layer, kv_cache):
+            return
+        try:
+            n = slot_mapping.shape[0]
+            cache = self._index_cache(kv_cache)
+            cache.write(key[:n], value[:n], slot_mapping)
+            for fn in _WRITE_OBSERVERS:
+                fn(getattr(layer, "layer_name", ""), key[:n], value[:n], slot_mapping)
+        except Exception as exc:  # the engine goes on; this layer's rows go dense
+            if self.index_cache is not None:
+                self.index_cache.filled.fill_(-1)
+            STATS.count(f"dense:error:{type(exc).__name__}")
+            _report_once(f"write:{type(exc).__name__}", "Stem: writing the indexer cache "
+                         "failed (%s); the pages it left unwritten run vLLM's kernel",
+                         exc, exc=exc)
+
+    def _index_cache(self, kv_cache: torch.Tensor) -> IndexCache:
+        num_pages, _, page, _ = kv_cache.shape
+        cache = self.index_cache
+        if cache is None or cache.ksum.shape[0] != num_pages:
+            cache = self.index_cache = IndexCache.allocate(
+                num_pages, page, self.settings.stride, self.num_kv_heads, self.head_size)
+            kv_bytes = kv_cache.numel() * kv_cache.element_size()
+            key = "cache size"
+            if key not in _REPORTED:
+                _REPORTED.add(key)
+                _LOG.info("Stem indexer cache: %.1f MiB per full-attention layer beside its "
+                          "%.1f MiB of KV cache (%.1f%%)", cache.nbytes / 2**20,
+                          kv_bytes / 2**20, 100 * cache.nbytes / kv_bytes)
+        return cache
+
+    # Attention --------------------------------------------------------------
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
-        stem_rows = getattr(attn_metadata, "stem_rows", ())
-        reason = self.layer_reason
-        if not reason and stem_rows:
-            isa = getattr(layer, "isa", None)
-            if isa != "vec":
-                reason = f"kv cache layout {isa}"
-            elif not kv_cache.is_contiguous():
-                reason = "kv cache not contiguous"
-        if attn_metadata is not None:
-            self._count_dense(layer, attn_metadata, reason)
-        if reason or not stem_rows or output_scale is not None:
+        step = getattr(attn_metadata, "step", None)
+        if step is None or output_scale is not None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
-        out = output.view(-1, self.num_heads, self.head_size)
-        query = query.view(-1, self.num_heads, self.head_size)
-        num_pages, _, page, _ = kv_cache.shape
-        key_cache, value_cache = kv_cache.view(num_pages, self.num_kv_heads, 2 * page,
-                                               -1).chunk(2, dim=2)
-        if attn_metadata.dense is not None:
-            self._run_dense(layer, query, key_cache, value_cache, attn_metadata.dense, out)
-        self._run_stem(layer, query, kv_cache, key_cache, value_cache, attn_metadata, out)
+        reason = self._reason(layer, kv_cache) if step.stem else ""
+        if not reason and step.stem:
+            cache = self.index_cache
+            if cache is None or not cache.complete(step.pages, step.fill):
+                reason = "indexer cache incomplete"
+        if reason or not step.stem:
+            self._count(layer, step, reason)
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        try:
+            rows = self._forward_stem(layer, query, kv_cache, step, output)
+        except Exception as exc:  # the engine goes on: vLLM's kernel for this step
+            reason = f"error:{type(exc).__name__}"
+            _report_once(reason, "Stem failed in layer %s (%s); that layer's step runs "
+                         "vLLM's kernel (counted as dense:%s)",
+                         getattr(layer, "layer_name", "?"), exc, reason, exc=exc)
+            self._count(layer, step, reason)
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        self._count(layer, step, "", rows)
         return output
 
-    def _count_dense(self, layer, md, layer_reason: str) -> None:
-        rows = list(getattr(md, "dense_rows", ()))
-        if layer_reason:
-            rows += [(row, layer_reason) for row in md.stem_rows]
+    def _count(self, layer, step: StepPlan, reason: str, sparse=()) -> None:
+        """One layer's rows into the stats: the bulk rows at once, the prefill
+        rows one by one (a request's record, and its log line, covers them)."""
         name = getattr(layer, "layer_name", "")
         first = self.ordinal == 0
-        for row, reason in rows:
-            # A request's own record (and its log line) covers its prompt's rows.
-            request = row.request if row.context < row.prompt else ""
+        STATS.bulk(step.bulk)
+        for row, why in step.dense:
             pairs = row.visible * self.num_heads
-            STATS.row(name, request, row.prompt, f"dense:{reason}", pairs, pairs,
+            STATS.row(name, row.request, row.prompt, f"dense:{why}", pairs, pairs,
                       row.seq_len >= row.prompt, first)
+        if reason:
+            for plan in step.stem:
+                pairs = plan.row.visible * self.num_heads
+                STATS.row(name, plan.row.request, plan.row.prompt, f"dense:{reason}", pairs,
+                          pairs, plan.row.seq_len >= plan.row.prompt, first)
+        for plan, kept in sparse:
+            row = plan.row
+            STATS.row(name, row.request, row.prompt, f"sparse:{row.kind}", kept,
+                      row.visible * self.num_heads, row.seq_len >= row.prompt, first,
+                      getattr(layer, "isa", ""))
 
     def _kernel(self, layer, query, key_cache, value_cache, out, qsl, seq_lens, table,
                 scheduler, *, sliding_window: int) -> None:
@@ -332,6 +464,64 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
             softcap=self.logits_soft_cap, scheduler_metadata=scheduler, s_aux=None,
             k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
             kv_cache_dtype=self.kv_cache_dtype)
+
+    def _forward_stem(self, layer, query, kv_cache, step: StepPlan, output):
+        """The step's Stem rows on virtual rows and its other rows as a batch;
+        returns ``[(plan, kept pairs)]`` of the Stem rows."""
+        out = output.view(-1, self.num_heads, self.head_size)
+        query = query.view(-1, self.num_heads, self.head_size)
+        num_pages, hkv, page, width2 = kv_cache.shape
+        if step.batch is not None:
+            key_cache, value_cache = kv_cache.view(num_pages, hkv, 2 * page,
+                                                   -1).chunk(2, dim=2)
+            self._run_dense(layer, query, key_cache, value_cache, step.batch, out)
+        s, cache = self.settings, self.index_cache
+        queries, parts, done, traces = [], [], [], []
+        for plan in step.stem:
+            row = plan.row
+            q = query[row.start:row.start + row.q_len]
+            kflat, vbias = cache.inputs(plan.pages, row.seq_len, s.block_size, s.oam,
+                                        s.oam_lambda)
+            idx, lengths = select_blocks(q, kflat, vbias, plan, self.scale, s)
+            parts.append(virtual_rows(idx, lengths, plan, s.block_size, page, hkv))
+            queries.append(q.transpose(0, 1).reshape(-1, 1, self.head_size))
+            done.append((plan, int(lengths.sum())))
+            if _OBSERVERS:
+                traces.append((plan, q, kflat, vbias, idx, lengths))
+        vq = torch.cat(queries) if len(queries) > 1 else queries[0]
+        q_lens = torch.cat([p.query_lens for p in parts])
+        seq_lens = torch.cat([p.seq_lens for p in parts])
+        width = max(p.block_table.shape[1] for p in parts)
+        table = torch.cat([torch.nn.functional.pad(p.block_table,
+                                                   (0, width - p.block_table.shape[1]))
+                           for p in parts])
+        qsl = torch.zeros(q_lens.shape[0] + 1, dtype=torch.int32)
+        torch.cumsum(q_lens, 0, out=qsl[1:])
+        flat = kv_cache.view(num_pages * hkv, 1, 2 * page, width2 // 2)
+        flat_k, flat_v = flat.chunk(2, dim=2)
+        scheduler = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=q_lens.shape[0], num_heads=1, num_kv_heads=1, head_dim=self.head_size,
+            seq_lens=seq_lens, dtype=query.dtype, query_start_loc=qsl, causal=True,
+            sliding_window_size=-1, isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            kv_cache_dtype=self.kv_cache_dtype)
+        vo = torch.empty_like(vq)
+        self._kernel(layer, vq, flat_k, flat_v, vo, qsl, seq_lens, table, scheduler,
+                     sliding_window=-1)
+        at = 0
+        for plan in step.stem:
+            row = plan.row
+            n = self.num_heads * row.q_len
+            out[row.start:row.start + row.q_len] = (
+                vo[at:at + n].view(self.num_heads, row.q_len, self.head_size).transpose(0, 1))
+            at += n
+        name = getattr(layer, "layer_name", "")
+        for plan, q, kflat, vbias, idx, lengths in traces:
+            row = plan.row
+            trace = RowTrace(name, plan, self.scale, q, kflat, vbias, idx, lengths,
+                             out[row.start:row.start + row.q_len].clone())
+            for fn in _OBSERVERS:
+                fn(trace)
+        return done
 
     def _run_dense(self, layer, query, key_cache, value_cache, dense: DenseRows, out) -> None:
         """vLLM's kernel on the step's other rows, as a batch of their own."""
@@ -349,54 +539,3 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
             for a, b in dense.spans:
                 out[a:b] = o[at:at + b - a]
                 at += b - a
-
-    def _run_stem(self, layer, query, kv_cache, key_cache, value_cache, md, out) -> None:
-        """Stem's selection per row, then one kernel call over every row's
-        virtual rows (one query head each, on the cache viewed per KV head)."""
-        s = self.settings
-        num_pages, hkv, page, width2 = kv_cache.shape
-        name = getattr(layer, "layer_name", "")
-        queries, parts, traces = [], [], []
-        for row in md.stem_rows:
-            pages = md.block_table[row.index]
-            k, v = context_kv(key_cache, value_cache, pages, row.seq_len)
-            q = query[row.start:row.start + row.q_len]
-            idx, lengths = select_blocks(q, k, v, row, self.scale, s)
-            parts.append(virtual_rows(idx, lengths, row, s.block_size, page, pages, hkv))
-            queries.append(q.transpose(0, 1).reshape(-1, 1, self.head_size))
-            if _OBSERVERS:
-                traces.append((row, q, k, v, idx, lengths))
-            kept = int(lengths.sum())
-            visible = row.visible * self.num_heads
-            STATS.row(name, row.request, row.prompt, f"sparse:{row.kind}", kept, visible,
-                      row.seq_len >= row.prompt, self.ordinal == 0)
-        vq = torch.cat(queries) if len(queries) > 1 else queries[0]
-        q_lens = torch.cat([p.query_lens for p in parts])
-        seq_lens = torch.cat([p.seq_lens for p in parts])
-        width = max(p.block_table.shape[1] for p in parts)
-        table = torch.cat([torch.nn.functional.pad(p.block_table,
-                                                   (0, width - p.block_table.shape[1]))
-                           for p in parts])
-        qsl = torch.zeros(q_lens.shape[0] + 1, dtype=torch.int32)
-        torch.cumsum(q_lens, 0, out=qsl[1:])
-        flat = kv_cache.view(num_pages * hkv, 1, 2 * page, width2 // 2)
-        flat_k, flat_v = flat.chunk(2, dim=2)
-        scheduler = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=q_lens.shape[0], num_heads=1, num_kv_heads=1, head_dim=self.head_size,
-            seq_lens=seq_lens, dtype=query.dtype, query_start_loc=qsl, causal=True,
-            sliding_window_size=-1, isa="vec", enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-            kv_cache_dtype=self.kv_cache_dtype)
-        vo = torch.empty_like(vq)
-        self._kernel(layer, vq, flat_k, flat_v, vo, qsl, seq_lens, table, scheduler,
-                     sliding_window=-1)
-        at = 0
-        for row in md.stem_rows:
-            n = self.num_heads * row.q_len
-            out[row.start:row.start + row.q_len] = (
-                vo[at:at + n].view(self.num_heads, row.q_len, self.head_size).transpose(0, 1))
-            at += n
-        for row, q, k, v, idx, lengths in traces:
-            trace = RowTrace(name, row, self.scale, q, k, v, idx, lengths,
-                             out[row.start:row.start + row.q_len].clone())
-            for fn in _OBSERVERS:
-                fn(trace)

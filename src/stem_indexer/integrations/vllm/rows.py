@@ -18,10 +18,17 @@ What a Stem row computes (docs/CONTRACT.md section 8):
   and window are those of a one-shot prefill.
 * **The budget is the prompt's**: ``num_prompt_tokens`` is the request's
   prompt length (vLLM's runner holds it; the attention metadata does not).
-* **The keys' block representations and the Output-Aware Metric** are
-  computed from the keys and values in the cache, i.e. from the prompt's
-  first ``context + q_len`` tokens: the OAM standardises value norms over
-  those tokens only, where a one-shot prefill sees the whole prompt.
+* **The keys' block representations and the Output-Aware Metric** come
+  from the indexer cache (``index_cache.py``): per-page sums and run maxima
+  of the prompt's first ``context + q_len`` tokens, written as vLLM wrote
+  them into its paged cache. The keys and values themselves are never read
+  back. The OAM standardises value norms over those tokens only, where a
+  one-shot prefill sees the whole prompt.
+
+The host work of a row (its pages, lengths, the indexer's metadata, the
+tail rows ``exact_tail`` widens, the virtual rows' query counts) is done
+once per step by ``plan_stem_row``, in the metadata builder; each layer then
+runs tensor work only (``select_blocks``, ``virtual_rows``).
 
 The kept blocks then become *virtual rows* of vLLM's own paged kernel: for
 query head ``h`` and query block ``i``, the block's query tokens attend a
@@ -40,12 +47,12 @@ import torch
 from ... import contract
 from ...api import run_indexer, stem_indexer_metadata
 from ...contract import ceil_div
-from ...dispatch import widen_tail
-from ...prepare import stem_inputs
+from ...dispatch import TailRows, apply_tail, tail_plan
+from ...prepare import block_representation
 from .settings import StemSettings
 
-__all__ = ["Row", "RowKinds", "RowPlan", "plan_row", "context_kv", "select_blocks",
-           "virtual_rows", "VirtualRows"]
+__all__ = ["Row", "RowKinds", "RowPlan", "plan_row", "StemRow", "plan_stem_row",
+           "select_blocks", "virtual_rows", "VirtualRows"]
 
 
 @dataclass(frozen=True)
@@ -121,58 +128,75 @@ def plan_row(row: Row, settings: StemSettings) -> RowPlan:
     return RowPlan(*contract.budget_pairs(q_lens, kv_lens, prompt, settings.params))
 
 
-def context_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, pages: torch.Tensor,
-               length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``length`` keys and values of a sequence from vLLM's CPU cache.
+@dataclass(frozen=True)
+class StemRow:
+    """The step's plan of one Stem row, shared by every layer (``plan_stem_row``)."""
 
-    ``key_cache``/``value_cache`` are the views vLLM's CPU backend makes of a
-    layer's cache, ``[num_pages, Hkv, page, D]``, in the ``vec`` layout: a
-    page's keys are stored transposed (``[D, page]`` in memory), its values
-    row-major. ``pages`` lists the sequence's pages in order. Returns
-    ``k, v [Hkv, length, D]``.
-    """
-    n, heads, page, dim = key_cache.shape
-    np_ = ceil_div(length, page)
-    ids = pages[:np_].to(torch.int64)
-    k = key_cache[ids].reshape(np_, heads, dim, page).transpose(2, 3)
-    v = value_cache[ids]
-    k = k.permute(1, 0, 2, 3).reshape(heads, np_ * page, dim)[:, :length]
-    v = v.permute(1, 0, 2, 3).reshape(heads, np_ * page, dim)[:, :length]
-    return k, v
+    row: Row
+    lead: int  #: earlier queries of the row's first block, absent: zeros in qflat
+    page: int  #: tokens per KV-cache page
+    pages: torch.Tensor  #: [ceil(seq_len / page)] int64, the row's pages in order
+    fill: torch.Tensor  #: [same] int32, what a complete indexer cache holds on them
+    q_seq_lens: torch.Tensor  #: [1] int32, the block-aligned window's queries
+    kv_seq_lens: torch.Tensor  #: [1] int32, ``seq_len``
+    prompt: torch.Tensor  #: [1] int32, the budget's prompt length
+    metadata: torch.Tensor  #: the indexer's work plan for these lengths
+    tail: tuple[TailRows, ...]  #: the rows ``exact_tail`` widens
+    query_lens: torch.Tensor  #: [Hq * Qb] int32, each virtual row's queries
+    block_tokens: torch.Tensor  #: [Qb] int64, keys of each query block's own block
+    kept: int  #: block pairs kept per head, by the budget (tail rows not widened)
 
 
-def select_blocks(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: Row,
-                  scale: float, settings: StemSettings) -> tuple[torch.Tensor, torch.Tensor]:
+def plan_stem_row(row: Row, settings: StemSettings, pages: torch.Tensor, page: int,
+                  q_heads: int, kv_heads: int, head_size: int) -> StemRow:
+    """The host work of a Stem row, done once per step: ``pages`` is the
+    row's block-table entry (vLLM's pages of the sequence, in order)."""
+    bs = settings.block_size
+    first, qb, kb = _row_blocks(row, bs)
+    lead = row.context - first * bs
+    n = ceil_div(row.seq_len, page)
+    fill = torch.full((n,), page, dtype=torch.int32)
+    fill[-1] = row.seq_len - (n - 1) * page
+    i32 = dict(dtype=torch.int32)
+    q_seq_lens = torch.tensor([lead + row.q_len], **i32)
+    kv_seq_lens = torch.tensor([row.seq_len], **i32)
+    prompt = torch.tensor([max(row.prompt, row.seq_len)], **i32)
+    metadata = stem_indexer_metadata(q_seq_lens, kv_seq_lens, q_heads, kv_heads, causal=True,
+                                     stem_block_size=bs, dim_qkflat=settings.stride * head_size,
+                                     window_size=settings.params.window_size)
+    # The prompt's tail (settings.exact_tail) on the same window: a widened
+    # row lists blocks 0 .. i, so it still ends at its own block.
+    tail = tail_plan(q_seq_lens, kv_seq_lens, prompt, settings.exact_tail, bs, True)
+    i = torch.arange(first, first + qb)
+    block_start = i * bs
+    block_end = torch.clamp((i + 1) * bs, max=row.seq_len)
+    q_tokens = block_end - torch.clamp(block_start, min=row.context)
+    return StemRow(row, lead, page, pages[:n].to(torch.int64), fill, q_seq_lens, kv_seq_lens,
+                   prompt, metadata, tail, q_tokens.repeat(q_heads).to(torch.int32),
+                   block_end - block_start, plan_row(row, settings).kept)
+
+
+def select_blocks(query: torch.Tensor, kflat: torch.Tensor, vbias: torch.Tensor,
+                  plan: StemRow, scale: float,
+                  settings: StemSettings) -> tuple[torch.Tensor, torch.Tensor]:
     """Stem's selection for a row: the indexer on the block-aligned window.
 
-    ``query [q_len, Hq, D]`` (the row's new queries), ``k, v [Hkv, seq_len, D]``
-    (all its keys and values). Returns ``(indices [Hq, Qb, W] int32 ascending
-    then -1, lengths [Hq, Qb] int32)`` over the row's absolute query blocks
-    ``context // Bs ..``; the blocks holding the prompt's last
+    ``query [q_len, Hq, D]`` (the row's new queries); ``kflat [Hkv, Kb,
+    Ts*D]`` and ``vbias [Hkv, Kb]`` of all its keys (the indexer cache's
+    ``inputs``, equal to ``stem_inputs``'s). Returns ``(indices [Hq, Qb, W]
+    int32 ascending then -1, lengths [Hq, Qb] int32)`` over the row's absolute
+    query blocks ``context // Bs ..``; the blocks holding the prompt's last
     ``settings.exact_tail`` tokens list every block ``0 .. i``.
     """
     bs, stride = settings.block_size, settings.stride
-    first, _, _ = _row_blocks(row, bs)
-    lead = row.context - first * bs  # earlier queries of the first block: zeros
+    row = plan.row
     hq, dim = query.shape[1], query.shape[2]
-    q = query.new_zeros(1, hq, lead + row.q_len, dim)
-    q[0, :, lead:] = query.transpose(0, 1)
-    inputs = stem_inputs(q, k[None], v[None], stem_block_size=bs, stem_stride=stride,
-                         scale=scale / stride, oam=settings.oam,
-                         oam_lambda=settings.oam_lambda)
-    metadata = stem_indexer_metadata(
-        inputs.q_seq_lens, inputs.kv_seq_lens, hq, k.shape[0], causal=True,
-        stem_block_size=bs, dim_qkflat=inputs.qflat.shape[-1],
-        window_size=settings.params.window_size)
-    prompt = torch.tensor([max(row.prompt, row.seq_len)], dtype=torch.int32)
-    idx, lengths = run_indexer(inputs.qflat, inputs.kflat, inputs.vbias, inputs.q_seq_lens,
-                               inputs.kv_seq_lens, prompt, metadata, settings.params)
-    # The prompt's tail (settings.exact_tail) on the same window: a widened
-    # row lists blocks 0 .. i, so it still ends at its own block.
-    if settings.exact_tail:
-        idx, lengths = widen_tail(idx, lengths, torch.tensor([lead + row.q_len]),
-                                  torch.tensor([row.seq_len]), prompt.long(),
-                                  settings.exact_tail, bs, True, ceil_div(row.seq_len, bs))
+    q = query.new_zeros(1, hq, plan.lead + row.q_len, dim)
+    q[0, :, plan.lead:] = query.transpose(0, 1)
+    qflat = block_representation(q, bs, stride, scale=scale / stride)
+    idx, lengths = run_indexer(qflat, kflat[None], vbias[None], plan.q_seq_lens,
+                               plan.kv_seq_lens, plan.prompt, plan.metadata, settings.params)
+    idx, lengths = apply_tail(idx, lengths, plan.tail, ceil_div(row.seq_len, bs))
     return idx[0], lengths[0]
 
 
@@ -187,17 +211,16 @@ class VirtualRows:
     block_table: torch.Tensor  #: [V, W] int32 pages (flattened ids)
 
 
-def virtual_rows(indices: torch.Tensor, lengths: torch.Tensor, row: Row, block_size: int,
-                 page: int, pages: torch.Tensor, num_kv_heads: int) -> VirtualRows:
+def virtual_rows(indices: torch.Tensor, lengths: torch.Tensor, plan: StemRow, block_size: int,
+                 page: int, num_kv_heads: int) -> VirtualRows:
     """The virtual rows of one Stem row, ordered head-major then by block:
     the order of ``query.transpose(0, 1)``'s tokens (head ``h``'s tokens of
     block ``i`` are one contiguous run there).
 
-    ``indices [Hq, Qb, W]`` and ``lengths [Hq, Qb]`` are the selection,
-    ``pages`` the row's block-table entries (its pages in order).
+    ``indices [Hq, Qb, W]`` and ``lengths [Hq, Qb]`` are the selection.
     """
     hq, qb, _ = indices.shape
-    first = row.context // block_size
+    pages = plan.pages
     per_block = block_size // page
     width = int(lengths.max())
     blocks = indices[..., :width].to(torch.int64)  # [Hq, Qb, width]
@@ -207,15 +230,10 @@ def virtual_rows(indices: torch.Tensor, lengths: torch.Tensor, row: Row, block_s
     # row's length stops the kernel before it.
     slot = blocks.clamp(min=0)[..., None] * per_block + torch.arange(per_block)
     slot = slot.clamp(max=pages.shape[0] - 1)
-    table = pages.to(torch.int64)[slot]  # [Hq, Qb, width, per_block]
+    table = pages[slot]  # [Hq, Qb, width, per_block]
     kv_head = (torch.arange(hq) // (hq // num_kv_heads))[:, None, None, None]
     table = torch.where(listed[..., None], table * num_kv_heads + kv_head, 0)
-    i = torch.arange(first, first + qb)
-    block_start = i * block_size
-    block_end = torch.clamp((i + 1) * block_size, max=row.seq_len)
-    q_tokens = block_end - torch.clamp(block_start, min=row.context)
     # All kept blocks but the last (the diagonal block i) are whole.
-    seq = (lengths.to(torch.int64) - 1) * block_size + (block_end - block_start)
-    return VirtualRows(q_tokens.expand(hq, qb).reshape(-1).to(torch.int32),
-                       seq.reshape(-1).to(torch.int32),
+    seq = (lengths.to(torch.int64) - 1) * block_size + plan.block_tokens
+    return VirtualRows(plan.query_lens, seq.reshape(-1).to(torch.int32),
                        table.reshape(hq * qb, width * per_block).to(torch.int32))

@@ -8,7 +8,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-__all__ = ["WorkerStats", "STATS", "merge"]
+__all__ = ["WorkerStats", "STATS", "merge", "request_line"]
 
 # Under vLLM's logger tree, so that its handler and format (process name,
 # time) apply to our lines as to its own.
@@ -24,8 +24,7 @@ class _Request:
     prompt: int
     kept: int = 0
     visible: int = 0
-    sparse_rows: int = 0
-    rows: int = 0
+    rows: collections.Counter = field(default_factory=collections.Counter)  # by path
     chunks: int = 0
     layers_done: int = 0  # layers that ran the request's last chunk
 
@@ -42,6 +41,7 @@ class WorkerStats:
 
     rows: collections.Counter = field(default_factory=collections.Counter)
     pairs: dict = field(default_factory=dict)
+    layouts: collections.Counter = field(default_factory=collections.Counter)
     requests: dict = field(default_factory=dict)
     layers: int = 0
     log_requests: bool = True
@@ -51,21 +51,38 @@ class WorkerStats:
         with self.lock:
             self.rows.clear()
             self.pairs.clear()
+            self.layouts.clear()
             self.requests.clear()
 
     def snapshot(self) -> dict:
         with self.lock:
-            return {"rows": dict(self.rows),
+            return {"rows": dict(self.rows), "layouts": dict(self.layouts),
                     "pairs": {name: list(p) for name, p in self.pairs.items()}}
 
     # Called by the backend --------------------------------------------------
 
+    def bulk(self, counts) -> None:
+        """Rows that belong to no prompt (decodes, empty rows): ``(reason,
+        count)`` pairs of one layer, counted as ``"dense:<reason>"``."""
+        if counts:
+            with self.lock:
+                for reason, n in counts:
+                    self.rows[f"dense:{reason}"] += n
+
+    def count(self, path: str, n: int = 1) -> None:
+        """``n`` more of ``path`` (a failure outside any row, say)."""
+        with self.lock:
+            self.rows[path] += n
+
     def row(self, layer: str, request: str, prompt: int, path: str, kept: int, visible: int,
-            last_chunk: bool, first_layer: bool) -> None:
+            last_chunk: bool, first_layer: bool, layout: str = "") -> None:
         """One row of one layer: ``path`` is ``"sparse:<kind>"`` or
-        ``"dense:<reason>"``; ``kept``/``visible`` its block pairs (all heads)."""
+        ``"dense:<reason>"``; ``kept``/``visible`` its block pairs (all heads);
+        ``layout`` the KV-cache layout a sparse row ran on."""
         with self.lock:
             self.rows[path] += 1
+            if layout:
+                self.layouts[layout] += 1
             if path.startswith("sparse"):
                 pair = self.pairs.setdefault(layer, [0, 0])
                 pair[0] += kept
@@ -77,10 +94,10 @@ class WorkerStats:
                 if len(self.requests) >= _MAX_OPEN:
                     self.requests.pop(next(iter(self.requests)))
                 req = self.requests[request] = _Request(prompt)
-            req.kept += kept
-            req.visible += visible
-            req.rows += 1
-            req.sparse_rows += path.startswith("sparse")
+            if path.startswith("sparse"):
+                req.kept += kept
+                req.visible += visible
+            req.rows[path] += 1
             req.chunks += first_layer
             if last_chunk:
                 req.layers_done += 1
@@ -91,22 +108,41 @@ class WorkerStats:
 
     @staticmethod
     def _log(request: str, req: _Request) -> None:
-        density = req.kept / req.visible if req.visible else 1.0
-        LOG.info("Stem prefill of request %s: %d prompt tokens in %d chunk(s); %d of %d "
-                 "layer rows sparse; density %.1f%%", request, req.prompt, req.chunks,
-                 req.sparse_rows, req.rows, 100.0 * density)
+        LOG.info(request_line(request, req.prompt, req.chunks, req.rows, req.kept, req.visible))
 
 
 STATS = WorkerStats()
 
 
+def request_line(request: str, prompt: int, chunks: int, rows: dict, kept: int,
+                 visible: int) -> str:
+    """The log line of a request's prefill. A row is one chunk of the prompt
+    in one layer: a prompt in ``c`` chunks through ``L`` layers has ``c * L``.
+    ``rows`` counts them by path; the density is over the sparse rows' visible
+    block pairs (100% when none ran sparse)."""
+    total = sum(rows.values())
+    sparse = sorted((k.split(":", 1)[1], n) for k, n in rows.items() if k.startswith("sparse"))
+    dense = sorted((k.split(":", 1)[1], n) for k, n in rows.items() if k.startswith("dense"))
+    parts = [f"{sum(n for _, n in sparse)} of {total} (layer, chunk) rows sparse"]
+    if sparse:
+        parts[0] += " (" + ", ".join(f"{k} {n}" for k, n in sparse) + ")"
+    if dense:
+        parts.append("dense: " + ", ".join(f"{k} {n}" for k, n in dense))
+    density = kept / visible if visible else 1.0
+    return (f"Stem prefill of request {request}: {prompt} prompt tokens in {chunks} chunk(s); "
+            + "; ".join(parts) + f"; density {100.0 * density:.1f}%")
+
+
 def merge(snapshots: list[dict]) -> dict:
     """Sum workers' snapshots: rows by path, and per layer the kept and visible
-    pairs with their density; ``density`` over all layers' Stem rows."""
+    pairs with their density; ``density`` over all layers' Stem rows;
+    ``layouts``: the sparse rows by the KV-cache layout they ran on."""
     rows: collections.Counter = collections.Counter()
+    layouts: collections.Counter = collections.Counter()
     pairs: dict[str, list[int]] = {}
     for snap in snapshots:
         rows.update(snap["rows"])
+        layouts.update(snap.get("layouts", {}))
         for name, (kept, visible) in snap["pairs"].items():
             acc = pairs.setdefault(name, [0, 0])
             acc[0] += kept
@@ -116,4 +152,5 @@ def merge(snapshots: list[dict]) -> dict:
     kept = sum(k for k, _ in pairs.values())
     visible = sum(v for _, v in pairs.values())
     return {"rows": dict(sorted(rows.items())), "layers": layers,
-            "density": kept / visible if visible else None}
+            "density": kept / visible if visible else None,
+            "layouts": dict(sorted(layouts.items()))}

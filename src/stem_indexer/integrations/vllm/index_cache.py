@@ -1,0 +1,167 @@
+"""The indexer cache: what Stem's indexer needs of each KV-cache page, kept
+beside vLLM's paged cache. Plain torch, no vLLM import.
+
+vLLM writes each step's new keys and values into its paged cache, packed for
+the CPU's instruction set (``vec``, ``vec16``, ``amx``): reading them back is
+layout-specific. The indexer needs far less than the keys and values
+themselves (docs/CONTRACT.md section 7):
+
+* ``kflat``: per Stem block and group ``s`` of the stride, the float32 sum
+  of the block's keys at offsets ``r * Ts + s``;
+* ``vbias``: per run of ``Ts`` tokens, the largest value norm (the
+  Output-Aware Metric's raw statistic).
+
+Both follow from the keys and values as vLLM writes them. ``IndexCache``
+holds them per page and KV head, indexed by vLLM's page ids, and is written
+from the same unpacked ``key``/``value`` and ``slot_mapping`` that vLLM's
+cache writer receives (``write``):
+
+* ``ksum [num_pages, Ts, Hkv, D]`` float32: group ``s`` of a page sums its
+  keys at offsets ``o`` with ``o % Ts == s`` (pages hold whole groups: the
+  page size is a multiple of ``Ts``);
+* ``vmax [num_pages, page / Ts, Hkv]`` float32: the largest value norm of
+  each run of ``Ts`` tokens;
+* ``filled [num_pages]`` int32: tokens accumulated from offset 0, or -1.
+
+A page's entry accumulates as its tokens arrive, across steps: a chunk that
+ends inside a page leaves it partial and the next chunk completes it. A write
+at offset 0 starts the page afresh (zeroes it first), so a page freed and
+reused, or rewritten after preemption, never carries old sums. A write that
+neither starts the page nor continues it exactly where it stopped (a slot
+written twice, a gap) marks the page unusable (``filled = -1``) until it
+starts again; ``complete`` tells whether a row's pages hold exactly its
+tokens, and a row whose pages do not runs vLLM's kernel instead.
+
+Prefix-cache hits share pages, so they find their entries written. With
+``Bs`` equal to the page size (vLLM's CPU default, 128) a block's group sums
+are accumulated token after token in order, as ``prepare.block_representation``
+sums them, and ``kflat`` is bit for bit ``stem_inputs``'s; with ``Bs`` a
+multiple of the page, the pages' sums are added once more (a float32
+rounding per page, docs/CONTRACT.md section 8). The run maxima are exact
+whatever the order, so ``vbias`` is ``stem_inputs``'s bit for bit.
+
+Memory, per page and KV head: ``(Ts * D + page / Ts) * 4`` bytes, against
+``2 * page * D * itemsize`` for K and V: 1/8 of a bfloat16 KV cache with
+``Ts`` 16 and 128-token pages (``IndexCache.nbytes``, logged once at start).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...contract import ceil_div
+from ...prepare import bias_from_run_max
+
+__all__ = ["IndexCache", "index_cache_bytes"]
+
+
+def index_cache_bytes(num_pages: int, page: int, stride: int, kv_heads: int,
+                      head_size: int) -> int:
+    """Bytes of an ``IndexCache`` with these dimensions."""
+    return num_pages * (kv_heads * (stride * head_size + page // stride) * 4 + 4)
+
+
+@dataclass
+class IndexCache:
+    """The indexer's per-page statistics of one attention layer."""
+
+    ksum: torch.Tensor  #: [num_pages, Ts, Hkv, D] float32
+    vmax: torch.Tensor  #: [num_pages, page / Ts, Hkv] float32
+    filled: torch.Tensor  #: [num_pages] int32
+    page: int
+
+    @classmethod
+    def allocate(cls, num_pages: int, page: int, stride: int, kv_heads: int,
+                 head_size: int, device: torch.device | str = "cpu") -> "IndexCache":
+        if page % stride:
+            raise ValueError(f"IndexCache: the page size ({page}) must be a multiple of "
+                             f"stem_stride ({stride})")
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(torch.zeros(num_pages, stride, kv_heads, head_size, **f32),
+                   torch.zeros(num_pages, page // stride, kv_heads, **f32),
+                   torch.zeros(num_pages, dtype=torch.int32, device=device), page)
+
+    @property
+    def stride(self) -> int:
+        return self.ksum.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.ksum, self.vmax, self.filled))
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        """Accumulate a step's new tokens: ``key``, ``value [T, Hkv, D]`` (any
+        float dtype; tokens in position order within each request) at
+        ``slots [T]`` (page id x page size + offset; negative: no slot, skipped)."""
+        slots = slots.to(torch.int64)
+        if bool((slots < 0).any()):
+            keep = slots >= 0
+            key, value, slots = key[keep], value[keep], slots[keep]
+        if slots.numel() == 0:
+            return
+        num_pages, stride = self.ksum.shape[0], self.stride
+        pages, offsets = slots // self.page, slots % self.page
+        first = torch.full((num_pages,), self.page, dtype=torch.int64)
+        first.scatter_reduce_(0, pages, offsets, "amin")
+        last = torch.full((num_pages,), -1, dtype=torch.int64)
+        last.scatter_reduce_(0, pages, offsets, "amax")
+        touched = (last >= 0).nonzero().squeeze(1)
+        start, end = first[touched], last[touched] + 1
+        filled = self.filled[touched].to(torch.int64)
+        fresh = start == 0
+        # A page starting afresh is zeroed before its tokens are added.
+        restart = touched[fresh]
+        if restart.numel():
+            self.ksum.index_fill_(0, restart, 0.0)
+            self.vmax.index_fill_(0, restart, 0.0)
+        ok = fresh | ((filled >= 0) & (start == filled))
+        self.filled[touched] = torch.where(ok, end, -1).to(torch.int32)
+        flat_k = self.ksum.view(num_pages * stride, *self.ksum.shape[2:])
+        flat_k.index_add_(0, pages * stride + offsets % stride, key.float())
+        runs = self.vmax.shape[1]
+        norms = torch.linalg.vector_norm(value.float(), dim=-1)  # [T, Hkv]
+        flat_v = self.vmax.view(num_pages * runs, self.vmax.shape[2])
+        index = (pages * runs + offsets // stride)[:, None].expand_as(norms)
+        flat_v.scatter_reduce_(0, index, norms, "amax")
+
+    def expected_fill(self, seq_len: int) -> torch.Tensor:
+        """[ceil(seq_len / page)] int32: what ``filled`` holds on the pages of
+        a sequence of ``seq_len`` tokens whose every token was written."""
+        n = ceil_div(seq_len, self.page)
+        fill = torch.full((n,), self.page, dtype=torch.int32)
+        fill[-1] = seq_len - (n - 1) * self.page
+        return fill
+
+    def complete(self, pages: torch.Tensor, expected: torch.Tensor) -> bool:
+        """Whether ``filled`` on ``pages`` equals ``expected`` (``expected_fill``
+        of each row, concatenated)."""
+        return torch.equal(self.filled[pages.to(torch.int64)], expected)
+
+    def inputs(self, pages: torch.Tensor, seq_len: int, block_size: int, oam: bool,
+               oam_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kflat [Hkv, Kb, Ts*D]`` bfloat16 (groups reversed) and ``vbias
+        [Hkv, Kb]`` float32 of a sequence's first ``seq_len`` tokens, from the
+        entries of its ``pages`` (block-table order), as ``stem_inputs``
+        computes them from the tokens themselves."""
+        stride, kv_heads, dim = self.ksum.shape[1:]
+        per_block = block_size // self.page
+        kb = ceil_div(seq_len, block_size)
+        n = ceil_div(seq_len, self.page)
+        ids = pages[:n].to(torch.int64)
+        ksum = self.ksum[ids]  # [n, Ts, Hkv, D]
+        vmax = self.vmax[ids]  # [n, page / Ts, Hkv]
+        if n < kb * per_block:  # the last block's pages not yet allocated: zeros
+            ksum = torch.nn.functional.pad(ksum, (0, 0, 0, 0, 0, 0, 0, kb * per_block - n))
+            vmax = torch.nn.functional.pad(vmax, (0, 0, 0, 0, 0, kb * per_block - n))
+        if per_block > 1:
+            ksum = ksum.view(kb, per_block, stride, kv_heads, dim).sum(1)
+        kflat = ksum.flip(1).permute(2, 0, 1, 3).reshape(kv_heads, kb, stride * dim)
+        kflat = kflat.to(torch.bfloat16)
+        if not oam:
+            return kflat, torch.zeros(kv_heads, kb, dtype=torch.float32)
+        run_max = vmax.permute(2, 0, 1).reshape(1, kv_heads, -1)
+        valid = torch.tensor([ceil_div(seq_len, stride)])
+        vbias = bias_from_run_max(run_max, valid, block_size // stride, oam_lambda)
+        return kflat, vbias[0]

@@ -1,0 +1,145 @@
+"""The vLLM backend's indexer cache (integrations/vllm/index_cache.py), without vLLM.
+
+Tokens are written as vLLM's cache writer receives them (``key``, ``value``
+[T, Hkv, D] and their slots, page id x page size + offset) onto shuffled
+pages; what the cache gives the indexer is compared, bit for bit, with
+``stem_inputs`` on the same tokens (docs/CONTRACT.md section 8): under
+arbitrary chunk boundaries, prefix-cache hits (shared pages), pages freed
+and reused by another sequence, and several sequences in one step.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from stem_indexer import stem_inputs
+from stem_indexer.integrations.vllm.index_cache import IndexCache, index_cache_bytes
+
+
+def _tokens(seq: int, hkv: int, dim: int, dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(seq, hkv, dim, generator=gen).to(dtype),
+            torch.randn(seq, hkv, dim, generator=gen).to(dtype))
+
+
+def _slots(pages: torch.Tensor, page: int, start: int, stop: int) -> torch.Tensor:
+    t = torch.arange(start, stop)
+    return pages[t // page].long() * page + t % page
+
+
+def _want(k, v, length: int, bs: int, ts: int, oam_lambda: float = 0.3):
+    """``stem_inputs``'s kflat [Hkv, Kb, Ts*D] and vbias [Hkv, Kb] of the first tokens."""
+    keys = k[:length].transpose(0, 1)[None]
+    vals = v[:length].transpose(0, 1)[None]
+    q = torch.zeros(1, k.shape[1], 1, k.shape[2], dtype=k.dtype)
+    inp = stem_inputs(q, keys, vals, stem_block_size=bs, stem_stride=ts, oam_lambda=oam_lambda)
+    return inp.kflat[0], inp.vbias[0]
+
+
+def _assert_inputs(cache: IndexCache, pages, k, v, length: int, bs: int, label: str = ""):
+    kflat, vbias = cache.inputs(pages, length, bs, True, 0.3)
+    want_k, want_v = _want(k, v, length, bs, cache.stride)
+    assert torch.equal(kflat, want_k), f"{label}: kflat differs at {length} tokens"
+    assert torch.equal(vbias, want_v), f"{label}: vbias differs at {length} tokens"
+    assert cache.complete(pages[:-(-length // cache.page)], cache.expected_fill(length)), label
+
+
+def _garbage(cache: IndexCache, seed: int) -> None:
+    """Pages as an earlier sequence left them."""
+    gen = torch.Generator().manual_seed(seed)
+    cache.ksum.copy_(torch.randn(cache.ksum.shape, generator=gen))
+    cache.vmax.copy_(torch.rand(cache.vmax.shape, generator=gen) * 9)
+    cache.filled.fill_(17)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("page, bs, ts", [(32, 32, 8), (32, 64, 8), (128, 128, 16), (16, 64, 16)],
+                         ids=["block=page", "block=2pages", "vllm-default", "block=4pages"])
+def test_any_chunk_boundaries_give_stem_inputs_bit_for_bit(dtype, page, bs, ts):
+    hkv, dim, seq = 2, 16, 700
+    k, v = _tokens(seq, hkv, dim, dtype, page + bs)
+    pages = torch.randperm(64, generator=torch.Generator().manual_seed(3))[:-(-seq // page)]
+    cache = IndexCache.allocate(64, page, ts, hkv, dim)
+    _garbage(cache, 1)
+    rng = random.Random(page * bs)
+    at = 0
+    while at < seq:  # chunks of 1 to 150 tokens, boundaries anywhere in a page
+        n = min(seq - at, rng.choice([1, rng.randrange(2, 150)]))
+        cache.write(k[at:at + n], v[at:at + n], _slots(pages, page, at, at + n))
+        at += n
+        _assert_inputs(cache, pages, k, v, at, bs, f"after a chunk ending at {at}")
+
+
+def test_a_prefix_hit_reads_the_shared_pages_as_written():
+    """Sequence B shares A's first three full pages (vLLM's prefix cache shares
+    whole pages only) and writes its own from there."""
+    page, bs, ts, hkv, dim = 32, 32, 8, 2, 16
+    k, v = _tokens(200, hkv, dim, torch.bfloat16, 5)
+    kb, vb = _tokens(150, hkv, dim, torch.bfloat16, 6)
+    kb[:96], vb[:96] = k[:96], v[:96]  # the shared prefix: 3 pages
+    cache = IndexCache.allocate(40, page, ts, hkv, dim)
+    pages_a = torch.tensor([7, 3, 30, 12, 5, 21, 9])
+    pages_b = torch.cat([pages_a[:3], torch.tensor([25, 1])])
+    cache.write(k, v, _slots(pages_a, page, 0, 200))
+    cache.write(kb[96:], vb[96:], _slots(pages_b, page, 96, 150))  # the hit's own chunk
+    _assert_inputs(cache, pages_b, kb, vb, 150, bs, "prefix hit")
+    _assert_inputs(cache, pages_a, k, v, 96, bs, "the owner's shared pages")
+
+
+def test_a_reused_page_starts_afresh_and_a_rewrite_or_gap_is_refused():
+    page, bs, ts, hkv, dim = 32, 64, 8, 1, 8
+    k, v = _tokens(100, hkv, dim, torch.float32, 7)
+    k2, v2 = _tokens(70, hkv, dim, torch.float32, 8)
+    cache = IndexCache.allocate(10, page, ts, hkv, dim)
+    pages = torch.tensor([4, 2, 9, 0])
+    cache.write(k, v, _slots(pages, page, 0, 100))
+    # Pages 2 and 4 freed; another sequence takes them, in another order.
+    reused = torch.tensor([2, 4, 6])
+    cache.write(k2[:40], v2[:40], _slots(reused, page, 0, 40))
+    cache.write(k2[40:], v2[40:], _slots(reused, page, 40, 70))
+    _assert_inputs(cache, reused, k2, v2, 70, bs, "reused pages")
+    # A slot written twice (a rewritten token) and a gap both leave the page unusable.
+    cache.write(k2[60:62], v2[60:62], _slots(reused, page, 60, 62))  # page 4, offsets 28, 29
+    assert not cache.complete(reused, cache.expected_fill(70))
+    assert int(cache.filled[4]) == -1
+    cache.write(k2[:5], v2[:5], _slots(torch.tensor([8]), page, 3, 8))  # starts at offset 3
+    assert int(cache.filled[8]) == -1
+    # Starting again at offset 0 makes a page usable again.
+    cache.write(k2[:5], v2[:5], _slots(torch.tensor([8]), page, 0, 5))
+    assert int(cache.filled[8]) == 5
+    _assert_inputs(cache, torch.tensor([8]), k2, v2, 5, bs, "restarted page")
+
+
+def test_one_step_of_several_sequences_and_padding_slots():
+    """A step holds tokens of several sequences (each in position order) and
+    may carry padding tokens with slot -1: those are skipped."""
+    page, bs, ts, hkv, dim = 32, 32, 8, 3, 16
+    ka, va = _tokens(90, hkv, dim, torch.bfloat16, 9)
+    kb, vb = _tokens(45, hkv, dim, torch.bfloat16, 10)
+    pa, pb = torch.tensor([11, 2, 7]), torch.tensor([5, 13])
+    cache = IndexCache.allocate(16, page, ts, hkv, dim)
+    _garbage(cache, 2)
+    cache.write(ka[:50], va[:50], _slots(pa, page, 0, 50))
+    keys = torch.cat([kb[:45], ka[50:], ka[:4]])
+    vals = torch.cat([vb[:45], va[50:], va[:4]])
+    slots = torch.cat([_slots(pb, page, 0, 45), _slots(pa, page, 50, 90),
+                       torch.full((4,), -1)])
+    cache.write(keys, vals, slots)
+    _assert_inputs(cache, pa, ka, va, 90, bs, "sequence a")
+    _assert_inputs(cache, pb, kb, vb, 45, bs, "sequence b")
+
+
+def test_memory_is_an_eighth_of_a_bf16_kv_cache_at_vllms_defaults():
+    pages, page, ts, hkv, dim = 100, 128, 16, 8, 128
+    cache = IndexCache.allocate(pages, page, ts, hkv, dim)
+    assert cache.nbytes == index_cache_bytes(pages, page, ts, hkv, dim)
+    kv_bytes = pages * hkv * page * 2 * dim * 2  # K and V in bfloat16
+    assert abs(cache.nbytes / kv_bytes - 1 / 8) < 0.002
+
+
+def test_the_page_must_hold_whole_stride_groups():
+    with pytest.raises(ValueError, match="page size \\(24\\) must be a multiple of stem_stride"):
+        IndexCache.allocate(4, 24, 16, 1, 8)
