@@ -182,7 +182,7 @@ def break_even(seq: int, budgets: list[int], device: str, reps: int, lines: list
     points.sort()
     cross = [d0 + (d1 - d0) * (r0 - 1) / (r0 - r1)
              for (d0, r0), (d1, r1) in zip(points, points[1:]) if r0 >= 1 > r1]
-    lines += ["", f"break-even density (linear between the budgets around sdpa / stem = 1): "
+    lines += ["", "break-even density (linear between the budgets around sdpa / stem = 1): "
               + (f"{cross[0]:.1%}" if cross else "not crossed in this sweep")]
     print(lines[-1], flush=True)
 

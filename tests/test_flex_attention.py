@@ -276,7 +276,6 @@ def test_recompile_limit_is_an_error_not_an_eager_run(monkeypatch, device):
     the call raises instead. Forced with a limit of one compilation (the
     function's own limit, ``RECOMPILE_LIMIT`` otherwise) and a second dtype
     (a guard every compilation has)."""
-    import torch._dynamo
     from torch._dynamo.exc import FailOnRecompileLimitHit
 
     eager = _EagerFlexCounter(monkeypatch)

@@ -43,7 +43,6 @@ the valid length:
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Sequence, Union
 
 import torch
