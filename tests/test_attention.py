@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import stem_indexer
-from stem_indexer import attention
+from stem_indexer import checks, dispatch
 from stem_indexer.attention import block_sparse_attention, dense_attention, stem_attention
 from stem_indexer.ops import gather_attention
 
@@ -99,7 +99,7 @@ def _backends() -> list:
     """Every backend that runs here; compiled FlexAttention on two shapes (each
     new shape compiles for seconds on CPU)."""
     out = [(s, "gather") for s in SHAPES]
-    if attention._native() is not None:
+    if dispatch._native() is not None:
         out += [(s, "native") for s in SHAPES]
     out += [(s, "flex") for s in SHAPES[1:3]]
     return [pytest.param(s, b, id=f"{_ids(s)}-{b}",
@@ -122,7 +122,7 @@ def test_block_sparse_matches_masked_dense(shape, causal, backend, device):
 
 
 @pytest.mark.parametrize("backend", [b for b in ("gather", "native", "flex")
-                                     if b != "native" or attention._native() is not None])
+                                     if b != "native" or dispatch._native() is not None])
 def test_block_sparse_softcap_matches_capped_masked_dense(backend, device):
     """Soft-capped scores (Gemma 2) on each backend: FlexAttention takes the
     cap as a score_mod, the others cap in their own softmax."""
@@ -474,7 +474,7 @@ def test_inference_only_the_same_on_every_path(seq, device):
 
 
 @pytest.mark.parametrize("backend", [b for b in ("gather", "native", "flex")
-                                     if b != "native" or attention._native() is not None])
+                                     if b != "native" or dispatch._native() is not None])
 def test_nan_and_inf_in_padding_never_reach_valid_outputs(backend, device):
     """Padded positions of q, k and v (past the lengths, and the tail of the
     last block) hold NaN and inf; valid outputs equal those of clean inputs."""
@@ -532,8 +532,8 @@ def test_native_backend_refuses_other_devices_and_dtypes():
     on meta tensors (which stand for any non-CPU device) and float16."""
     with pytest.raises(stem_indexer.StemIndexerInputError,
                        match=r"^f: backend 'native' runs on CPU tensors only \(q is on cuda:0\)"):
-        attention.check_backend_fits("f", "native", torch.device("cuda:0"), torch.float32)
-    attention.check_backend_fits("f", "gather", torch.device("cuda:0"), torch.float16)
+        checks.check_backend_fits("f", "native", torch.device("cuda:0"), torch.float32)
+    checks.check_backend_fits("f", "gather", torch.device("cuda:0"), torch.float16)
     gen = torch.Generator().manual_seed(24)
     q, k, v = (torch.randn(1, 2, 24, 4, generator=gen) for _ in range(3))
     idx = torch.tensor([0, 1, -1]).expand(1, 2, 3, 3).clone().int()
@@ -559,10 +559,7 @@ def test_native_backend_refuses_other_devices_and_dtypes():
 
 def test_one_spelling_of_block_size_and_stride_across_the_public_api():
     """stem_block_size / stem_stride (the operator's names) wherever a public
-    function takes the indexer's block size or stride; block_size / stride,
-    the old spellings of stem_inputs and block_sparse_attention, still work
-    for one release with a DeprecationWarning (not under torch.compile, where
-    dynamo cannot trace a warning), and give the same results."""
+    function takes the indexer's block size or stride; nothing else spells them."""
     import inspect
 
     import stem_indexer.integrations.transformers as stem_hf
@@ -574,33 +571,16 @@ def test_one_spelling_of_block_size_and_stride_across_the_public_api():
         names = set(inspect.signature(fn).parameters)
         assert not names & {"block_size", "stride"}, fn.__name__
     assert {"stem_block_size", "stem_stride"} <= set(stem_hf._stem_arguments())
-
     q, k, v = qkv(1, 2, 1, 64, 64, 8, 25)
-    with pytest.warns(DeprecationWarning) as warned:
-        old = stem_indexer.stem_inputs(q, k, v, block_size=16, stride=4)
-    assert [str(w.message).split(",")[0] for w in warned] == [
-        "stem_inputs: block_size is now spelled stem_block_size",
-        "stem_inputs: stride is now spelled stem_stride"]
-    new = stem_indexer.stem_inputs(q, k, v, stem_block_size=16, stem_stride=4)
-    assert all(torch.equal(a, b) for a, b in zip(old, new))
     idx = torch.arange(4, dtype=torch.int32).expand(1, 2, 4, 4).contiguous()
     seq_len = torch.arange(1, 5, dtype=torch.int32).expand(1, 2, 4).contiguous()
-    with pytest.warns(DeprecationWarning, match="block_sparse_attention: block_size is now"):
-        old = block_sparse_attention(q, k, v, idx, seq_len, block_size=16)
-    new = block_sparse_attention(q, k, v, idx, seq_len, stem_block_size=16)
-    assert torch.equal(old, new)
-    with pytest.raises(stem_indexer.StemIndexerInputError,
-                       match="^stem_inputs: stride is the old spelling of stem_stride"):
-        stem_indexer.stem_inputs(q, k, v, stem_stride=8, stride=4)
     with pytest.raises(stem_indexer.StemIndexerInputError,
                        match="^block_sparse_attention: stem_block_size is required"):
         block_sparse_attention(q, k, v, idx, seq_len)
-    with pytest.raises(stem_indexer.StemIndexerInputError,
-                       match="^block_sparse_attention: stride is not an argument"):
-        block_sparse_attention(q, k, v, idx, seq_len, stem_block_size=16, stride=4)
-    compiled = torch.compile(
-        lambda q: block_sparse_attention(q, k, v, idx, seq_len, block_size=16), fullgraph=True)
-    torch.testing.assert_close(compiled(q), new, rtol=0, atol=0)
+    for call in (lambda: stem_indexer.stem_inputs(q, k, v, block_size=16),
+                 lambda: block_sparse_attention(q, k, v, idx, seq_len, block_size=16)):
+        with pytest.raises(TypeError, match="unexpected keyword argument 'block_size'"):
+            call()
 
 
 def _reachable(q_len, kv_len, bs, qmax, kmax):

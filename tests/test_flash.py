@@ -4,7 +4,6 @@ and what ``stem_attention`` reports (``flash.py``, ``attention.py``)."""
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -195,7 +194,8 @@ def test_flash_attention_signature_as_flash_attention_means_it(device):
     (lambda f, x: f(*x, deterministic=1), "deterministic must be True or False"),
     (lambda f, x: f(*x, scale=0.1), "scale is softmax_scale here"),
     (lambda f, x: f(*x, return_info=True), "return_info is not available here"),
-    (lambda f, x: f(*x, window_size=2, stem_window_blocks=2), "window_size and stem_window"),
+    (lambda f, x: f(*x, window_size=2), "window_size must be a pair of ints .* "
+                                         "stem_window_blocks"),
 ])
 @pytest.mark.parametrize("varlen", [False, True], ids=["func", "varlen"])
 def test_flash_functions_refuse_what_stem_cannot_honour(call, match, varlen):
@@ -206,9 +206,7 @@ def test_flash_functions_refuse_what_stem_cannot_honour(call, match, varlen):
     else:
         x, f, who = (q, k, v), stem_attn_func, "func"
     with pytest.raises(StemIndexerInputError, match=f"^stem_attn_{who}: {match}"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            call(f, x)
+        call(f, x)
     if varlen:
         with pytest.raises(StemIndexerInputError, match="block_table must be None"):
             f(*x, block_table=torch.zeros(1, 1, dtype=torch.int32))
@@ -216,11 +214,9 @@ def test_flash_functions_refuse_what_stem_cannot_honour(call, match, varlen):
             f(*x, q_lens=[32])
 
 
-def test_stem_window_blocks_is_the_indexers_window_and_the_int_window_size_is_deprecated(
-        device):
+def test_stem_window_blocks_is_the_indexers_window(device):
     """The indexer's window (stem_attention's window_size) is
-    stem_window_blocks here; an int window_size, its old spelling, still
-    means it for one release, with a DeprecationWarning."""
+    stem_window_blocks here; window_size is FlashAttention's token window."""
     q, k, v = qkv(1, 2, 1, 1100, 1100, 8, 32, device=device)
     fq, fk, fv = (x.transpose(1, 2) for x in (q, k, v))
     want = stem_attention(q, k, v, window_size=1, preset="tight", **SMALL)
@@ -228,9 +224,6 @@ def test_stem_window_blocks_is_the_indexers_window_and_the_int_window_size_is_de
     assert not torch.equal(want, default)  # the window changes the selection
     out = stem_attn_func(fq, fk, fv, causal=True, stem_window_blocks=1, preset="tight", **SMALL)
     torch.testing.assert_close(out.transpose(1, 2), want, rtol=0, atol=0)
-    with pytest.warns(DeprecationWarning, match="now spelled stem_window_blocks"):
-        old = stem_attn_func(fq, fk, fv, causal=True, window_size=1, preset="tight", **SMALL)
-    torch.testing.assert_close(old, out, rtol=0, atol=0)
 
 
 def test_a_tensor_in_the_other_layout_is_refused():
@@ -254,7 +247,7 @@ def test_a_tensor_in_the_other_layout_is_refused():
 def test_softcap_on_the_dense_and_sparse_paths(backend, device):
     if backend == "native" and device != "cpu":
         pytest.skip("backend 'native' runs on CPU tensors only")
-    if backend == "native" and stem_indexer.attention._native() is None:
+    if backend == "native" and stem_indexer.dispatch._native() is None:
         pytest.skip("the native kernel is not built here")
     q, k, v = qkv(1, 2, 1, 64, 64, 8, 7)
     q = q * 4  # large logits, where capping matters

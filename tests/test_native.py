@@ -161,7 +161,7 @@ def test_attention_kernel_builds_and_binds_where_a_compiler_exists():
     kernel must build and find torch's GEMMs, and CPU attention must use it
     (its own tests would otherwise skip and attention quietly run the gather
     backend)."""
-    from stem_indexer import attention
+    from stem_indexer import dispatch
     from stem_indexer.ops import sparse_attention as sa
     if shutil.which("cc") is None:
         pytest.skip("no C compiler on this machine")
@@ -172,7 +172,7 @@ def test_attention_kernel_builds_and_binds_where_a_compiler_exists():
     assert native.status(sa.LIB).startswith("native:"), native.status(sa.LIB)
     assert sa.status().startswith("native:") and "sgemm" not in sa.status(), sa.status()
     for dtype in sa.DTYPES:
-        assert attention._backend("auto", torch.zeros(1, 1, 4, 8, dtype=dtype)) == "native"
+        assert dispatch._backend("auto", torch.zeros(1, 1, 4, 8, dtype=dtype)) == "native"
 
 
 def test_status_reports_every_kernel():
@@ -194,7 +194,7 @@ def test_each_fallback_is_reported_and_warns_once(fresh_native, monkeypatch, env
     """Without the kernels, status() says why for each, and the first call
     that falls back from one warns once (once per kernel)."""
     import warnings as w
-    from stem_indexer import attention
+    from stem_indexer import dispatch
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     report = native.status()
@@ -210,7 +210,7 @@ def test_each_fallback_is_reported_and_warns_once(fresh_native, monkeypatch, env
         with w.catch_warnings(record=True) as caught:
             w.simplefilter("always")
             out = stem_indexer(**inputs, **params)
-            assert attention._backend("auto", q) == "gather"
+            assert dispatch._backend("auto", q) == "gather"
         messages = [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)]
         if call == 0:
             assert len(messages) == 2, messages

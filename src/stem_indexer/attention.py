@@ -48,15 +48,12 @@ from __future__ import annotations
 import torch
 
 from . import attention_ops as _attention_ops  # noqa: F401  (registers the two ops)
-from ._renamed import take_renamed
-from .checks import (BACKENDS, MAX_HEADS, _check_backend, _check_inference,  # noqa: F401
-                     _check_layout, _check_scale, _check_selection, _check_softcap,
-                     check_backend_fits, check_stem_options)
 from . import contract
+from .checks import (_check_backend, _check_inference, _check_layout, _check_scale,
+                     _check_selection, _check_softcap, check_backend_fits, check_stem_options)
 from .contract import DEFAULT_EXACT_TAIL, PARAM_NAMES, ceil_div, check_bool, check_int, fail
-from .contract import dense_is_exact as _dense_is_exact  # noqa: F401  (its former home)
 from .dense import dense_attention
-from .dispatch import StemInfo, _backend, _native, _visible_pairs  # noqa: F401
+from .dispatch import StemInfo
 from .prepare import DEFAULT_OAM_LAMBDA, Lengths, check_qkv, lens_argument
 
 __all__ = ["block_sparse_attention", "dense_attention", "stem_attention", "StemInfo"]
@@ -67,7 +64,7 @@ def block_sparse_attention(
     sparse_indices: torch.Tensor, sparse_seq_len: torch.Tensor, *,
     stem_block_size: int | None = None, causal: bool = True, scale: float | None = None,
     softcap: float | None = None, q_lens: Lengths = None, kv_lens: Lengths = None,
-    backend: str = "auto", return_lse: bool = False, **renamed,
+    backend: str = "auto", return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention restricted to the listed key blocks of each query block.
 
@@ -79,8 +76,6 @@ def block_sparse_attention(
             past the row's length are ignored (the indexer writes -1).
         sparse_seq_len: [B, Hq, ceil(Sq/Bs)] integer: listed blocks per row.
         stem_block_size: Bs, tokens per block (the indexer's; required).
-            ``block_size``, its old spelling, still works for one release
-            (DeprecationWarning).
         causal: token-level causal mask, right-down aligned: query t sees key
             j iff ``j <= t + kv_len - q_len``.
         scale: softmax scale, default ``1/sqrt(D)``.
@@ -101,8 +96,7 @@ def block_sparse_attention(
     The selection is checked on its device (a few host syncs on CUDA).
     """
     who = "block_sparse_attention"
-    block_size = take_renamed(who, renamed, {"stem_block_size": stem_block_size},
-                              {"stem_block_size": None})["stem_block_size"]
+    block_size = stem_block_size
     batch, hq, hkv, sq, skv, dim = check_qkv(q, k, v, who, same_dtype=True)
     if block_size is None:
         fail(who, "stem_block_size", "is required (the indexer's block size)", None)
@@ -122,6 +116,7 @@ def block_sparse_attention(
         q, k, v, sparse_indices, sparse_seq_len, qlen, kvlen, block_size, causal, scale,
         softcap, backend, return_lse)
     return (out, lse) if return_lse else out
+
 
 def stem_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -201,12 +196,31 @@ def stem_attention(
     even when every listed row is complete).
     """
     who = "stem_attention"
+    params, indexer_scale, scale, softcap, dense_above, lengths = _stem_arguments(
+        who, q, k, v, causal=causal, scale=scale, softcap=softcap, q_lens=q_lens,
+        kv_lens=kv_lens, num_prompt_tokens=num_prompt_tokens, preset=preset, oam=oam,
+        oam_lambda=oam_lambda, indexer_scale=indexer_scale, min_q_blocks=min_q_blocks,
+        dense_above=dense_above, exact_tail=exact_tail, backend=backend,
+        return_lse=return_lse, return_info=return_info, **indexer_params)
+    out, lse, info = torch.ops.stem_indexer.stem_attention(
+        q, k, v, *lengths, *(getattr(params, f) for f in PARAM_NAMES),
+        scale, softcap, oam, float(oam_lambda), indexer_scale, min_q_blocks, backend,
+        return_lse, float(dense_above), exact_tail)
+    extra = ((lse,) if return_lse else ()) + ((StemInfo.decode(info),) if return_info else ())
+    return (out, *extra) if extra else out
+
+
+def _stem_arguments(who, q, k, v, *, causal, scale, softcap, q_lens, kv_lens,
+                    num_prompt_tokens, oam, oam_lambda, indexer_scale, dense_above, backend,
+                    return_lse, return_info, **options):
+    """``stem_attention``'s arguments checked (every path alike, so that a
+    call that would run dense checks as a sparse one would): ``(params,
+    indexer_scale, scale, softcap, dense_above, (qlen, kvlen, prompt))``."""
     batch, hq, hkv, sq, skv, dim = check_qkv(q, k, v, who, same_dtype=True)
     _check_layout(who, q, k, "[B, H, S, D]")
     params, indexer_scale = check_stem_options(
-        who, causal=causal, preset=preset, oam=oam, oam_lambda=oam_lambda,
-        indexer_scale=indexer_scale, min_q_blocks=min_q_blocks, exact_tail=exact_tail,
-        backend=backend, **indexer_params)
+        who, causal=causal, oam=oam, oam_lambda=oam_lambda, indexer_scale=indexer_scale,
+        backend=backend, **options)
     check_backend_fits(who, backend, q.device, q.dtype)
     scale = _check_scale(who, "scale", scale, dim)
     softcap = _check_softcap(who, softcap)
@@ -224,9 +238,4 @@ def stem_attention(
     kvlen = lens_argument(kv_lens, batch, skv, "kv_lens", who)
     prompt = (None if num_prompt_tokens is None
               else lens_argument(num_prompt_tokens, batch, 2**31 - 1, "num_prompt_tokens", who))
-    out, lse, info = torch.ops.stem_indexer.stem_attention(
-        q, k, v, qlen, kvlen, prompt, *(getattr(params, f) for f in PARAM_NAMES),
-        scale, softcap, oam, float(oam_lambda), indexer_scale, min_q_blocks, backend,
-        return_lse, float(dense_above), exact_tail)
-    extra = ((lse,) if return_lse else ()) + ((StemInfo.decode(info),) if return_info else ())
-    return (out, *extra) if extra else out
+    return params, indexer_scale, scale, softcap, dense_above, (qlen, kvlen, prompt)

@@ -35,7 +35,6 @@ import math
 
 import torch
 
-from ._renamed import warn_deprecated
 from .attention import stem_attention
 from .checks import _check_layout
 from .contract import check_bool, fail
@@ -71,19 +70,10 @@ def _flash_arguments(who: str, dropout_p, causal, window_size, softcap, alibi_sl
         if key in params:
             fail(who, key, why, repr(params[key]))
     window_blocks = params.pop("stem_window_blocks", None)
-    if isinstance(window_size, int) and not isinstance(window_size, bool):
-        # Before FlashAttention's meaning: the indexer's window, in blocks.
-        warn_deprecated(f"{who}: an int window_size is the indexer's window of kept blocks, "
-                        "now spelled stem_window_blocks; window_size is FlashAttention's "
-                        "(left, right) token window. The int form goes in the next release.")
-        if window_blocks is not None:
-            fail(who, "window_size", "and stem_window_blocks are the same parameter; pass "
-                 "stem_window_blocks alone", window_size)
-        window_blocks, window_size = window_size, (-1, -1)
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or any(isinstance(w, bool) or not isinstance(w, int) for w in window_size)):
-        fail(who, "window_size", "must be a pair of ints (left, right), -1 for no limit",
-             repr(window_size))
+        fail(who, "window_size", "must be a pair of ints (left, right), -1 for no limit (the "
+             "indexer's window of kept blocks is stem_window_blocks)", repr(window_size))
     left, right = window_size
     # FlashAttention ignores the right limit of a causal call (it is 0 there).
     if left != -1 or (right != -1 and not causal):

@@ -47,7 +47,6 @@ from typing import NamedTuple, Sequence, Union
 
 import torch
 
-from ._renamed import take_renamed
 from .contract import ceil_div, check_int, fail, is_finite
 
 __all__ = [
@@ -270,7 +269,7 @@ def stem_inputs(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     stem_block_size: int = 128, stem_stride: int = 16, q_lens: Lengths = None,
     kv_lens: Lengths = None, scale: float | None = None, oam: bool = True,
-    oam_lambda: float = DEFAULT_OAM_LAMBDA, **renamed,
+    oam_lambda: float = DEFAULT_OAM_LAMBDA,
 ) -> StemInputs:
     """Turn ``q [B,Hq,Sq,D]``, ``k, v [B,Hkv,Skv,D]`` into the indexer's inputs.
 
@@ -278,8 +277,6 @@ def stem_inputs(
         q, k, v: floating-point tensors on one device; ``Hq % Hkv == 0``,
             ``k`` and ``v`` of one shape, one head dim ``D`` throughout.
         stem_block_size, stem_stride: Bs and Ts of the indexer; Bs % Ts == 0.
-            ``block_size`` and ``stride``, their old spellings, still work for
-            one release (DeprecationWarning).
         q_lens, kv_lens: valid tokens per batch (positions ``[0, len)``);
             None means the full sequence dim.
         scale: folded into ``qflat`` (multiplies the float32 sums before the
@@ -293,10 +290,7 @@ def stem_inputs(
         lengths as int32 tensors on the inputs' device.
     """
     who = "stem_inputs"
-    names = take_renamed(who, renamed, {"stem_block_size": stem_block_size,
-                                        "stem_stride": stem_stride},
-                         {"stem_block_size": 128, "stem_stride": 16})
-    block_size, stride = names["stem_block_size"], names["stem_stride"]
+    block_size, stride = stem_block_size, stem_stride
     batch, hq, hkv, sq, skv, dim = check_qkv(q, k, v, who)
     check_blocking(block_size, stride, who, ("stem_block_size", "stem_stride"))
     q_len = seq_lens_tensor(q_lens, batch, sq, "q_lens", q.device, who)
