@@ -530,13 +530,6 @@ def check_indexer_inputs(
     if len(devices) > 1:
         _fail("qflat", "and all other tensors must be on one device",
               sorted(str(d) for d in devices))
-    if metadata is not None:
-        from .metadata import metadata_size  # metadata.py builds on this module
-
-        expected = metadata_size(b, nk)
-        if metadata.numel() != expected:
-            _fail("metadata", f"must have {expected} elements for batch {b} and {nk} kv heads "
-                  "(the metadata op's size)", metadata.numel())
 
 
 def check_metadata_inputs(

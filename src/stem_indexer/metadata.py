@@ -55,6 +55,8 @@ TILE_ROWS_MAX = 64
 # Bytes of the float32 operand copies of one tile (its query rows, one chunk
 # of key blocks): the tile's rows and the key chunk are sized to fit.
 OPERAND_BYTES = 32 << 20
+
+
 def tile_rows(q_heads: int, dim_qkflat: int, width):
     """Query blocks per tile for rows ``width`` key blocks wide (int or tensor)."""
     by_scores = TILE_ELEMENTS // (q_heads * width)
@@ -68,6 +70,16 @@ def metadata_size(batch, kv_heads):
     """Number of int32 elements of the metadata tensor (works on SymInts)."""
     raw = HEADER_SIZE + batch * kv_heads * (AIC_CORE_NUM + AIV_CORE_NUM) * CORE_STRIDE
     return ceil_div(raw, ALIGN_SIZE) * ALIGN_SIZE
+
+
+def check_size(metadata: torch.Tensor, batch, kv_heads) -> None:
+    """docs/CONTRACT.md section 4: ``metadata`` has the metadata op's size for
+    this batch and these KV heads (static: fakes too)."""
+    expected = metadata_size(batch, kv_heads)
+    if metadata.numel() != expected:
+        contract.fail("stem_indexer", "metadata", f"must have {expected} elements for batch "
+                      f"{batch} and {kv_heads} kv heads (the metadata op's size)",
+                      metadata.numel())
 
 
 @dataclass(frozen=True)
@@ -169,7 +181,7 @@ def read_plan(metadata: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tenso
     the first mismatch), never used.
     """
     batch = q_lens.shape[0]
-    expected_size = metadata.numel()  # checked by contract.check_indexer_inputs
+    expected_size = metadata.numel()  # checked by check_size
     header = Header.from_tensor(metadata)
     wanted = Header.recording(batch, q_heads, kv_heads, causal, stem_block_size, dim_qkflat,
                               window_size, header.num_tiles)

@@ -50,6 +50,7 @@ def _checked(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens, me
     params = IndexerParams(**attrs)
     contract.check_indexer_inputs(qflat, kflat, vbias, q_seq_lens, kv_seq_lens,
                                   num_prompt_tokens, metadata, params)
+    md.check_size(metadata, qflat.shape[0], kflat.shape[1])
     return params
 
 
