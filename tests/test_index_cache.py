@@ -143,3 +143,27 @@ def test_memory_is_an_eighth_of_a_bf16_kv_cache_at_vllms_defaults():
 def test_the_page_must_hold_whole_stride_groups():
     with pytest.raises(ValueError, match="page size \\(24\\) must be a multiple of stem_stride"):
         IndexCache.allocate(4, 24, 16, 1, 8)
+
+
+def test_one_write_plan_serves_every_layer_of_a_step_and_no_other():
+    """Layers write the same slots into caches in the same state: the plan of
+    the first is reused by the others (and gives what its own plan gives);
+    a cache in another state, or other slots, get a plan of their own."""
+    page, bs, ts, hkv, dim = 32, 32, 8, 2, 16
+    k, v = _tokens(100, hkv, dim, torch.bfloat16, 11)
+    pages = torch.tensor([3, 8, 1, 6])
+    layers = [IndexCache.allocate(10, page, ts, hkv, dim) for _ in range(3)]
+    plan = None
+    for at, stop in ((0, 45), (45, 100)):
+        slots = _slots(pages, page, at, stop)
+        first = plan = layers[0].write(k[at:stop], v[at:stop], slots, plan)
+        for cache in layers[1:]:
+            assert cache.write(k[at:stop], v[at:stop], slots, first) is first
+    for cache in layers:
+        _assert_inputs(cache, pages, k, v, 100, bs, "a layer on the shared plan")
+    other = IndexCache.allocate(10, page, ts, hkv, dim)
+    other.filled[6] = -1  # a page another layer's write left unusable
+    assert other.write(k[:20], v[:20], _slots(torch.tensor([6]), page, 3, 23), plan) is not plan
+    assert int(other.filled[6]) == -1
+    slots = _slots(pages, page, 0, 10)
+    assert not plan.fits(layers[0], slots)

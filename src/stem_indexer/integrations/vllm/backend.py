@@ -280,6 +280,9 @@ _OBSERVERS: list = []
 _WRITE_OBSERVERS: list = []
 # Reported once per process: the first failure of each kind, and the cache's size.
 _REPORTED: set = set()
+# The last indexer-cache write plan (index_cache.WritePlan): the next layer's
+# write of the same step reuses it.
+_WRITE_PLAN: list = [None]
 
 
 @dataclass(frozen=True)
@@ -378,7 +381,8 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         try:
             n = slot_mapping.shape[0]
             cache = self._index_cache(kv_cache)
-            cache.write(key[:n], value[:n], slot_mapping)
+            # One plan of the step's slots serves every layer (checked to fit).
+            _WRITE_PLAN[0] = cache.write(key[:n], value[:n], slot_mapping, _WRITE_PLAN[0])
             for fn in _WRITE_OBSERVERS:
                 fn(getattr(layer, "layer_name", ""), key[:n], value[:n], slot_mapping)
         except Exception as exc:  # the engine goes on; this layer's rows go dense

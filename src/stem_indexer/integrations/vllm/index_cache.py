@@ -54,13 +54,41 @@ import torch
 from ...contract import ceil_div
 from ...prepare import bias_from_run_max
 
-__all__ = ["IndexCache", "index_cache_bytes"]
+__all__ = ["IndexCache", "WritePlan", "index_cache_bytes"]
 
 
 def index_cache_bytes(num_pages: int, page: int, stride: int, kv_heads: int,
                       head_size: int) -> int:
     """Bytes of an ``IndexCache`` with these dimensions."""
     return num_pages * (kv_heads * (stride * head_size + page // stride) * 4 + 4)
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """One step's write into an indexer cache (``IndexCache.plan``)."""
+
+    num_pages: int  #: pages of the cache it was made for
+    slots: torch.Tensor  #: [T] int64, the slots written (negative ones dropped)
+    keep: torch.Tensor | None  #: [T0] bool, the tokens with a slot (None: all)
+    touched: torch.Tensor  #: pages written
+    restart: torch.Tensor  #: pages written from offset 0: zeroed first
+    before: torch.Tensor  #: ``filled`` of the touched pages the plan assumed
+    after: torch.Tensor  #: ``filled`` of the touched pages after the write
+    k_index: torch.Tensor  #: [T] rows of ``ksum`` viewed as [pages * Ts, Hkv, D]
+    v_index: torch.Tensor  #: [T] rows of ``vmax`` viewed as [pages * runs, Hkv]
+
+    def fits(self, cache: "IndexCache", slots: torch.Tensor) -> bool:
+        """Whether this plan is the one ``cache.plan(slots)`` would make."""
+        if self.keep is not None:
+            if slots.shape[0] != self.keep.shape[0]:
+                return False
+            slots = slots[self.keep]
+        if not torch.equal(slots.to(torch.int64), self.slots):
+            return False
+        if self.touched.numel() == 0:
+            return True
+        return (cache.filled.shape[0] == self.num_pages
+                and torch.equal(cache.filled[self.touched], self.before))
 
 
 @dataclass
@@ -91,17 +119,17 @@ class IndexCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.ksum, self.vmax, self.filled))
 
-    def write(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-        """Accumulate a step's new tokens: ``key``, ``value [T, Hkv, D]`` (any
-        float dtype; tokens in position order within each request) at
-        ``slots [T]`` (page id x page size + offset; negative: no slot, skipped)."""
+    def plan(self, slots: torch.Tensor) -> "WritePlan":
+        """What a write at ``slots`` does to this cache's pages (``write``):
+        which pages start afresh, what ``filled`` becomes, and where each
+        token's sums and maxima go. Every layer of a step writes the same
+        slots into caches in the same state, so one plan serves them all."""
         slots = slots.to(torch.int64)
+        keep = None
         if bool((slots < 0).any()):
             keep = slots >= 0
-            key, value, slots = key[keep], value[keep], slots[keep]
-        if slots.numel() == 0:
-            return
-        num_pages, stride = self.ksum.shape[0], self.stride
+            slots = slots[keep]
+        num_pages, stride, runs = self.ksum.shape[0], self.stride, self.vmax.shape[1]
         pages, offsets = slots // self.page, slots % self.page
         first = torch.full((num_pages,), self.page, dtype=torch.int64)
         first.scatter_reduce_(0, pages, offsets, "amin")
@@ -109,22 +137,40 @@ class IndexCache:
         last.scatter_reduce_(0, pages, offsets, "amax")
         touched = (last >= 0).nonzero().squeeze(1)
         start, end = first[touched], last[touched] + 1
-        filled = self.filled[touched].to(torch.int64)
+        before = self.filled[touched]
         fresh = start == 0
-        # A page starting afresh is zeroed before its tokens are added.
-        restart = touched[fresh]
-        if restart.numel():
-            self.ksum.index_fill_(0, restart, 0.0)
-            self.vmax.index_fill_(0, restart, 0.0)
-        ok = fresh | ((filled >= 0) & (start == filled))
-        self.filled[touched] = torch.where(ok, end, -1).to(torch.int32)
-        flat_k = self.ksum.view(num_pages * stride, *self.ksum.shape[2:])
-        flat_k.index_add_(0, pages * stride + offsets % stride, key.float())
-        runs = self.vmax.shape[1]
+        # A page starting afresh is zeroed before its tokens are added; one
+        # neither starting nor continuing where it stopped is unusable.
+        ok = fresh | ((before >= 0) & (start == before))
+        return WritePlan(num_pages, slots.clone(), keep, touched, touched[fresh], before,
+                         torch.where(ok, end, -1).to(torch.int32),
+                         pages * stride + offsets % stride, pages * runs + offsets // stride)
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+              plan: "WritePlan | None" = None) -> "WritePlan":
+        """Accumulate a step's new tokens: ``key``, ``value [T, Hkv, D]`` (any
+        float dtype; tokens in position order within each request) at
+        ``slots [T]`` (page id x page size + offset; negative: no slot, skipped).
+        ``plan``: another layer's plan of the same step, used where it fits
+        (the same slots, this cache's pages in the state it assumed); returns
+        the plan used."""
+        if plan is None or not plan.fits(self, slots):
+            plan = self.plan(slots)
+        if plan.keep is not None:
+            key, value = key[plan.keep], value[plan.keep]
+        if plan.k_index.numel() == 0:
+            return plan
+        if plan.restart.numel():
+            self.ksum.index_fill_(0, plan.restart, 0.0)
+            self.vmax.index_fill_(0, plan.restart, 0.0)
+        self.filled[plan.touched] = plan.after
+        num_pages, stride, runs = self.ksum.shape[0], self.stride, self.vmax.shape[1]
+        self.ksum.view(num_pages * stride, *self.ksum.shape[2:]).index_add_(
+            0, plan.k_index, key.float())
         norms = torch.linalg.vector_norm(value.float(), dim=-1)  # [T, Hkv]
-        flat_v = self.vmax.view(num_pages * runs, self.vmax.shape[2])
-        index = (pages * runs + offsets // stride)[:, None].expand_as(norms)
-        flat_v.scatter_reduce_(0, index, norms, "amax")
+        self.vmax.view(num_pages * runs, self.vmax.shape[2]).scatter_reduce_(
+            0, plan.v_index[:, None].expand_as(norms), norms, "amax")
+        return plan
 
     def expected_fill(self, seq_len: int) -> torch.Tensor:
         """[ceil(seq_len / page)] int32: what ``filled`` holds on the pages of

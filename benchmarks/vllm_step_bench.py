@@ -1,0 +1,165 @@
+"""What the Stem plugin costs a vLLM decode step (CPU): many decodes, no prefill.
+
+    python benchmarks/vllm_step_bench.py --requests 256 --tokens 33 --reps 3
+
+A random model with SmolLM2-135M's shape (30 layers, 9 query / 3 KV heads,
+head dim 64; random weights: a decode step's cost does not depend on them) is
+written once to ``~/.cache/stem_indexer/random-smollm2-shape``. Two engines in
+this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), vLLM's own CPU backend
+and Stem's (``--attention-backend CUSTOM``, default settings), the same
+engine settings. Each turn submits ``--requests`` prompts of 64 random
+tokens together, once with 1 new token (prefill only) and once with
+``--tokens``; the difference over ``tokens - 1`` is the time of one decode
+step of every request. Engines alternate within a turn.
+
+Beside the wall clock, the Stem engine's own work is timed where it runs:
+the metadata builder's ``build`` (vLLM's, plus the step's plan) and each
+layer's ``forward``/``do_kv_cache_update`` beyond vLLM's (the plugin's
+counting and checks), summed per step: the plugin's cost without the
+machine's noise around it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+
+MODEL = Path.home() / ".cache" / "stem_indexer" / "random-smollm2-shape"
+
+
+def make_model(out: Path) -> None:
+    """A random Llama with SmolLM2-135M's shape and a word-level tokenizer."""
+    if (out / "config.json").exists():
+        return
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+        max_position_embeddings=8192, tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+    vocab = {f"t{i}": i for i in range(49152)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
+                                         eos_token="t2").save_pretrained(out)
+
+
+class Clock:
+    """Seconds spent in the plugin's own code, accumulated."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.inside = 0  # calls of the plugin's methods under way
+
+    def around(self, cls, name: str, base) -> None:
+        """Time ``cls.name`` minus the time of ``base`` (vLLM's method it wraps)
+        when called from it (the plain engine calls ``base`` too: not counted)."""
+        ours, theirs = getattr(cls, name), getattr(base, name)
+        clock = self
+
+        def timed_base(*args, **kwargs):
+            if not clock.inside:
+                return theirs(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return theirs(*args, **kwargs)
+            finally:
+                clock.seconds -= time.perf_counter() - t0
+
+        def timed(*args, **kwargs):
+            clock.inside += 1
+            t0 = time.perf_counter()
+            try:
+                return ours(*args, **kwargs)
+            finally:
+                clock.seconds += time.perf_counter() - t0
+                clock.inside -= 1
+
+        setattr(cls, name, timed)
+        setattr(base, name, timed_base)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=33)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--record", default=None, help="append the table to this file")
+    args = parser.parse_args(argv)
+    make_model(MODEL)
+    from vllm import LLM, SamplingParams
+
+    from common import cpu_flags, git_sha, machine, write_atomic
+
+    engine = dict(model=str(MODEL), dtype="bfloat16", max_model_len=2048, seed=0,
+                  enable_prefix_caching=False, max_num_seqs=args.requests,
+                  max_num_batched_tokens=max(2048, 64 * args.requests))
+    engines = {"vllm": LLM(**engine),
+               "stem": LLM(**engine, attention_backend="CUSTOM", additional_config={"stem": {}})}
+    from vllm.v1.attention.backends import cpu_attn
+
+    from stem_indexer.integrations.vllm import backend
+
+    clock = Clock()
+    clock.around(backend.StemMetadataBuilder, "build", cpu_attn.CPUAttentionMetadataBuilder)
+    clock.around(backend.StemAttentionImpl, "forward", cpu_attn.CPUAttentionBackendImpl)
+    clock.around(backend.StemAttentionImpl, "do_kv_cache_update",
+                 cpu_attn.CPUAttentionBackendImpl)
+    rng = random.Random(0)
+
+    def run(llm, tokens: int) -> float:
+        prompts = [{"prompt_token_ids": [rng.randrange(3, 49152) for _ in range(64)]}
+                   for _ in range(args.requests)]
+        params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0,
+                                ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    for llm in engines.values():  # warm-up
+        run(llm, 2)
+    steps = {name: [] for name in engines}
+    own = []
+    for rep in range(args.reps):
+        for name in (list(engines) if rep % 2 == 0 else list(reversed(engines))):
+            before = clock.seconds
+            prefill = run(engines[name], 1)
+            whole = run(engines[name], args.tokens)
+            steps[name].append((whole - prefill) / (args.tokens - 1) * 1e3)
+            if name == "stem":
+                # The plugin's time in the decode run, per step (its prefill run
+                # subtracted in proportion: one step of the tokens + 1 it ran).
+                own.append((clock.seconds - before) / args.tokens * 1e3)
+            print(f"  turn {rep} {name}: {steps[name][-1]:.1f} ms per decode step", flush=True)
+    ratios = [s / v for s, v in zip(steps["stem"], steps["vllm"])]
+    lines = [f"\n### A decode step of {args.requests} requests, with and without the plugin\n",
+             f"Machine: {machine()}; {cpu_flags()}; git {git_sha()}; a random model of "
+             f"SmolLM2-135M's shape (30 layers), bf16, {args.requests} requests of 64 prompt "
+             f"tokens decoding {args.tokens - 1} steps; {args.reps} turns, engines alternating.",
+             "", f"`python benchmarks/vllm_step_bench.py --requests {args.requests} "
+             f"--tokens {args.tokens} --reps {args.reps}`", "",
+             "| vLLM ms / step | with the plugin ms / step | ratio, median [min, max] | "
+             "the plugin's own code ms / step, median [min, max] |", "|---|---|---|---|",
+             f"| {statistics.median(steps['vllm']):.1f} | {statistics.median(steps['stem']):.1f} "
+             f"| {statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}] | "
+             f"{statistics.median(own):.2f} [{min(own):.2f}, {max(own):.2f}] |"]
+    print("\n".join(lines))
+    if args.record:
+        write_atomic(args.record, "\n".join(lines) + "\n", append=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
