@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 import stem_indexer
 from stem_indexer.attention import block_sparse_attention
-from stem_indexer.ops import sparse_attention as sa
+from stem_indexer.ops import sparse_attention as sa, torch_blas
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 HEADS = {"gqa": (8, 2), "mha": (8, 8)}
@@ -256,7 +256,7 @@ def main() -> None:
     args = ap.parse_args()
     if not sa.available():
         raise SystemExit(f"kernel unavailable: {sa.status()}")
-    bf16 = "amx (brgemm)" if sa.amx_available() else "widen (sgemm)"
+    bf16 = "amx (brgemm)" if torch_blas.amx_available() else "widen (sgemm)"
     print(f"machine: {machine()}; threads {torch.get_num_threads()}; torch {torch.__version__}; "
           f"git {git_sha()}; bf16 path: {bf16}; load average at start "
           f"{os.getloadavg()[0]:.2f}", flush=True)

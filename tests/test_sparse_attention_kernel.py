@@ -18,12 +18,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stem_indexer.ops import sparse_attention as sa
+from stem_indexer.ops import sparse_attention as sa, torch_blas
 
 pytestmark = pytest.mark.skipif(not sa.available(), reason=sa.status())
 
 ISAS = ["avx512bf16", "avx512", "avx2", "scalar"]
-BF16_MODES = ["amx", "widen"] if sa.amx_available() else ["widen"]
+BF16_MODES = ["amx", "widen"] if torch_blas.amx_available() else ["widen"]
 
 
 def selection(gen, batch, hq, qmax, kmax, *, p=0.4, diagonal=True, empty=0.1):
@@ -389,7 +389,7 @@ def test_probe_calls_cover_the_kernels_calls():
     ("print('half done')", "exit status 0"),  # a child that did not reach the end
 ])
 def test_probe_reports_a_child_that_fails(fresh_probe, monkeypatch, code, how):
-    monkeypatch.setattr(sa, "PROBE_CODE", code)
+    monkeypatch.setattr(torch_blas, "PROBE_CODE", code)
     why = sa.amx_probe(64, 32)
     assert why is not None and how in why, why
     assert "AMX micro-kernel unusable for D=64, block 32" in sa.status()
@@ -401,15 +401,15 @@ def test_a_clean_probe_is_remembered_in_the_cache(fresh_probe, monkeypatch, tmp_
     """Later processes (here: a later probe) skip the child once it succeeded."""
     from _helpers import native_on_cache
     children = []
-    real = sa._probe_child
-    monkeypatch.setattr(sa, "_probe_child", lambda *a: (children.append(1), real(*a))[1])
-    monkeypatch.setattr(sa, "PROBE_CODE", "print('ok')")
+    real = torch_blas._probe_child
+    monkeypatch.setattr(torch_blas, "_probe_child", lambda *a: (children.append(1), real(*a))[1])
+    monkeypatch.setattr(torch_blas, "PROBE_CODE", "print('ok')")
     with native_on_cache(tmp_path):
         calls, sizes = sa._probe_calls(16, 8)
-        assert sa.probe(calls, sizes) is None and sa.probe(calls, sizes) is None
+        assert torch_blas.probe(calls, sizes) is None and torch_blas.probe(calls, sizes) is None
         assert len(children) == 1 and len(list(tmp_path.glob("brgemm-probe-*.ok"))) == 1
-        monkeypatch.setattr(sa, "PROBE_CODE", "import os; os.abort()")  # another key
-        assert sa.probe(calls, sizes) is not None and len(children) == 2
+        monkeypatch.setattr(torch_blas, "PROBE_CODE", "import os; os.abort()")  # another key
+        assert torch_blas.probe(calls, sizes) is not None and len(children) == 2
 
 
 @needs_cpublas
@@ -417,8 +417,8 @@ def test_unusable_amx_widens_with_the_reason(fresh_probe, monkeypatch):
     """A CPU that could pack for AMX but whose micro-kernel fails its probe:
     bf16 runs widened (bit for bit as bf16='widen'), with one warning and
     the reason in status(); bf16='amx' is refused with it."""
-    monkeypatch.setattr(sa, "amx_available", lambda: True)
-    monkeypatch.setattr(sa, "PROBE_CODE", "import os; os.abort()")
+    monkeypatch.setattr(torch_blas, "amx_available", lambda: True)
+    monkeypatch.setattr(torch_blas, "PROBE_CODE", "import os; os.abort()")
     case = make_case(41, sq=100, bs=16, dim=32, dtype=torch.bfloat16)
     with pytest.warns(RuntimeWarning, match="AMX micro-kernel unusable for D=32, block 16"):
         out = check(case)
@@ -437,11 +437,11 @@ def test_amx_path_through_the_micro_kernel_here(fresh_probe, monkeypatch, causal
     """The AMX path (packed K/V, torch's brgemm, bfloat16 P) forced on this
     CPU, where oneDNN's micro-kernel passes its probe without AMX too:
     accuracy, NaN and inf as dense attention, padding and unseen keys."""
-    if sa.amx_available():
+    if torch_blas.amx_available():
         pytest.skip("AMX here: the other tests run this path")
     if sa.amx_probe(24, 16) is not None or sa.amx_probe(32, 32) is not None:
         pytest.skip(f"the micro-kernel does not run here: {sa.amx_probe(24, 16)}")
-    monkeypatch.setattr(sa, "amx_available", lambda: True)
+    monkeypatch.setattr(torch_blas, "amx_available", lambda: True)
     check(make_case(42, sq=150, skv=170, bs=32, dim=32, causal=causal, dtype=torch.bfloat16,
                     q_lens=[150], kv_lens=[161]), bf16="amx")
     check_nonfinite("auto", torch.bfloat16, causal, ["amx"], seeds=range(2))

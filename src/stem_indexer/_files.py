@@ -1,4 +1,4 @@
-"""Files written whole or not at all (results, digests, CSVs)."""
+"""Files written whole or not at all (results, digests, CSVs), and files to trust."""
 
 from __future__ import annotations
 
@@ -20,3 +20,17 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def untrusted(path: Path) -> str | None:
+    """Why ``path`` may not be trusted (None: it is this user's alone: owned
+    by the current user and writable by nobody else)."""
+    try:
+        st = path.stat()
+    except OSError as err:
+        return str(err)
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        return f"{path} belongs to another user"
+    if st.st_mode & 0o022:
+        return f"{path} is writable by group or others"
+    return None

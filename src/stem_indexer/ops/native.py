@@ -51,8 +51,9 @@ from pathlib import Path
 import torch
 
 from .. import _env
-from .._files import write_atomic
+from .._files import untrusted, write_atomic
 from .._threads import thread_count
+from . import torch_blas
 
 CSRC = Path(__file__).parent / "csrc"
 CFLAGS = ("-O3", "-std=c11", "-shared", "-fPIC")
@@ -113,15 +114,14 @@ def status(lib: Library | None = None) -> str:
     """Whether ``lib`` is in use, and why (builds it on first call):
     ``"native: ..."`` or ``"torch fallback: ..."``.
 
-    Without ``lib``, every native kernel, each with its state and reason:
-    ``"selection: native: ...; attention: torch fallback: ..."`` (the
-    attention kernel also needs torch's BLAS: ``sparse_attention.status``).
+    Without ``lib``, the indexer's kernels, each with its state and reason:
+    ``"selection: native: ...; scores: ..."``. The attention kernel's state
+    is ``sparse_attention.status()``; every kernel and the path each device
+    and dtype takes, ``stem_indexer.status()``.
     """
     if lib is None:
-        from . import sparse_attention  # imports this module
         passes = " (its linear passes on AVX-512)" if select_vector() else ""
-        return (f"selection: {status(SELECT_ROWS)}{passes}; "
-                f"attention: {sparse_attention.status()}; scores: {bf16_scores_status()}")
+        return f"selection: {status(SELECT_ROWS)}{passes}; scores: {bf16_scores_status()}"
     load(lib)
     cdll, why = _loaded[lib.source]
     return ("native: " if cdll is not None else "torch fallback: ") + why
@@ -136,15 +136,21 @@ def select_vector(mode: int | None = None) -> bool:
 
 
 def report_fallback(kernel: str, why: str, stacklevel: int = 3) -> None:
-    """Warn that ``kernel`` (``"selection"``, ``"attention"``, ...) is not in
-    use and a slower path runs instead, once per process for each kernel."""
+    """Warn that the native ``kernel`` (``"selection"``, ``"attention"``, ...)
+    is not in use and a slower path runs instead, once per process for each."""
+    report_once(kernel, f"the native {kernel} kernel is not in use ({why}); running a slower "
+                "path with the same results", stacklevel + 1)
+
+
+def report_once(key: str, message: str, stacklevel: int = 3) -> None:
+    """Warn ``message`` (a fallback: what runs instead, and why) once per
+    process for ``key``; ``stem_indexer.status()`` lists every path."""
     with _lock:
-        if kernel in _warned:
+        if key in _warned:
             return
-        _warned.add(kernel)
-    warnings.warn(f"stem_indexer: the native {kernel} kernel is not in use ({why}); "
-                  "running a slower path with the same results (see "
-                  "stem_indexer.ops.native.status())", RuntimeWarning, stacklevel=stacklevel)
+        _warned.add(key)
+    warnings.warn(f"stem_indexer: {message} (see stem_indexer.status())", RuntimeWarning,
+                  stacklevel=stacklevel)
 
 
 def kernel() -> ctypes.CDLL | None:
@@ -177,7 +183,7 @@ def _load(lib: Library) -> tuple[ctypes.CDLL | None, str]:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as err:
         return None, f"cache directory {directory} not usable ({err})"
-    why = _untrusted(directory)
+    why = untrusted(directory)
     if why:
         warnings.warn(f"stem_indexer: not loading native kernels from {directory}: {why}; "
                       f"using torch operations (set {_env.CACHE_DIR} to a private directory)",
@@ -196,31 +202,9 @@ def _tag(lib: Library, compiler: list[str]) -> str:
     """Cache key: the source, compiler, flags and what the flags depend on."""
     host = platform.machine()
     if any("native" in flag for flag in lib.cflags):  # -march=native: this CPU's features
-        host += _cpu_flags()
+        host += torch_blas.cpu_flags()
     key = lib.path.read_bytes() + repr((compiler, CFLAGS, OPENMP, lib.cflags, host)).encode()
     return hashlib.sha256(key).hexdigest()[:16]
-
-
-@functools.cache
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
-
-
-def _untrusted(path: Path) -> str | None:
-    """Why ``path`` may not be trusted (None: it is this user's alone)."""
-    try:
-        st = path.stat()
-    except OSError as err:
-        return str(err)
-    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
-        return f"{path} belongs to another user"
-    if st.st_mode & 0o022:
-        return f"{path} is writable by group or others"
-    return None
 
 
 def _sha256(path: Path) -> str:
@@ -229,7 +213,7 @@ def _sha256(path: Path) -> str:
 
 def _verified(target: Path, digest: Path) -> bool:
     """The library exists, is this user's alone and is the file we built."""
-    if _untrusted(target) or _untrusted(digest):
+    if untrusted(target) or untrusted(digest):
         return False
     try:
         return digest.read_text().strip() == _sha256(target)
@@ -297,19 +281,16 @@ _bf16_lock = threading.Lock()
 _bf16_probed: dict[int, str | None] = {}  # Df -> why unusable, or None
 
 
-@functools.lru_cache(maxsize=1)
 def _bf16_base() -> tuple[tuple[int, int] | None, str]:
     """torch's brgemm and brgemm_release, or None and why not."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None, f"no oneDNN micro-kernel in torch on {platform.machine()}"
-    if not set(_cpu_flags().split()) & set(BF16_CPU_FLAGS):
+    if not set(torch_blas.cpu_flags().split()) & set(BF16_CPU_FLAGS):
         return None, "the CPU has no bfloat16 dot product instructions"
-    from . import sparse_attention  # imports this module
-    found = sparse_attention._torch_blas()[0]
-    names = sparse_attention._CPUBLAS[:2]
-    if not found or not all(found.get(n) for n in names):
+    fns = torch_blas.brgemm()
+    if fns is None:
         return None, "torch exports no cpublas::brgemm"
-    return (found[names[0]], found[names[1]]), "torch's cpublas::brgemm (oneDNN)"
+    return fns, "torch's cpublas::brgemm (oneDNN)"
 
 
 def dp_scores() -> bool:
@@ -320,7 +301,7 @@ def dp_scores() -> bool:
     registers, where torch's micro-kernel path packs them element by element.
     The same instruction in the same order per lane: the same floats as
     torch's kernel (tests/test_native.py)."""
-    flags = set(_cpu_flags().split())
+    flags = set(torch_blas.cpu_flags().split())
     lib = load(SELECT_ROWS)
     return ("avx512_bf16" in flags and "amx_bf16" not in flags and lib is not None
             and lib.stem_scores_dp_built() == 1)
@@ -342,7 +323,7 @@ def bf16_scores_available(df: int) -> bool:
     """Scores of Df-element bfloat16 vectors can be multiplied in bfloat16
     here (``scores_bf16``): a CPU with bfloat16 dot products, torch's brgemm,
     the selection kernel built, Df even, and the micro-kernel's calls for
-    this Df made once in a child process (``sparse_attention.probe``: an
+    this Df made once in a child process (``torch_blas.probe``: an
     exception in them would abort the process). A failed probe is reported
     (status(), one warning) and the float32 GEMMs run instead."""
     fns = _bf16_base()[0]
@@ -350,11 +331,10 @@ def bf16_scores_available(df: int) -> bool:
         return False
     with _bf16_lock:
         if df not in _bf16_probed:
-            from . import sparse_attention
             calls = [(m, SCORE_COLS, df, df, SCORE_COLS, SCORE_COLS, 0)
                      for m in range(1, SCORE_ROWS + 1)]
             sizes = (SCORE_ROWS * df, df * SCORE_COLS, SCORE_ROWS * SCORE_COLS)
-            _bf16_probed[df] = sparse_attention.probe(calls, sizes)
+            _bf16_probed[df] = torch_blas.probe(calls, sizes)
         why = _bf16_probed[df]
     if why is not None:
         report_fallback("bfloat16 scores", bf16_scores_status())

@@ -25,18 +25,15 @@ in one GEMM) with an online softmax in float32. How the products are made:
   in thread scratch, then ``sgemm_`` (float32 probabilities). The default
   elsewhere (AVX2 / AVX-512 CPUs without AMX).
 
-The AMX micro-kernel is C++: an exception it threw could not unwind through
-the C kernel, OpenMP and ctypes, and would abort the process. So before the
-first AMX call for a (D, block size), a child process makes every call of
-the shapes the kernel will make (``amx_probe``; a clean result is remembered
-in the cache directory); where the child does not finish cleanly, bfloat16
-is widened instead, with one warning and the reason in ``status()`` (and
-``bf16="amx"`` is refused). The CPU indexer's bfloat16 scores use the same
-micro-kernel and the same probe (``native.bf16_scores_available``).
+The AMX micro-kernel is tried in a child process before the first AMX call
+for a (D, block size), with every call of the shapes the kernel will make
+(``amx_probe``, through ``torch_blas.probe``); where the child does not
+finish cleanly, bfloat16 is widened instead, with one warning and the reason
+in ``status()`` (and ``bf16="amx"`` is refused). The CPU indexer's bfloat16
+scores use the same micro-kernel and the same probe
+(``native.bf16_scores_available``).
 
-The GEMMs come from ``libtorch_cpu.so`` (MKL's BLAS and the cpublas functions
-are exported on x86 builds; the C++ names encode their parameter types, so a
-torch whose signatures differ simply does not resolve them). Where they are
+The GEMMs come from ``libtorch_cpu.so`` (``torch_blas.py``). Where they are
 missing (aarch64, builds without MKL) or the C file cannot be built (see
 ``native.status``), ``available()`` is False and callers keep their torch path.
 Rows are shared by torch's threads (``torch.get_num_threads()``); MKL runs
@@ -46,19 +43,11 @@ single-threaded inside each.
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import os
-import platform
-import subprocess
-import sys
 import threading
 
 import torch
 
-from .. import _env
-from .._files import write_atomic
-from . import native
+from . import native, torch_blas
 
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
@@ -73,60 +62,18 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 BF16_MODES = ("auto", "amx", "widen")
 ISAS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
 _MODE_SGEMM, _MODE_WIDEN, _MODE_AMX = 0, 1, 2
-_BFLOAT16 = 15  # c10::ScalarType::BFloat16
-# MKL (C names), then at::native::cpublas (C++ names: brgemm for bfloat16 with
-# B in VNNI, brgemm_release, could_pack).
-_MKL = ("sgemm_", "MKL_Set_Num_Threads_Local")
-_CPUBLAS = ("_ZN2at6native7cpublas6brgemmEllllllbPKN3c108BFloat16ES5_Pfb",
-            "_ZN2at6native7cpublas14brgemm_releaseEb",
-            "_ZN2at6native7cpublas10could_packEN3c1010ScalarTypeE")
 _ERR_MEMORY = 1
-
-
-def _address(lib: ctypes.CDLL, name: str) -> int | None:
-    try:
-        return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-    except AttributeError:
-        return None
-
-
-@functools.lru_cache(maxsize=1)
-def _torch_blas() -> tuple[dict[str, int | None] | None, str]:
-    """Addresses of the BLAS functions in torch's library (None where absent),
-    or None and why the kernel cannot run."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, f"no MKL in torch on {platform.machine()}"
-    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
-    try:
-        lib = ctypes.CDLL(path)
-    except OSError as err:
-        return None, f"cannot open {path} ({err})"
-    found = {name: _address(lib, name) for name in _MKL + _CPUBLAS}
-    if found["sgemm_"] is None:
-        return None, f"{path} exports no sgemm_ (torch built without MKL)"
-    amx = "with" if all(found[n] for n in _CPUBLAS) else "without"
-    return found, f"MKL from {path}, {amx} cpublas::brgemm"
-
-
-def amx_available() -> bool:
-    """torch's oneDNN can pack bfloat16 for AMX here (an AMX CPU, oneDNN
-    enabled): asked at each call, as ``torch.backends.mkldnn`` may change."""
-    found = _torch_blas()[0]
-    if not found or not all(found[n] for n in _CPUBLAS):
-        return False
-    could_pack = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_int8)(found[_CPUBLAS[2]])
-    return bool(could_pack(_BFLOAT16))
 
 
 def available() -> bool:
     """The kernel can run here (C library built and MKL's sgemm_ found)."""
-    return _torch_blas()[0] is not None and native.load(LIB) is not None
+    return torch_blas.symbols()[0] is not None and native.load(LIB) is not None
 
 
 def status() -> str:
     """Whether the kernel is in use, and why (builds it on first call); the
     (D, block size) pairs for which the AMX micro-kernel failed its probe."""
-    found, why = _torch_blas()
+    found, why = torch_blas.symbols()
     if found is None:
         return "torch fallback: " + why
     failed = [f"AMX micro-kernel unusable for D={d}, block {bs}, bfloat16 widened instead "
@@ -144,29 +91,8 @@ def report_fallback() -> None:
 # --------------------------------------------------------------------------- #
 
 STEP_KEYS = 512  # as csrc/sparse_attention.c
-AMX_PROBE_SECONDS = 120
 _probed: dict[tuple[int, int], str | None] = {}  # (D, block size) -> why unusable, or None
 _probe_lock = threading.Lock()
-
-# Run by the child: argv[1] libtorch_cpu.so, argv[2] brgemm, argv[3]
-# brgemm_release, then the calls as "M,N,K,lda,ldb,ldc,add_C;..." and the
-# buffer sizes A, B, C (elements). Prints "ok" when every call returned.
-PROBE_CODE = """
-import ctypes, sys
-lib = ctypes.CDLL(sys.argv[1])
-i64, ptr, b = ctypes.c_int64, ctypes.c_void_p, ctypes.c_bool
-brgemm = getattr(lib, sys.argv[2])
-brgemm.restype, brgemm.argtypes = None, [i64] * 6 + [b, ptr, ptr, ptr, b]
-release = getattr(lib, sys.argv[3])
-release.restype, release.argtypes = None, [b]
-na, nb, nc = (int(x) for x in sys.argv[5:8])
-a, bb, c = (ctypes.c_uint16 * na)(), (ctypes.c_uint16 * nb)(), (ctypes.c_float * nc)()
-for call in sys.argv[4].split(";"):
-    m, n, k, lda, ldb, ldc, add = (int(x) for x in call.split(","))
-    brgemm(m, n, k, lda, ldb, ldc, bool(add), a, bb, c, True)
-release(True)
-print("ok")
-"""
 
 
 def _probe_calls(dim: int, block_size: int) -> tuple[list[tuple[int, ...]], tuple[int, int, int]]:
@@ -200,71 +126,17 @@ def amx_probe(dim: int, block_size: int) -> str | None:
 
 
 def _run_probe(dim: int, block_size: int) -> str | None:
-    return probe(*_probe_calls(dim, block_size))
-
-
-def probe(calls: list[tuple[int, ...]], sizes: tuple[int, int, int]) -> str | None:
-    """Why torch's brgemm cannot be used for these ``calls`` (M, N, K, lda,
-    ldb, ldc, add_C; B in VNNI pairs), or None: they are made in a child
-    process on zero buffers of ``sizes`` (A, B, C elements), where an
-    exception that aborts harms nothing. A clean result is remembered in the
-    native kernels' cache directory (where it is this user's alone), keyed by
-    torch's library, this CPU and the calls, so that later processes skip it."""
-    found = _torch_blas()[0]
-    if not found or not all(found[n] for n in _CPUBLAS[:2]):
-        return "torch exports no cpublas::brgemm"
-    memo = _probe_memo(calls, sizes)
-    if memo is not None and not native._untrusted(memo.parent) and not native._untrusted(memo):
-        try:
-            if memo.read_text() == "ok\n":
-                return None
-        except OSError:
-            pass
-    why = _probe_child(calls, sizes)
-    if why is None and memo is not None and not native._untrusted(memo.parent):
-        try:
-            write_atomic(memo, "ok\n")
-        except OSError:
-            pass
-    return why
-
-
-def _probe_memo(calls, sizes):
-    """Where a clean probe of these calls is remembered (None: nowhere)."""
-    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
-    try:
-        st = os.stat(lib)
-    except OSError:
-        return None
-    key = repr((torch.__version__, lib, st.st_size, st.st_mtime_ns, native._cpu_flags(),
-                PROBE_CODE, calls, sizes)).encode()
-    return _env.cache_dir() / f"brgemm-probe-{hashlib.sha256(key).hexdigest()[:16]}.ok"
-
-
-def _probe_child(calls, sizes) -> str | None:
-    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
-    cmd = [sys.executable, "-c", PROBE_CODE, path, _CPUBLAS[0], _CPUBLAS[1],
-           ";".join(",".join(map(str, c)) for c in calls), *map(str, sizes)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=AMX_PROBE_SECONDS)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return f"probe failed to run ({err})"
-    if proc.returncode == 0 and proc.stdout.strip().endswith("ok"):
-        return None
-    how = (f"killed by signal {-proc.returncode}" if proc.returncode < 0
-           else f"exit status {proc.returncode}")
-    tail = " ".join(proc.stderr.strip().splitlines()[-3:])[-300:]
-    return f"its probe {how}" + (f": {tail}" if tail else "")
+    return torch_blas.probe(*_probe_calls(dim, block_size))
 
 
 def _mode(dtype: torch.dtype, bf16: str, dim: int, block_size: int) -> int:
     if dtype == torch.float32:
         return _MODE_SGEMM
     amx_fits = dim % 2 == 0 and block_size % 2 == 0
-    if bf16 == "amx" and not (amx_fits and amx_available()):
+    if bf16 == "amx" and not (amx_fits and torch_blas.amx_available()):
         raise ValueError("sparse_attention: bf16='amx' needs an AMX CPU with torch's oneDNN "
                          f"enabled and even D and block size (D={dim}, block={block_size})")
-    if bf16 == "amx" or (bf16 == "auto" and amx_fits and amx_available()):
+    if bf16 == "amx" or (bf16 == "auto" and amx_fits and torch_blas.amx_available()):
         why = amx_probe(dim, block_size)
         if why is None:
             return _MODE_AMX
@@ -301,7 +173,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: tor
     float32 log-sum-exp [B, Hq, Sq] (natural log) of the scores each query
     attended (-inf where it saw none, and at padded positions).
     """
-    found = _torch_blas()[0]
+    found = torch_blas.symbols()[0]
     lib = native.load(LIB)
     if found is None or lib is None:
         raise RuntimeError(f"sparse_attention: kernel unavailable ({status()})")
@@ -323,8 +195,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: tor
                                      for t in (idx, lengths, q_lens, kv_lens))
     out = torch.empty_like(q)
     lse_out = torch.empty((batch, hq, sq), dtype=torch.float32) if lse else None
-    table = (ctypes.c_void_p * 4)(found["sgemm_"], found[_CPUBLAS[0]], found[_CPUBLAS[1]],
-                                  found["MKL_Set_Num_Threads_Local"])
+    table = (ctypes.c_void_p * 4)(found["sgemm_"], found[torch_blas.CPUBLAS[0]],
+                                  found[torch_blas.CPUBLAS[1]], found[torch_blas.MKL[1]])
     code = lib.stem_sparse_attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
         None if lse_out is None else lse_out.data_ptr(), batch, hq, hkv, sq, skv, dim,
