@@ -176,14 +176,16 @@ def test_attention_kernel_builds_and_binds_where_a_compiler_exists():
 
 
 def test_status_reports_every_kernel():
+    import stem_indexer
     from stem_indexer.ops import sparse_attention as sa
-    report = native.status()
-    selection, rest = report.split("; attention: ", 1)
-    attention, scores = rest.split("; scores: ", 1)
+    selection, scores = native.status().split("; scores: ", 1)
     passes = " (its linear passes on AVX-512)" if native.select_vector() else ""
     assert selection == "selection: " + native.status(native.SELECT_ROWS) + passes
-    assert attention == sa.status()
     assert scores == native.bf16_scores_status()
+    report = stem_indexer.status().splitlines()
+    assert f"native selection: {native.status(native.SELECT_ROWS)}{passes}" in report
+    assert f"native attention: {sa.status()}" in report
+    assert f"bfloat16 scores: {native.bf16_scores_status()}" in report
 
 
 @pytest.mark.parametrize("env, why", [
@@ -197,8 +199,12 @@ def test_each_fallback_is_reported_and_warns_once(fresh_native, monkeypatch, env
     from stem_indexer import dispatch
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    report = native.status()
-    assert report.count("torch fallback: ") == 2 and report.count(why) == 2, report
+    from stem_indexer.ops import sparse_attention as sa
+    for report in (native.status(native.SELECT_ROWS), sa.status()):
+        assert report.startswith("torch fallback: ") and why in report, report
+    fallbacks = {(p.op, p.dtype): p.fallback for p in dispatch.paths() if p.device == "cpu"}
+    for path in (("indexer", "bfloat16"), ("attention", "float32"), ("attention", "bfloat16")):
+        assert why in (fallbacks[path] or ""), (path, fallbacks)
     gen = torch.Generator().manual_seed(3)
     inputs = dict(qflat=torch.randint(-3, 4, (1, 2, 64, 8), generator=gen).bfloat16(),
                   kflat=torch.randint(-3, 4, (1, 1, 64, 8), generator=gen).bfloat16(),
@@ -438,10 +444,10 @@ def test_bf16_scores_probe_failure_falls_back_with_the_reason(monkeypatch):
     aborts, as an uncaught C++ exception would): float32 GEMMs for that Df,
     the reason in status(), one warning; odd Df never take bfloat16."""
     import warnings as w
-    from stem_indexer.ops import sparse_attention as sa
+    from stem_indexer.ops import torch_blas
     monkeypatch.setattr(native, "_bf16_probed", {})
     monkeypatch.setattr(native, "_warned", set())
-    monkeypatch.setattr(sa, "PROBE_CODE", "import os; os.abort()")
+    monkeypatch.setattr(torch_blas, "PROBE_CODE", "import os; os.abort()")
     with pytest.warns(RuntimeWarning, match="float32 GEMM for Df=24 .*signal"):
         assert not native.bf16_scores_available(24)
     with w.catch_warnings():

@@ -18,7 +18,8 @@ block representations and value bias), ``stem_indexer`` and
 ``stem_indexer_metadata`` (the selection), ``block_sparse_attention`` and
 ``block_mask`` (attention on a selection, FlexAttention's ``BlockMask``),
 ``dense_attention`` (the same conventions, dense), ``stem_indexer_reference``
-(the scalar golden).
+(the scalar golden). ``status()`` says which implementation runs each op on
+each device and dtype, and which of them are slower fallbacks.
 
 Importing the package registers ``torch.ops.custom.npu_stem_indexer`` and
 ``torch.ops.custom.npu_stem_indexer_metadata`` (CPU, CUDA and fake kernels),
@@ -34,6 +35,7 @@ import torch as _torch
 from .api import stem_indexer, stem_indexer_metadata
 from .attention import StemInfo, block_sparse_attention, dense_attention, stem_attention
 from .contract import PRESETS, IndexerParams, StemIndexerInputError
+from .dispatch import status
 from .flash import stem_attn_func, stem_attn_varlen_func
 from .ops.flex_attention import block_mask
 from .prepare import StemInputs, stem_inputs
@@ -57,6 +59,7 @@ __all__ = [
     "stem_indexer_reference",
     "IndexerParams",
     "StemIndexerInputError",
+    "status",
     "npu_stem_indexer",
     "npu_stem_indexer_metadata",
 ]

@@ -66,8 +66,9 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"  last query block of batch 0, head 0 keeps {len(row)} blocks: {row}")
     print(f"  time: {elapsed * 1e3:.1f} ms on {torch.get_num_threads()} CPU threads "
           f"(torch {torch.__version__})")
-    from .ops import native
-    print(f"  native kernels: {native.status()}")
+    from . import status
+    print("  paths (stem_indexer.status()):")
+    print("\n".join(f"    {line}" for line in status().splitlines()))
     return 0
 
 

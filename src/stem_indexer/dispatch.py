@@ -23,7 +23,7 @@ from .api import run_indexer, stem_indexer_metadata
 from .checks import check_backend_fits
 from .contract import IndexerParams, ceil_div, fail
 from .dense import _dense
-from .ops import flex_attention as flex
+from .ops import flex_attention as flex, native
 from .ops.gather_attention import gather_attention
 from .prepare import stem_inputs
 
@@ -37,21 +37,94 @@ def _native():
     from .ops import sparse_attention
     return sparse_attention if sparse_attention.available() else None
 
+
 def _native_status() -> str:
     from .ops import sparse_attention
     return sparse_attention.status()
 
+
+def attention_path(device_type: str, dtype: torch.dtype) -> tuple[str, str | None]:
+    """The kernel ``backend="auto"`` runs for tensors of this device type and
+    dtype, and why it is a slower fallback (None: it is not)."""
+    if device_type == "cpu":
+        kernel = _native()
+        if kernel is None:
+            return "gather", f"the native kernel is not in use: {_native_status()}"
+        if dtype in kernel.DTYPES:
+            return "native", None
+        if dtype == torch.float64:  # the references' precision: no kernel is faster
+            return "gather", None
+        return "gather", ("the native kernel takes float32 and bfloat16, not "
+                          f"{str(dtype).removeprefix('torch.')}")
+    if device_type == "cuda" and flex.available():
+        return "flex", None
+    return "gather", None
+
+
 def _backend(backend: str, q: torch.Tensor) -> str:
+    """``backend``, or for ``"auto"`` the kernel of ``attention_path``; a
+    fallback is reported once (a warning; ``stem_indexer.status()``)."""
     if backend != "auto":
         return backend
-    if q.device.type == "cpu" and _native() is not None and q.dtype in _native().DTYPES:
-        return "native"
-    if q.device.type == "cpu" and _native() is None:  # reported: status() and one warning
+    chosen, why = attention_path(q.device.type, q.dtype)
+    if why is not None and _native() is None:
         from .ops import sparse_attention
         sparse_attention.report_fallback()
-    if q.device.type == "cuda" and flex.available():
-        return "flex"
-    return "gather"
+    elif why is not None:
+        native.report_once(f"attention {q.device.type} {q.dtype}", "block-sparse attention "
+                           f"on {q.device.type} {str(q.dtype).removeprefix('torch.')} runs "
+                           f"torch operations on gathered blocks ({why}): slower")
+    return chosen
+
+
+class Path(NamedTuple):
+    """One line of ``status()``: what runs ``op`` for ``device`` and ``dtype``."""
+
+    op: str
+    device: str
+    dtype: str
+    runs: str
+    fallback: str | None  # why this is a slower path (None: it is not)
+
+
+_RUNS = {"native": "the native kernel (ops/sparse_attention.py)",
+         "flex": "compiled FlexAttention (ops/flex_attention.py)",
+         "gather": "torch operations on gathered blocks (ops/gather_attention.py)"}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def paths() -> list[Path]:
+    """The path each op takes on CPU and CUDA, per dtype (the indexer's
+    inputs are bfloat16 whatever attention's dtype is): what ``status()``
+    prints. Builds the native kernels if they are not yet built."""
+    from .ops.library import indexer_path
+
+    rows = []
+    for device in ("cpu", "cuda"):
+        runs, why = indexer_path(device)
+        rows.append(Path("indexer", device, "bfloat16", runs, why))
+        for dtype in _DTYPES:
+            kernel, why = attention_path(device, dtype)
+            rows.append(Path("attention", device, str(dtype).removeprefix("torch."),
+                             _RUNS[kernel], why))
+    return rows
+
+
+def status() -> str:
+    """Which implementation runs each op on each device and dtype, which of
+    them are slower fallbacks and why, and the native kernels' state: a
+    printable report (``stem_indexer.status()``)."""
+    cuda = "usable" if torch.cuda.is_available() else "not usable here"
+    lines = [f"torch {torch.__version__}; CUDA {cuda}"]
+    for row in paths():
+        mark = f"  [fallback: {row.fallback}]" if row.fallback else ""
+        lines.append(f"{row.op:9} {row.device:4} {row.dtype:8} {row.runs}{mark}")
+    passes = " (its linear passes on AVX-512)" if native.select_vector() else ""
+    lines += [f"native selection: {native.status(native.SELECT_ROWS)}{passes}",
+              f"native attention: {_native_status()}",
+              f"bfloat16 scores: {native.bf16_scores_status()}"]
+    return "\n".join(lines)
+
 
 def _padding_zeroed(x: torch.Tensor, lens: torch.Tensor, blocks: int, bs: int) -> torch.Tensor:
     """x [B,H,S,D] padded to ``blocks * bs`` positions, every position at or

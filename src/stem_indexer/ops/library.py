@@ -6,7 +6,8 @@ CUDA kernel and a fake kernel
 that derives shapes and dtypes only, for ``torch.compile`` and ``torch.export``.
 
 CUDA tensors go to the Triton kernels (``ops/triton``) when Triton is
-installed, else to the device-agnostic fast path. The Triton path reads no
+installed, else to the torch operations of ``ops/cpu.py`` (reported once,
+``indexer_path``). The Triton path reads no
 tensor data on the host, so the indexer op can be captured in a CUDA graph;
 its value checks (lengths in range, prompt >= kv, metadata built for these
 inputs) run on host copies outside a capture and are skipped during one. The
@@ -16,6 +17,8 @@ lengths' device.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -83,6 +86,7 @@ def _indexer_kernel(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, *, num_prompt_
     return cpu.stem_indexer_forward(qflat, kflat, vbias, q_lens, kv_lens, prompt, tiles, params)
 
 
+@functools.cache
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401  (imported lazily: CPU-only installs never need it)
@@ -91,15 +95,32 @@ def _triton_available() -> bool:
     return True
 
 
+def indexer_path(device_type: str) -> tuple[str, str | None]:
+    """What runs the indexer op for tensors of ``device_type`` (``"cpu"`` or
+    ``"cuda"``), and why that is a slower fallback (None: it is not)."""
+    if device_type == "cuda":
+        if _triton_available():
+            return "Triton kernels (ops/triton/)", None
+        return ("torch operations (ops/cpu.py)",
+                "Triton is not installed: pip install 'stem-indexer[cuda]'")
+    if native.kernel() is not None:
+        return "ops/cpu.py: score GEMMs, native selection (csrc/select_rows.c)", None
+    return "ops/cpu.py: score GEMMs, torch selection", native.status(native.SELECT_ROWS)
+
+
 def _indexer_cuda_kernel(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, *,
                          num_prompt_tokens=None, metadata=None, **attrs):
     """CUDA tensors: the Triton kernels, which read no tensor data on the host.
 
     The value checks need the lengths on the host, so they are skipped while
     a CUDA graph is being captured: a captured call trusts its inputs (and
-    its kernels stay in bounds whatever they hold).
+    its kernels stay in bounds whatever they hold). Without Triton, the torch
+    operations of ``ops/cpu.py`` (reported once).
     """
     if not _triton_available():
+        native.report_once("indexer cuda", "on CUDA the indexer runs torch operations, not "
+                           f"its Triton kernels ({indexer_path('cuda')[1]}): same results, "
+                           "slower")
         return _indexer_kernel(qflat, kflat, vbias, q_seq_lens, kv_seq_lens,
                                num_prompt_tokens=num_prompt_tokens, metadata=metadata, **attrs)
     inputs = (qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens, metadata)
