@@ -9,41 +9,9 @@ import stem_indexer
 from stem_indexer import checks, dispatch
 from stem_indexer.attention import block_sparse_attention, dense_attention, stem_attention
 from stem_indexer.ops import gather_attention
+from stem_indexer.testing import reference_attention, token_mask
 
 from _helpers import SMALL, cpu_dense_above, host, qkv
-
-
-def expanded_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, causal):
-    """[B, Hq, Sq, Skv] token mask: listed blocks, valid tokens, right-down causal."""
-    batch, hq = seq_len.shape[:2]
-    q_lens = [sq] * batch if q_lens is None else list(q_lens)
-    kv_lens = [skv] * batch if kv_lens is None else list(kv_lens)
-    mask = torch.zeros(batch, hq, sq, skv, dtype=torch.bool)
-    for b in range(batch):
-        for h in range(hq):
-            for i in range(seq_len.shape[2]):
-                for j in idx[b, h, i, : int(seq_len[b, h, i])].tolist():
-                    mask[b, h, i * bs:(i + 1) * bs, j * bs:(j + 1) * bs] = True
-        t = torch.arange(sq)[:, None]
-        j = torch.arange(skv)[None, :]
-        visible = (j < kv_lens[b]) & (t < q_lens[b])
-        if causal:
-            visible &= j <= t + kv_lens[b] - q_lens[b]
-        mask[b] &= visible
-    return mask
-
-
-def reference(q, k, v, mask, scale=None, softcap=None):
-    """Dense attention (float64) with an expanded mask, scores capped as
-    ``softcap * tanh(score / softcap)`` when given; rows without a visible key -> 0."""
-    group = q.shape[1] // k.shape[1]
-    kr = k.double().repeat_interleave(group, dim=1)
-    vr = v.double().repeat_interleave(group, dim=1)
-    scores = q.double() @ kr.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    out = scores.masked_fill(~mask, -torch.inf).softmax(-1).nan_to_num(0.0) @ vr
-    return torch.where(mask.any(-1, keepdim=True), out, 0.0)
 
 
 def random_selection(batch, hq, qmax, kmax, gen, empty_rate=0.15):
@@ -71,7 +39,7 @@ SHAPES = [  # (B, Hq, Hkv, Sq, Skv, D, Bs, q_lens, kv_lens)
 
 
 def _to(device, *tensors):
-    """The tensors on ``device`` (drawn on the CPU, where the references stay)."""
+    """The tensors on ``device`` (drawn on the CPU; the reference computes there)."""
     return tuple(t.to(device) for t in tensors)
 
 
@@ -116,9 +84,10 @@ def test_block_sparse_matches_masked_dense(shape, causal, backend, device):
     out = block_sparse_attention(*_to(device, q, k, v, idx, seq_len), stem_block_size=bs,
                                  causal=causal, q_lens=q_lens, kv_lens=kv_lens, backend=backend)
     out = host(out, device)
-    mask = expanded_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, causal)
+    mask = token_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, causal)
     assert out.shape == q.shape and out.dtype == q.dtype
-    torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), reference_attention(q, k, v, mask),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", [b for b in ("gather", "native", "flex")
@@ -134,10 +103,10 @@ def test_block_sparse_softcap_matches_capped_masked_dense(backend, device):
     out = block_sparse_attention(*_to(device, q, k, v, idx, seq_len), stem_block_size=bs,
                                  softcap=2.0, backend=backend)
     out = host(out, device)
-    mask = expanded_mask(idx, seq_len, bs, sq, skv, None, None, True)
-    capped = reference(q, k, v, mask, softcap=2.0)
+    mask = token_mask(idx, seq_len, bs, sq, skv, None, None, True)
+    capped = reference_attention(q, k, v, mask, softcap=2.0)
     torch.testing.assert_close(out.double(), capped, rtol=1e-5, atol=1e-5)
-    assert (capped - reference(q, k, v, mask)).abs().max() > 1e-2  # the cap changed it
+    assert (capped - reference_attention(q, k, v, mask)).abs().max() > 1e-2  # the cap changed it
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -165,8 +134,9 @@ def test_complete_rows_and_sparse_rows_together(causal, lens, device):
     out = block_sparse_attention(*_to(device, q, k, v, idx, seq_len), stem_block_size=bs,
                                  causal=causal, q_lens=q_lens, kv_lens=kv_lens)
     out = host(out, device)
-    mask = expanded_mask(idx, seq_len, bs, seq, seq, q_lens, kv_lens, causal)
-    torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    mask = token_mask(idx, seq_len, bs, seq, seq, q_lens, kv_lens, causal)
+    torch.testing.assert_close(out.double(), reference_attention(q, k, v, mask),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -182,8 +152,9 @@ def test_gather_chunking_is_exact(shape, causal, score_bytes, monkeypatch, devic
     out = block_sparse_attention(*_to(device, q, k, v, idx, seq_len), stem_block_size=bs,
                                  causal=causal, q_lens=q_lens, kv_lens=kv_lens, backend="gather")
     out = host(out, device)
-    mask = expanded_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, causal)
-    torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    mask = token_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, causal)
+    torch.testing.assert_close(out.double(), reference_attention(q, k, v, mask),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64, "strided"])
@@ -209,9 +180,9 @@ def test_gather_dtypes_and_layouts(dtype, device):
     out = host(out, device)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert torch.equal(out[1, 2:], torch.zeros_like(out[1, 2:]))
-    mask = expanded_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, True)
+    mask = token_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, True)
     tol = 2e-2 if dt == torch.bfloat16 else 1e-5
-    torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=tol, atol=tol)
+    torch.testing.assert_close(out.double(), reference_attention(q, k, v, mask), rtol=tol, atol=tol)
 
 
 def test_bf16_and_unsorted_lists(device):
@@ -226,7 +197,7 @@ def test_bf16_and_unsorted_lists(device):
     out = block_sparse_attention(*_to(device, q, k, v, shuffled, seq_len), stem_block_size=16)
     out = host(out, device)
     assert out.dtype == torch.bfloat16
-    ref = reference(q, k, v, expanded_mask(idx, seq_len, 16, 48, 48, None, None, True))
+    ref = reference_attention(q, k, v, token_mask(idx, seq_len, 16, 48, 48, None, None, True))
     torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
 
 
@@ -298,8 +269,8 @@ def test_stem_attention_is_the_indexer_selection(causal, device):
     idx, seq_len = (host(t, device) for t in stem_indexer.stem_indexer(
         *inputs, causal=causal, stem_block_size=16, stem_stride=4))
     assert int(seq_len.sum()) < int((idx.shape[-1] * (seq_len > 0)).sum())  # really sparse
-    mask = expanded_mask(idx, seq_len, 16, 1100, 1100, lens, lens, causal)
-    torch.testing.assert_close(host(out, device).double(), reference(*_to("cpu", q, k, v), mask),
+    mask = token_mask(idx, seq_len, 16, 1100, 1100, lens, lens, causal)
+    torch.testing.assert_close(host(out, device).double(), reference_attention(q, k, v, mask),
                                rtol=1e-5, atol=1e-5)
     dense = dense_attention(q, k, v, causal=causal, q_lens=lens, kv_lens=lens)
     assert (out - dense).abs().max() > 1e-4  # sparse, so not the dense result
@@ -324,8 +295,8 @@ def test_stem_attention_parameters_reach_the_indexer(change, device):
     idx, seq_len = (host(t, device) for t in selection(oam, indexer))
     default_idx, default_len = (host(t, device) for t in selection({}, {}))
     assert not (torch.equal(idx, default_idx) and torch.equal(seq_len, default_len))
-    mask = expanded_mask(idx, seq_len, 16, 1100, 1100, None, None, True)
-    torch.testing.assert_close(host(out, device).double(), reference(*_to("cpu", q, k, v), mask),
+    mask = token_mask(idx, seq_len, 16, 1100, 1100, None, None, True)
+    torch.testing.assert_close(host(out, device).double(), reference_attention(q, k, v, mask),
                                rtol=1e-5, atol=1e-5)
 
 
@@ -364,8 +335,8 @@ def test_exact_tail_rows_attend_to_every_block(tail, prompt, device):
                 idx[b, :, i] = torch.arange(70)
                 seq_len[b, :, i] = i + 1  # causal, q_len == kv_len: blocks 0 .. i
     assert widened.any() and not widened.all()
-    mask = expanded_mask(idx, seq_len, 16, 1100, 1100, lens, lens, True)
-    torch.testing.assert_close(out.double(), reference(*_to("cpu", q, k, v), mask), rtol=1e-5,
+    mask = token_mask(idx, seq_len, 16, 1100, 1100, lens, lens, True)
+    torch.testing.assert_close(out.double(), reference_attention(q, k, v, mask), rtol=1e-5,
                                atol=1e-5)
     rows = widened.repeat_interleave(16, dim=1)[:, None, :1100, None].expand_as(out)
     assert torch.equal(out[~rows], base[~rows])
@@ -414,8 +385,9 @@ def test_stem_attention_dense_fallback(case, causal, device):
     out = host(out, device)
     full = torch.ones(batch, hq, -(-sq // 16), -(-skv // 16), dtype=torch.int32)
     everything = torch.arange(full.shape[-1], dtype=torch.int32).expand_as(full)
-    mask = expanded_mask(everything, full.sum(-1), 16, sq, skv, q_lens, kv_lens, causal)
-    torch.testing.assert_close(out.double(), reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    mask = token_mask(everything, full.sum(-1), 16, sq, skv, q_lens, kv_lens, causal)
+    torch.testing.assert_close(out.double(), reference_attention(q, k, v, mask),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_stem_attention_dtype_scale_and_errors(device):
@@ -424,9 +396,8 @@ def test_stem_attention_dtype_scale_and_errors(device):
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     out = host(out, device)
     every = torch.ones(1, 2, 4, 4, dtype=torch.bool)
-    ref = reference(*_to("cpu", q, k, v),
-                    expanded_mask(torch.arange(4).expand(1, 2, 4, 4), every.sum(-1), 16, 64, 64,
-                                  None, None, True), scale=0.2)
+    ref = reference_attention(q, k, v, token_mask(torch.arange(4).expand(1, 2, 4, 4),
+                                                  every.sum(-1), 16, 64, 64), scale=0.2)
     torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
     with pytest.raises(stem_indexer.StemIndexerInputError, match="alpha"):
         stem_attention(q, k, v, alpha=0.0)
@@ -552,9 +523,9 @@ def test_native_backend_refuses_other_devices_and_dtypes():
     # float16 on CPU: "auto" takes the torch path, and gives the masked result.
     half = [x.half() for x in (q, k, v)]
     out = block_sparse_attention(*half, idx, seq_len, stem_block_size=8)
-    mask = expanded_mask(idx, seq_len, 8, 24, 24, None, None, True)
+    mask = token_mask(idx, seq_len, 8, 24, 24, None, None, True)
     assert out.dtype == torch.float16
-    torch.testing.assert_close(out.double(), reference(*half, mask), rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(out.double(), reference_attention(*half, mask), rtol=2e-3, atol=2e-3)
 
 
 def test_one_spelling_of_block_size_and_stride_across_the_public_api():

@@ -13,36 +13,9 @@ from stem_indexer import (PRESETS, StemIndexerInputError, stem_attention, stem_a
                           stem_attn_varlen_func)
 
 from stem_indexer.contract import PARAM_NAMES, IndexerParams
+from stem_indexer.testing import reference_attention, token_mask
 
 from _helpers import SMALL, cpu_dense_above, host, qkv
-
-
-def _reference(q, k, v, scale, causal=True, softcap=None, allowed=None):
-    """float64 dense attention (right-down causal) and its log-sum-exp."""
-    group = q.shape[1] // k.shape[1]
-    kr = k.double().repeat_interleave(group, 1)
-    vr = v.double().repeat_interleave(group, 1)
-    s = q.double() @ kr.transpose(-1, -2) * scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    sq, skv = q.shape[2], k.shape[2]
-    mask = torch.ones(sq, skv, dtype=torch.bool)
-    if causal:
-        mask = torch.arange(skv)[None, :] <= torch.arange(sq)[:, None] + skv - sq
-    if allowed is not None:
-        mask = mask & allowed
-    s = s.masked_fill(~mask, -math.inf)
-    lse = torch.logsumexp(s, -1)
-    return torch.softmax(s, -1).nan_to_num(0.0) @ vr, lse
-
-
-def _listed(idx, seq_len, bs, sq, skv):
-    """[B, Hq, Sq, Skv] bool: key j lies in a block listed for query t's row."""
-    kb = -(-skv // bs)
-    entries = torch.arange(idx.shape[-1]) < seq_len[..., None]
-    rows = torch.zeros(*idx.shape[:3], kb + 1, dtype=torch.bool)
-    rows.scatter_(-1, torch.where(entries, idx.long(), kb), True)
-    return rows[..., :kb].repeat_interleave(bs, 2)[:, :, :sq].repeat_interleave(bs, 3)[..., :skv]
 
 
 # --------------------------------------------------------------------------- #
@@ -67,7 +40,7 @@ def test_lse_is_the_log_sum_exp_of_the_attended_scores(device):
     scale = 8 ** -0.5
     out, lse = (host(t, device) for t in stem_attention(
         *(x.to(device) for x in (q, k, v)), return_lse=True, **SMALL))
-    ref, ref_lse = _reference(q, k, v, scale)
+    ref, ref_lse = reference_attention(q, k, v, scale=scale, causal=True, return_lse=True)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
 
@@ -104,10 +77,10 @@ def test_sparse_path_lse_matches_its_selection(device):
         for j in idx[0, h, i, :int(seq_len[0, h, i])].tolist():
             allowed[j * 16:(j + 1) * 16] = True
         rows = slice(i * 16, (i + 1) * 16)
-        ref, ref_lse = _reference(q[:, h:h + 1, rows], k, v, scale, causal=False,
-                                  allowed=allowed[None, :] & (torch.arange(1100)[None, :]
-                                                              <= torch.arange(rows.start,
-                                                                              rows.stop)[:, None]))
+        seen = allowed[None, :] & (torch.arange(1100)[None, :]
+                                   <= torch.arange(rows.start, rows.stop)[:, None])
+        ref, ref_lse = reference_attention(q[:, h:h + 1, rows], k, v, seen, scale=scale,
+                                           return_lse=True)
         torch.testing.assert_close(lse[0, h, rows].double(), ref_lse[0, 0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out[0, h, rows].double(), ref[0, 0], rtol=1e-5, atol=1e-5)
 
@@ -155,8 +128,9 @@ def test_flash_attention_signature_as_flash_attention_means_it(device):
     q, k, v = qkv(1, 2, 1, 64, 96, 8, 30)  # short: dense, so compared with float64 directly
     fq, fk, fv = (x.transpose(1, 2).to(device) for x in (q, k, v))
     scale = 0.2
-    causal_ref, causal_lse = _reference(q, k, v, scale, causal=True)
-    full_ref, _ = _reference(q, k, v, 8 ** -0.5, causal=False)
+    causal_ref, causal_lse = reference_attention(q, k, v, scale=scale, causal=True,
+                                                  return_lse=True)
+    full_ref = reference_attention(q, k, v, scale=8 ** -0.5)
     # positional, as flash_attn_func(q, k, v, dropout_p, softmax_scale, causal,
     # window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     out, lse, probs = stem_attn_func(fq, fk, fv, 0.0, scale, True, (-1, -1), 0.0, None, False,
@@ -255,9 +229,9 @@ def test_softcap_on_the_dense_and_sparse_paths(backend, device):
     out = stem_attention(*(x.to(device) for x in (q, k, v)), softcap=5.0, backend=backend,
                          **SMALL)
     out = host(out, device)
-    ref, _ = _reference(q, k, v, scale, softcap=5.0)
+    ref = reference_attention(q, k, v, scale=scale, softcap=5.0, causal=True)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
-    uncapped, _ = _reference(q, k, v, scale)
+    uncapped = reference_attention(q, k, v, scale=scale, causal=True)
     assert (ref - uncapped).abs().max() > 1e-2  # the cap changed the result
     # The sparse path: the capped reference on the indexer's selection (the
     # cap acts after the selection, which it does not change).
@@ -268,11 +242,11 @@ def test_softcap_on_the_dense_and_sparse_paths(backend, device):
     assert info.path == "sparse" and info.backend == backend
     inputs = stem_indexer.stem_inputs(q, k, v, scale=scale / 4, **SMALL)
     idx, seq_len = (host(t, device) for t in stem_indexer.stem_indexer(*inputs, **SMALL))
-    listed = _listed(idx, seq_len, 16, 1100, 1100)
+    listed = token_mask(idx, seq_len, 16, 1100, 1100)
     capped, q, k, v = host(capped, device), q.cpu(), k.cpu(), v.cpu()
-    ref, _ = _reference(q, k, v, scale, softcap=5.0, allowed=listed)
+    ref = reference_attention(q, k, v, listed, scale=scale, softcap=5.0)
     torch.testing.assert_close(capped.double(), ref, rtol=1e-5, atol=1e-5)
-    uncapped, _ = _reference(q, k, v, scale, allowed=listed)
+    uncapped = reference_attention(q, k, v, listed, scale=scale)
     assert (ref - uncapped).abs().max() > 1e-2  # the cap changed the result
 
 

@@ -23,6 +23,7 @@ import torch
 
 from stem_indexer import StemIndexerInputError
 from stem_indexer.ops import flex_attention as flex
+from stem_indexer.testing import reference_attention, token_mask
 
 pytestmark = pytest.mark.skipif(not flex.available(), reason="no FlexAttention in this torch")
 
@@ -143,27 +144,9 @@ def _random_selection(gen, batch, heads, qb, kb, q_lens, kv_lens, bs):
 
 
 def _dense_reference(q, k, v, idx, lens, bs, q_lens, kv_lens, scale):
-    """float64 softmax attention under the token mask: listed blocks only,
-    keys < kv_len, right-down causal; rows with no visible key give 0."""
-    batch, heads, sq, _ = q.shape
-    sk = k.shape[2]
-    allowed = torch.zeros(batch, heads, sq, sk, dtype=torch.bool)
-    t, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
-    for b in range(batch):
-        token = (t < q_lens[b]) & (j < kv_lens[b]) & (j <= t + kv_lens[b] - q_lens[b])
-        for h in range(heads):
-            listed = torch.zeros(sq // bs, sk // bs, dtype=torch.bool)
-            for i in range(sq // bs):
-                listed[i, idx[b, h, i, :lens[b, h, i]].long()] = True
-            tokens = listed.repeat_interleave(bs, 0).repeat_interleave(bs, 1)
-            allowed[b, h] = token & tokens
-    group = heads // k.shape[1]
-    kk = k.double().repeat_interleave(group, 1)
-    vv = v.double().repeat_interleave(group, 1)
-    s = (q.double() @ kk.transpose(-1, -2)) * scale
-    s = s.masked_fill(~allowed, float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return (p @ vv), allowed
+    """The float64 reference under the selection's token mask, and the mask."""
+    allowed = token_mask(idx, lens, bs, q.shape[2], k.shape[2], q_lens, kv_lens)
+    return reference_attention(q, k, v, allowed, scale=scale), allowed
 
 
 def _inputs(bs, q_lens, kv_lens, seed=0, heads=4, kv_heads=2, d=16):

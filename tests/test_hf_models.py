@@ -26,6 +26,7 @@ import stem_indexer  # noqa: E402
 import stem_indexer.integrations.transformers as stem_hf  # noqa: E402
 from stem_indexer import PRESETS  # noqa: E402
 from stem_indexer.contract import DEFAULT_EXACT_TAIL  # noqa: E402
+from stem_indexer.testing import reference_attention  # noqa: E402
 
 BLOCKING = dict(stem_block_size=16, stem_stride=4)
 KEEP_ALL = dict(k_block_num_bias_medium=10**6, k_block_num_bias_large=10**6)
@@ -95,14 +96,8 @@ def _sparse_reference(q, k, v, scale, softcap, params, tail=DEFAULT_EXACT_TAIL):
     assert q.shape[2] == k.shape[2]
     rows[:, :, max(q.shape[2] - tail, 0) // bs:] = True
     listed = rows[..., :kb].repeat_interleave(bs, 2)[:, :, :sq].repeat_interleave(bs, 3)
-    causal = torch.arange(skv)[None, :] <= torch.arange(sq)[:, None] + skv - sq
-    group = q.shape[1] // k.shape[1]
-    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
-    s = q.double() @ k.transpose(2, 3) * scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~(listed[..., :skv] & causal), float("-inf"))
-    return torch.softmax(s, -1).nan_to_num(0.0) @ v, float(listed[..., :skv].float().mean())
+    return (reference_attention(q, k, v, listed[..., :skv], scale=scale, softcap=softcap,
+                                causal=True), float(listed[..., :skv].float().mean()))
 
 
 @pytest.mark.parametrize("family", [f if f in DEFAULT_FAMILIES
@@ -154,13 +149,6 @@ class _Module(torch.nn.Module):
     is_causal = True
 
 
-def _capped_reference(q, k, v, scaling, softcap, mask):
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1).double(), v.repeat_interleave(group, 1).double()
-    s = softcap * torch.tanh(q.double() @ k.transpose(2, 3) * scaling / softcap)
-    return torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v
-
-
 @pytest.mark.parametrize("path", ["stem", "dense-mask"])
 def test_softcap_is_applied_on_every_path(registered, path, device):
     """Large logits and a cap of 2: the capped result differs from the
@@ -175,7 +163,7 @@ def test_softcap_is_applied_on_every_path(registered, path, device):
     out, _ = fn(_Module(), q.to(device), k.to(device), v.to(device), mask, scaling=0.25,
                 softcap=2.0)
     assert out.device.type == torch.device(device).type
-    want = _capped_reference(q, k, v, 0.25, 2.0, causal)
+    want = reference_attention(q, k, v, causal, scale=0.25, softcap=2.0)
     torch.testing.assert_close(out.cpu().transpose(1, 2).double(), want, atol=1e-5, rtol=1e-5)
-    uncapped = _capped_reference(q, k, v, 0.25, 1e9, causal)
+    uncapped = reference_attention(q, k, v, causal, scale=0.25)
     assert (want - uncapped).abs().max() > 1e-2

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from stem_indexer.ops import sparse_attention as sa, torch_blas
+from stem_indexer.testing import reference_attention, token_mask
 
 pytestmark = pytest.mark.skipif(not sa.available(), reason=sa.status())
 
@@ -39,36 +40,10 @@ def selection(gen, batch, hq, qmax, kmax, *, p=0.4, diagonal=True, empty=0.1):
     return torch.where(blocks < kmax, blocks, -1), lengths
 
 
-def visibility(idx, lengths, q_lens, kv_lens, sq, skv, bs, causal):
-    """[B, Hq, Sq, Skv] bool: listed block, valid query and key, causal."""
-    batch, hq, qmax, _ = idx.shape
-    member = torch.zeros(batch, hq, qmax, math.ceil(skv / bs) + 1, dtype=torch.bool)
-    listed = torch.arange(idx.shape[-1]) < lengths[..., None]
-    member.scatter_(-1, torch.where(listed, idx, member.shape[-1] - 1), True)
-    member = member[..., :-1].repeat_interleave(bs, 2).repeat_interleave(bs, 3)[..., :sq, :skv]
-    t = torch.arange(sq)[:, None]
-    j = torch.arange(skv)[None, :]
-    vis = (t < q_lens[:, None, None]) & (j < kv_lens[:, None, None])
-    if causal:
-        vis &= j <= t + (kv_lens - q_lens)[:, None, None]
-    return member & vis[:, None]
-
-
 def clean(x, lens):
     """x with its padding (positions >= lens) zeroed."""
     pad = torch.arange(x.shape[2])[None, :] >= lens[:, None]
     return x.masked_fill(pad[:, None, :, None], 0)
-
-
-def reference(q, k, v, vis, scale):
-    """float64 softmax attention under ``vis``; rows seeing nothing give 0."""
-    group = q.shape[1] // k.shape[1]
-    kd = k.double().repeat_interleave(group, 1)
-    vd = v.double().repeat_interleave(group, 1)
-    s = scale * q.double() @ kd.transpose(-1, -2)
-    s = s.masked_fill(~vis, -math.inf)
-    p = torch.softmax(s, -1).nan_to_num(0.0)
-    return p @ vd
 
 
 def sdpa(q, k, v, vis, scale):
@@ -108,9 +83,9 @@ def check(case, **kw):
     assert out.dtype == case["q"].dtype and out.shape == case["q"].shape
     q, k, v = (clean(case[n], case[ln]) for n, ln in (("q", "q_lens"), ("k", "kv_lens"),
                                                        ("v", "kv_lens")))
-    vis = visibility(case["idx"], case["lengths"], case["q_lens"], case["kv_lens"],
-                     q.shape[2], k.shape[2], case["block_size"], case["causal"])
-    ref = reference(q, k, v, vis, case["scale"])
+    vis = token_mask(case["idx"], case["lengths"], case["block_size"], q.shape[2], k.shape[2],
+                     case["q_lens"], case["kv_lens"], case["causal"])
+    ref = reference_attention(q, k, v, vis, scale=case["scale"])
     seen = vis.any(-1)  # [B, Hq, Sq]: queries with a visible key
     assert torch.equal(out[~seen], torch.zeros_like(out[~seen])), "zero rows must be exact 0"
     if not bool(seen.any()):
@@ -248,22 +223,6 @@ def test_rejects_what_it_cannot_run():
 # --------------------------------------------------------------------------- #
 
 
-def dense_nonfinite(q, k, v, vis, scale):
-    """float64 softmax attention of each query over its visible keys only, NaN
-    and inf kept: (out, lse). Queries that see no key give 0 and -inf; a key
-    a query does not see takes no part in its output (not even as 0 * NaN)."""
-    group = q.shape[1] // k.shape[1]
-    kd = k.double().repeat_interleave(group, 1)
-    vd = v.double().repeat_interleave(group, 1)
-    s = (scale * q.double() @ kd.transpose(-1, -2)).masked_fill(~vis, -math.inf)
-    p = torch.softmax(s, -1)  # NaN rows: a NaN or +inf score, or nothing but -inf
-    terms = torch.where(vis[..., None], p[..., None] * vd[:, :, None], 0.0)  # [B,H,Sq,Skv,D]
-    seen = vis.any(-1)
-    out = torch.where(seen[..., None], terms.sum(-2), 0.0)
-    lse = torch.where(seen, torch.logsumexp(s, -1), -math.inf)
-    return out, lse
-
-
 def plant_specials(case, seed):
     """Copies of q, k, v with NaN, +inf and -inf at random valid positions
     (whole query and key tokens and single elements), and in the last block's
@@ -328,9 +287,10 @@ def check_nonfinite(isa, dtype, causal, modes, seeds=range(3)):
                 pytest.skip(f"{isa} does not run on this CPU")
             q, k, v = (clean(case[n], case[ln]) for n, ln in (
                 ("q", "q_lens"), ("k", "kv_lens"), ("v", "kv_lens")))
-            vis = visibility(case["idx"], case["lengths"], case["q_lens"], case["kv_lens"],
-                             q.shape[2], k.shape[2], case["block_size"], case["causal"])
-            want, want_lse = dense_nonfinite(q, k, v, vis, case["scale"])
+            vis = token_mask(case["idx"], case["lengths"], case["block_size"], q.shape[2],
+                             k.shape[2], case["q_lens"], case["kv_lens"], case["causal"])
+            want, want_lse = reference_attention(q, k, v, vis, scale=case["scale"],
+                                                 return_lse=True)
             assert bool(want.isnan().any()) and bool(want.isinf().any())
             assert bool((want.isnan().all(-1) != want.isnan().any(-1)).any())  # a partial row
             same_nonfinite(out, want, tol)
