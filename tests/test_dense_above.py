@@ -15,8 +15,10 @@ import torch
 import torch.nn.functional as F
 
 import stem_indexer
-from _helpers import SMALL, host, qkv, spec_row_facts
 from stem_indexer import IndexerParams, StemIndexerInputError, contract, stem_attention
+from stem_indexer.testing import reference_attention, token_mask
+
+from _helpers import SMALL, host, qkv, spec_row_facts
 
 MOST = "budget keeps most blocks"
 # 60 blocks of 16 tokens (past the 56 below which every block is kept): the
@@ -75,17 +77,35 @@ def test_a_budget_above_the_share_runs_dense_and_equals_sdpa(device):
     assert torch.equal(out, want)
 
 
-def test_a_budget_below_the_share_runs_sparse_on_the_indexers_selection(device):
+def _selection(q, k, v):
+    """The indexer's own lists for q, k, v (``stem_attention``'s inputs to it)."""
+    inputs = stem_indexer.stem_inputs(q, k, v, scale=8 ** -0.5 / 4, **SMALL)
+    return stem_indexer.stem_indexer(*inputs, **SMALL)
+
+
+def test_a_budget_below_the_share_routes_to_the_sparse_path(device):
+    """Routing: below the share, stem_attention is exactly the chain of its
+    own parts (stem_inputs -> indexer -> block_sparse_attention), bit for bit."""
     q, k, v = qkv(1, 4, 2, SEQ, SEQ, 8, seed=1, device=device)
     out, info = stem_attention(q, k, v, dense_above=0.99, exact_tail=0, return_info=True,
                                **SMALL)
     assert info.path == "sparse" and 0.95 < info.density < 0.99
-    inputs = stem_indexer.stem_inputs(q, k, v, scale=8 ** -0.5 / 4, **SMALL)
-    idx, seq_len = stem_indexer.stem_indexer(*inputs, **SMALL)
+    idx, seq_len = _selection(q, k, v)
     want = stem_indexer.block_sparse_attention(q, k, v, idx, seq_len, stem_block_size=16)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
-    dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    assert (out - dense).abs().max() > 1e-3  # blocks were dropped
+
+
+def test_a_budget_below_the_share_is_attention_on_the_indexers_selection(device):
+    """The result: the float64 reference restricted to the blocks the indexer
+    keeps, and not dense attention (blocks were dropped)."""
+    q, k, v = qkv(1, 4, 2, SEQ, SEQ, 8, seed=1, device=device)
+    out = host(stem_attention(q, k, v, dense_above=0.99, exact_tail=0, **SMALL), device)
+    idx, seq_len = _selection(q, k, v)
+    mask = token_mask(idx, seq_len, 16, SEQ, SEQ)
+    torch.testing.assert_close(out.double(), reference_attention(q, k, v, mask),
+                               rtol=1e-5, atol=1e-5)
+    dense = reference_attention(q, k, v, causal=True)
+    assert (out.double() - dense).abs().max() > 1e-3  # blocks were dropped
 
 
 @pytest.mark.parametrize("want_lse", [False, True], ids=["out", "out-and-lse"])
@@ -98,12 +118,10 @@ def test_stepping_aside_with_softcap_or_lse_is_dense_too(want_lse, device):
                             return_info=True, return_lse=want_lse, **SMALL)
     out, info = host(result[0], device), result[-1]
     assert (info.path, info.reason) == ("dense", MOST)
-    kk, vv = k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1)
-    s = 5.0 * torch.tanh(q.double() @ kk.transpose(2, 3) * 8 ** -0.5 / 5.0)
-    s = s.masked_fill(~torch.ones(SEQ, SEQ, dtype=torch.bool).tril(), -math.inf)
-    torch.testing.assert_close(out.double(), torch.softmax(s, -1) @ vv, rtol=1e-5, atol=1e-5)
+    ref, ref_lse = reference_attention(q, k, v, softcap=5.0, causal=True, return_lse=True)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     if want_lse:
-        torch.testing.assert_close(host(result[1], device).double(), torch.logsumexp(s, -1),
+        torch.testing.assert_close(host(result[1], device).double(), ref_lse,
                                    rtol=1e-5, atol=1e-5)
 
 
@@ -134,21 +152,27 @@ def test_stem_attention_refuses_a_bad_dense_above(value):
         stem_attention(q, k, v, dense_above=value, **SMALL)
 
 
-transformers = pytest.importorskip("transformers")
-import stem_indexer.integrations.transformers as stem_hf  # noqa: E402
+@pytest.fixture
+def hf():
+    """transformers and the integration (the tests that need them skip without)."""
+    transformers = pytest.importorskip("transformers")
+    import stem_indexer.integrations.transformers as stem_hf
+    return transformers, stem_hf
 
 
 @pytest.mark.parametrize("value", BAD, ids=repr)
-def test_register_refuses_a_bad_dense_above(value):
+def test_register_refuses_a_bad_dense_above(value, hf):
+    transformers, stem_hf = hf
     with pytest.raises(StemIndexerInputError, match="^register: dense_above must be None"):
         stem_hf.register("stem-dense-above-bad", dense_above=value)
     assert "stem-dense-above-bad" not in transformers.AttentionInterface._global_mapping
 
 
-def test_register_dense_above_steps_aside_in_a_model(device):
+def test_register_dense_above_steps_aside_in_a_model(device, hf):
     """A tiny Llama at 960 tokens in 16-token blocks (the default budget keeps
     97% of the pairs): with ``dense_above=0.9`` every layer steps aside
     (counted) and the logits are SDPA's; with ``1.0`` every layer runs Stem."""
+    transformers, stem_hf = hf
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, max_position_embeddings=2048)
