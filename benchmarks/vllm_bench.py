@@ -187,7 +187,8 @@ def speed(args) -> None:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(args.model)
-    vocab, window = config.vocab_size, config.max_position_embeddings
+    vocab = config.vocab_size
+    window = _window(args.model)
     if args.cells:  # LENGTHxREQUESTS[:REPS],...
         cells = []
         for cell in args.cells.split(","):
@@ -199,41 +200,56 @@ def speed(args) -> None:
                  for n in args.concurrency.split(",")]
     # A prompt and its first token fit the window: "32768" is 32,760 tokens.
     cells = [(min(length, window - 8), n, reps) for length, n, reps in cells]
-    stem = json.loads(args.stem)
+    # --stem: one settings object, or a list of them (several Stem engines).
+    stems = json.loads(args.stem)
+    stems = stems if isinstance(stems, list) else [stems]
     limit = min(max(length for length, _, _ in cells) + 64, window)
-    engines = {"vllm": engine(args.model, None, max_model_len=limit),
-               "stem": engine(args.model, stem, max_model_len=limit)}
+    engines = {"vllm": engine(args.model, None, max_model_len=limit)}
+    for stem in stems:
+        engines[stem_config_name(stem)] = engine(args.model, stem, max_model_len=limit)
     import stem_indexer.integrations.vllm as stem_vllm
 
     rng = random.Random(0)
-    # Warm both engines (first calls pay one-off costs).
+    # Warm every engine (first calls pay one-off costs).
     for llm in engines.values():
         first_token_s(llm, [random_prompt(rng, 512, vocab)])
+    names = list(engines)
     rows = []
     for length, n, reps in cells:
         times = {name: [] for name in engines}
-        stem_vllm.reset_stats(engines["stem"])
+        for name in names[1:]:
+            stem_vllm.reset_stats(engines[name])
         for rep in range(reps):
-            order = list(engines) if rep % 2 == 0 else list(reversed(engines))
-            for name in order:
-                prompts = [random_prompt(rng, length, vocab) for _ in range(n)]
+            # Each turn: the same prompts for every engine, the order rotating.
+            prompts = [random_prompt(rng, length, vocab) for _ in range(n)]
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
                 times[name].append(first_token_s(engines[name], prompts))
                 print(f"  {length} x{n} {name}: {times[name][-1]:.1f} s", flush=True)
-        density = stem_vllm.stats(engines["stem"])["density"]
-        ratios = [a / b for a, b in zip(times["vllm"], times["stem"])]
-        rows.append((length, n, times, ratios, density))
+        stats = {name: stem_vllm.stats(engines[name]) for name in names[1:]}
+        rows.append((length, n, times, stats))
     command = (f"--cells {args.cells}" if args.cells else
                f"--lengths {args.lengths} --concurrency {args.concurrency} --reps {args.reps}")
-    lines = [f"\n### Time to first token, vLLM's backend against Stem ({args.stem})\n",
-             header(), "", f"`python benchmarks/vllm_bench.py speed {command}`", "",
-             "| tokens | requests | runs | vLLM (s) | Stem (s) | speed-up, median [min, max] | "
-             "density of the Stem rows |", "|---|---|---|---|---|---|---|"]
-    for length, n, times, ratios, density in rows:
-        dens = "- (every row dense)" if density is None else f"{density:.0%}"
-        tv, ts = (" / ".join(f"{t:.1f}" for t in times[k]) for k in ("vllm", "stem"))
-        lines.append(f"| {length} | {n} | {len(ratios)} | {tv} | {ts} | "
-                     f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}] "
-                     f"| {dens} |")
+    lines = ["\n### Time to first token, vLLM's backend against Stem\n", header(), "",
+             f"`python benchmarks/vllm_bench.py speed --model {args.model.name} {command} "
+             f"--stem '{args.stem}'`", "", "Each turn gives every engine the same new prompts, "
+             "the engines in an order that rotates from turn to turn; a speed-up is vLLM's "
+             "time over the configuration's in the same turn.", "",
+             "| tokens | requests | configuration | seconds per turn | speed-up, median "
+             "[min, max] | density of the Stem rows | rows: sparse / all (layer, chunk) |",
+             "|---|---|---|---|---|---|---|"]
+    for length, n, times, stats in rows:
+        lines.append(f"| {length} | {n} | vLLM | {' / '.join(f'{t:.1f}' for t in times['vllm'])}"
+                     " | - | - | - |")
+        for name in names[1:]:
+            ratios = [a / b for a, b in zip(times["vllm"], times[name])]
+            st = stats[name]
+            dens = "- (every row dense)" if st["density"] is None else f"{st['density']:.0%}"
+            sparse = sum(v for k, v in st["rows"].items() if k.startswith("sparse"))
+            prefill = sum(v for k, v in st["rows"].items() if k != "dense:decode")
+            lines.append(f"| {length} | {n} | Stem {name} | "
+                         f"{' / '.join(f'{t:.1f}' for t in times[name])} | "
+                         f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, "
+                         f"{max(ratios):.2f}] | {dens} | {sparse} / {prefill} |")
     record("\n".join(lines), args.record)
 
 
@@ -562,7 +578,8 @@ def main(argv=None) -> None:
                  "_agreement_run"):
         p = sub.add_parser(name)
         p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-        p.add_argument("--stem", default=stem_default, help="Stem's settings (JSON)")
+        p.add_argument("--stem", default=stem_default,
+                       help="Stem's settings (JSON; for speed, a list: one engine each)")
         p.add_argument("--record", default=None, help="append the table to this file")
     sub.choices["pairs"].add_argument("--lengths", default="8192,16384,32768")
     sub.choices["pairs"].add_argument("--reps", type=int, default=3)

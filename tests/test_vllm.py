@@ -280,6 +280,8 @@ def test_a_quantised_kv_cache_runs_vllms_kernel_and_says_so(model):
     rows = run["stats"]["rows"]
     assert rows.get("dense:kv cache dtype fp8", 0) > 0, rows
     assert not any(k.startswith("sparse") for k in rows), rows
+    # Said once at start-up, naming it.
+    assert run["log"].count("Stem: kv cache dtype fp8 is not supported") == 1, run["log"][-3000:]
 
 
 # --------------------------------------------------------------------------- #

@@ -181,10 +181,12 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
         # Why none of this group's layers can run Stem ("" when some can): their
         # rows are then sorted, not planned.
         self.group_reason = ("sliding window" if self.window_size != -1 else
-                             _layout_reason(self.isa, self.block_size, self.settings))
+                             _layout_reason(self.isa, self.block_size, self.settings)
+                             or _cache_dtype_reason(self.kv_cache_dtype))
         if self.group_reason and self.window_size == -1:
-            _LOG.warning("Stem: %s; these layers run vLLM's kernel for every row",
-                         self.group_reason)
+            _report_once(f"group:{self.group_reason}", "Stem: %s is not supported; these "
+                         "layers run vLLM's kernel for every row (counted as dense:%s)",
+                         self.group_reason, self.group_reason)
         install_step_hook(_record_step)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
@@ -256,6 +258,11 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
             kv_cache_dtype=self.kv_cache_dtype)
         spans = tuple((int(starts[r]), int(starts[r] + q_lens[r])) for r in rows)
         return DenseRows(spans, qsl, seq_lens, md.block_table[index], scheduler)
+
+
+def _cache_dtype_reason(kv_cache_dtype: str) -> str:
+    """Why a KV-cache dtype cannot run Stem ("" when it can)."""
+    return "" if kv_cache_dtype in ("auto", None) else f"kv cache dtype {kv_cache_dtype}"
 
 
 def _layout_reason(isa: str, page: int, settings: StemSettings) -> str:
