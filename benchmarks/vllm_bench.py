@@ -284,8 +284,9 @@ def pairs(args) -> None:
              f"{torch.get_num_threads()} threads, one fresh row; the indexer reads the "
              "indexer cache)", "",
              "| tokens | density | vLLM (ms) | Stem (ms): indexer + kernel | speed-up, median "
-             "[min, max] | Stem's kernel time per kept pair / vLLM's per visible pair |",
-             "|---|---|---|---|---|---|"]
+             "[min, max] | Stem's kernel time per kept pair / vLLM's per visible pair | "
+             "break-even share |",
+             "|---|---|---|---|---|---|---|"]
     for length in [int(x) for x in args.lengths.split(",")]:
         nb = length // page + 2
         kv = torch.zeros(nb, hkv, page, 2 * dim, dtype=dtype)
@@ -346,9 +347,12 @@ def pairs(args) -> None:
         d, i, k = (statistics.median(t) * 1e3 for t in (td, ti, tk))
         ratios = [a / (b + c) for a, b, c in zip(td, ti, tk)]
         per_pair = (k / share) / d  # kernel time per kept pair over dense's per pair
+        # The share at which the indexer plus the kernel on the kept pairs
+        # costs what vLLM's kernel does on every pair (the indexer's cost held).
+        even = (1 - i / d) / per_pair
         lines.append(f"| {length} | {share:.0%} | {d:.0f} | {i + k:.0f}: {i:.0f} + {k:.0f} "
                      f"| {statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}] "
-                     f"| {per_pair:.2f} |")
+                     f"| {per_pair:.2f} | {even:.0%} |")
         print(lines[-1], flush=True)
     record("\n".join(lines), args.record)
 
