@@ -49,10 +49,16 @@ _SET_BY_VARLEN = {"q_lens": "is given by cu_seqlens_q here",
                   "kv_lens": "is given by cu_seqlens_k here"}
 
 
-def _flash_arguments(who: str, dropout_p, causal, window_size, softcap, alibi_slopes,
-                     deterministic, return_attn_probs, return_lse, stem_params: dict) -> dict:
-    """FlashAttention's arguments checked and turned into ``stem_attention``'s
-    keywords (with ``stem_params``, Stem's own)."""
+def _flash_arguments(who: str, qkv: tuple, layout: str, dropout_p, causal, window_size,
+                     softcap, alibi_slopes, deterministic, return_attn_probs, return_lse,
+                     stem_params: dict) -> dict:
+    """FlashAttention's arguments checked (q, k, v of ``layout``'s rank first)
+    and turned into ``stem_attention``'s keywords (with ``stem_params``, Stem's own)."""
+    rank = layout.count(",") + 1
+    for name, x in zip("qkv", qkv):
+        if not isinstance(x, torch.Tensor) or x.dim() != rank:
+            fail(who, name, f"must be a {rank}-D tensor {layout}",
+                 f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__)
     if (isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float))
             or dropout_p != 0):
         fail(who, "dropout_p", "must be 0.0: Stem attention is inference-only (no dropout)",
@@ -132,12 +138,9 @@ def stem_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
         [B, Sq, Hq, D] in q's dtype, and the log-sum-exp when asked.
     """
     who = "stem_attn_func"
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 4:
-            fail(who, name, "must be a 4-D tensor [B, S, H, D]",
-                 f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__)
-    kwargs = _flash_arguments(who, dropout_p, causal, window_size, softcap, alibi_slopes,
-                              deterministic, return_attn_probs, return_lse, stem_params)
+    kwargs = _flash_arguments(who, (q, k, v), "[B, S, H, D]", dropout_p, causal, window_size,
+                              softcap, alibi_slopes, deterministic, return_attn_probs,
+                              return_lse, stem_params)
     _check_layout(who, q, k, "[B, S, H, D]")
     result = stem_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                             scale=softmax_scale, **kwargs)
@@ -199,12 +202,9 @@ def stem_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         ``return_attn_probs``) the float32 log-sum-exp [Hq, total_q].
     """
     who = "stem_attn_varlen_func"
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 3:
-            fail(who, name, "must be a 3-D tensor [total, H, D]",
-                 f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__)
-    kwargs = _flash_arguments(who, dropout_p, causal, window_size, softcap, alibi_slopes,
-                              deterministic, return_attn_probs, return_lse, stem_params)
+    kwargs = _flash_arguments(who, (q, k, v), "[total, H, D]", dropout_p, causal, window_size,
+                              softcap, alibi_slopes, deterministic, return_attn_probs,
+                              return_lse, stem_params)
     if block_table is not None:
         fail(who, "block_table", "must be None: a paged KV cache is not supported",
              type(block_table).__name__)

@@ -114,16 +114,30 @@ def block_mask(sparse_indices: torch.Tensor, sparse_seq_len: torch.Tensor, *, bl
         whole &= (idx + 1) * block_size - 1 <= first_query + offset[:, None, None, None]
     full, full_num = _compact(idx, listed & whole, kb)
     partial, partial_num = _compact(idx, listed & ~whole, kb)
+    return BlockMask.from_kv_blocks(partial_num, partial, full_num, full, BLOCK_SIZE=block_size,
+                                    mask_mod=_mask_mod(kv_lens, offset, causal),
+                                    seq_lengths=(q_len, kv_len), compute_q_blocks=False)
 
+
+def _mask_mod(kv_lens: torch.Tensor, offset: torch.Tensor, causal: bool,
+              member: torch.Tensor | None = None, heads: int = 0, rows: int = 0,
+              cols: int = 0, block_size: int = 1):
+    """FlexAttention's ``mask_mod``: the key is valid (``kv_idx < kv_lens[b]``),
+    with ``causal`` right-down visible (``kv_idx <= q_idx + offset[b]``), and
+    with ``member`` (the flat [B, heads, rows, cols] table of listed Stem
+    block pairs) its pair listed. The sizes stay plain ints (constants to
+    the compiler: a lookup with symbolic sizes trips inductor's CPU template)."""
     def mask_mod(b, h, q_idx, kv_idx):
-        visible = kv_idx < kv_lens[b]
+        if member is None:
+            visible = kv_idx < kv_lens[b]
+        else:
+            at = ((b * heads + h) * rows + q_idx // block_size) * cols + kv_idx // block_size
+            visible = (kv_idx < kv_lens[b]) & member[at]
         if causal:
             visible = visible & (kv_idx <= q_idx + offset[b])
         return visible
 
-    return BlockMask.from_kv_blocks(partial_num, partial, full_num, full, BLOCK_SIZE=block_size,
-                                    mask_mod=mask_mod, seq_lengths=(q_len, kv_len),
-                                    compute_q_blocks=False)
+    return mask_mod
 
 
 _COARSE_REPORTED: set[tuple[int, int]] = set()
@@ -160,16 +174,8 @@ def _coarse_block_mask(idx, listed, *, block_size: int, grid: int, causal: bool,
     partial, partial_num = _compact(blocks, coarse, kc)
     # One flat table indexed with plain integers (a 4-D lookup with symbolic
     # sizes trips inductor's CPU template).
-    flat = member.flatten()
-    rows, cols = qc * m, kc * m
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        at = ((b * heads + h) * rows + q_idx // block_size) * cols + kv_idx // block_size
-        visible = (kv_idx < kv_lens[b]) & flat[at]
-        if causal:
-            visible = visible & (kv_idx <= q_idx + offset[b])
-        return visible
-
+    mask_mod = _mask_mod(kv_lens, offset, causal, member.flatten(), heads, qc * m, kc * m,
+                         block_size)
     return BlockMask.from_kv_blocks(partial_num, partial, None, None, BLOCK_SIZE=grid,
                                     mask_mod=mask_mod, seq_lengths=(q_len, kv_len),
                                     compute_q_blocks=False)
