@@ -57,6 +57,14 @@ Runs (the parent needs transformers and torch: ``.venv-vllm``'s python)::
   when there: a rerun resumes. ``--table`` prints successes / trials with
   their Wilson interval per configuration from that file alone.
 
+Threads: OpenVINO runs ``INFERENCE_NUM_THREADS=--ov-threads`` (2); vLLM's
+workers get ``VLLM_CPU_OMP_THREADS_BIND=--vllm-bind``, by default ``auto``
+(vLLM's default: on two cores its model runner binds to one core and keeps
+the other for the engine process); ``--vllm-bind 0-1`` gives it both, as
+OpenVINO has. ``--ov-batched N`` sets OpenVINO's ``max_num_batched_tokens``
+(``32768``: every prompt in one chunk); the passkey trials of a setting other
+than the defaults are recorded under a name that says so.
+
 Lengths past the window are cut to fit it with the answer: "32768" is a
 32,760-token speed prompt and a 32,752-token passkey prompt (the length
 ``vllm_bench.py``'s passkey trials used). Every table names the machine, the
