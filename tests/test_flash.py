@@ -353,7 +353,7 @@ def test_stem_attention_under_fullgraph_compile_equals_eager(seq, layout, device
 
 
 def test_dynamic_shape_compile_equals_eager_at_two_lengths(device):
-    """torch.compile(fullgraph=True, dynamic=True), as the README says: the
+    """torch.compile(fullgraph=True, dynamic=True), as docs/OPERATOR.md says: the
     checks of Python floats (which are traced as symbols there) and the ops
     trace; one compiled function, two sequence lengths (the dense and the
     sparse path), each equal to eager, in both layouts; block_sparse_attention

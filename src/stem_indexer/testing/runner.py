@@ -1,7 +1,7 @@
 """Running the case table against the golden: single and batch modes.
 
 Used by the tests (``tests/test_cases_*.py``) and by ``stem-indexer verify``.
-It mirrors the reference operator's test framework (README.md, "Tests"):
+It mirrors the reference operator's test framework (docs/DEVELOPMENT.md, "Tests"):
 
 * single mode: ``run_case`` builds a case's inputs, takes the golden from
   ``stem_indexer_reference`` (CPU), runs the op on a device in "eager" or
