@@ -21,11 +21,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 180
 
-# Runs in the child: the blocks as JSON on stdin, one JSON line per block out.
+# Runs in the child: {"blocks": [...], ...} as JSON on stdin, one JSON line
+# per block out; code appended to it (``then``) reads the rest of ``payload``.
 DRIVER = """
 import json, sys, traceback
 import contextlib, io
-for n, code in enumerate(json.load(sys.stdin)):
+payload = json.load(sys.stdin)
+for n, code in enumerate(payload["blocks"]):
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):
@@ -35,6 +37,8 @@ for n, code in enumerate(json.load(sys.stdin)):
         result = traceback.format_exc()
     sys.stdout.write(printed.getvalue())
     print("\\nDOC-BLOCK " + json.dumps([n, result, printed.getvalue()]), flush=True)
+"""
+_EXIT = """
 import gc
 gc.freeze()  # exit without a last collection over the blocks' objects
 """
@@ -53,13 +57,16 @@ def section(text: str, heading: str) -> str:
     return re.split(rf"\n#{{1,{len(level)}}} ", body, maxsplit=1)[0]
 
 
-def run_blocks(blocks: list[str], cwd: Path) -> dict:
+def run_blocks(blocks: list[str], cwd: Path, then: str = "", **payload) -> dict:
     """Block number -> None (ran) or its traceback; "printed" -> block number
-    -> what it printed; "log" -> the end of the child's output."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"),
-                                                       os.environ.get("PYTHONPATH", "")]))
+    -> what it printed; "log" -> the end of the child's output; "output" ->
+    all of it. ``then``: code the child runs after the blocks, with the
+    keyword arguments in ``payload``."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT / "src"), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]))
     try:
-        proc = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(blocks),
+        proc = subprocess.run([sys.executable, "-c", DRIVER + then + _EXIT],
+                              input=json.dumps({"blocks": blocks, **payload}),
                               env=env, cwd=cwd, text=True, capture_output=True,
                               timeout=TIMEOUT_S)
         log = proc.stdout + proc.stderr
@@ -70,7 +77,7 @@ def run_blocks(blocks: list[str], cwd: Path) -> dict:
         if line.startswith("DOC-BLOCK "):
             n, result, out = json.loads(line.split(" ", 1)[1])
             found[n], printed[n] = result, out
-    return {**found, "printed": printed, "log": log[-3000:]}
+    return {**found, "printed": printed, "log": log[-3000:], "output": log}
 
 
 _CLAIM = re.compile(r"^print\(.*\)\s+#\s*(.+)$", re.M)

@@ -206,14 +206,26 @@ _IDS = [f"{name}-block{n + 1}" for name, n, _ in _EXAMPLES]
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory) -> dict:
-    """The guides' blocks in one fresh interpreter, guide after guide."""
-    got = run_blocks([b for _, _, b in _EXAMPLES], tmp_path_factory.mktemp("guides"))
+def child(tmp_path_factory) -> dict:
+    """One fresh interpreter for the guides' blocks, guide after guide, and
+    then the commands' argument parsing (``PARSE_DRIVER``)."""
+    jobs = sorted({job for _, c in _COMMANDS if (job := check(c)[2]) is not None}, key=repr)
+    got = run_blocks([b for _, _, b in _EXAMPLES], tmp_path_factory.mktemp("guides"),
+                     then=PARSE_DRIVER,
+                     parse=[[k, t, list(a)] for k, t, a in jobs])
+    line = [x for x in got["output"].splitlines() if x.startswith("PARSED ")]
+    got["parsed"] = dict(zip(jobs, json.loads(line[0][7:]))) if line else None
+    return got
+
+
+@pytest.fixture(scope="module")
+def outcomes(child) -> dict:
+    """Guide -> block number -> None (ran) or its traceback, and "printed"."""
     out = {}
     for i, (guide, n, _) in enumerate(_EXAMPLES):
-        per = out.setdefault(guide, {"printed": {}, "log": got["log"]})
-        if i in got:
-            per[n], per["printed"][n] = got[i], got["printed"][i]
+        per = out.setdefault(guide, {"printed": {}, "log": child["log"]})
+        if i in child:
+            per[n], per["printed"][n] = child[i], child["printed"][i]
     return out
 
 
@@ -299,7 +311,8 @@ def check(command: str) -> tuple[str, str | None, tuple | None]:
     if re.fullmatch(_PYTHON, words[0]) and words[1].endswith(".py"):
         if not (ROOT / words[1]).is_file():
             return "script", f"no {words[1]}", None
-        return "script", None, (("script", words[1], tuple(words[2:])) if words[2:] else None)
+        job = ("script", str(ROOT / words[1]), tuple(words[2:]))
+        return "script", None, (job if words[2:] else None)
     if words[0].endswith(".sh"):
         script = ROOT / words[0]
         missing = [w for w in words[1:] if w not in script.read_text()]
@@ -321,7 +334,7 @@ def check(command: str) -> tuple[str, str | None, tuple | None]:
 
 # Runs in the child: each program up to its argument parser, no further.
 PARSE_DRIVER = """
-import argparse, json, runpy, sys
+import argparse, runpy
 class Parsed(Exception):
     pass
 real = argparse.ArgumentParser.parse_args
@@ -330,7 +343,7 @@ def parse_args(self, args=None, namespace=None):
     raise Parsed
 argparse.ArgumentParser.parse_args = parse_args
 results = []
-for kind, target, argv in json.load(sys.stdin):
+for kind, target, argv in payload["parse"]:
     sys.argv = [target, *argv]
     try:
         if kind == "script":
@@ -347,23 +360,15 @@ for kind, target, argv in json.load(sys.stdin):
         results.append(None if exc.code in (0, None) else f"exit status {exc.code}")
     except BaseException as exc:
         results.append(f"{type(exc).__name__}: {exc}")
-print("PARSED " + json.dumps(results))
+print("PARSED " + json.dumps(results), flush=True)
 """
 
 
 @pytest.fixture(scope="module")
-def parsed(tmp_path_factory) -> dict:
+def parsed(child) -> dict:
     """Parse job -> None (its arguments parse) or why not."""
-    jobs = sorted({job for _, c in _COMMANDS if (job := check(c)[2]) is not None},
-                  key=repr)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT / "src"), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", PARSE_DRIVER],
-                          input=json.dumps([[k, t, list(a)] for k, t, a in jobs]),
-                          cwd=ROOT, env=env, text=True, capture_output=True, timeout=300)
-    line = [x for x in proc.stdout.splitlines() if x.startswith("PARSED ")]
-    assert line, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return dict(zip(jobs, json.loads(line[0][7:])))
+    assert child["parsed"] is not None, child["log"]
+    return child["parsed"]
 
 
 def test_the_docs_have_commands():
