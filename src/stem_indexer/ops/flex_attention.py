@@ -295,12 +295,11 @@ def cuda_kernel_options(q_block: int, kv_block: int, head_dim: int, v_head_dim: 
 # constants: a model has a few, and a symbolic softcap inside score_mod does
 # not lower.
 RECOMPILE_LIMIT = 64
-_COMPILE_CONFIG = {name: value for name, value in (("fail_on_recompile_limit_hit", True),
-                                                   ("fail_on_cache_limit_hit", True),
-                                                   ("specialize_float", True),
-                                                   ("recompile_limit", RECOMPILE_LIMIT),
-                                                   ("cache_size_limit", RECOMPILE_LIMIT))
-                   if hasattr(torch._dynamo.config, name)}
+# Dynamo's settings for the call; those this torch lacks are left out at the
+# call (reading torch._dynamo here would import it with this package).
+_COMPILE_CONFIG = {"fail_on_recompile_limit_hit": True, "fail_on_cache_limit_hit": True,
+                   "specialize_float": True, "recompile_limit": RECOMPILE_LIMIT,
+                   "cache_size_limit": RECOMPILE_LIMIT}
 # FlexAttention's CUDA kernel refuses head dims under 16: q/k (and v) are
 # zero-padded to it there, which changes no score and no output column.
 MIN_CUDA_HEAD_DIM = 16
@@ -341,7 +340,8 @@ def flex_attention_forward(q, k, v, mask, scale: float, softcap: float | None = 
         kernel_options = cuda_kernel_options(int(q_block), int(kv_block), q.shape[-1],
                                              v.shape[-1], q.dtype,
                                              torch.cuda.get_device_capability(q.device))
-    with torch._dynamo.config.patch(**_COMPILE_CONFIG):
+    config = {k: v for k, v in _COMPILE_CONFIG.items() if hasattr(torch._dynamo.config, k)}
+    with torch._dynamo.config.patch(**config):
         out = compiled(q, k, v, score_mod=score_mod, block_mask=mask, scale=float(scale),
                        enable_gqa=q.shape[1] != k.shape[1], return_lse=return_lse,
                        kernel_options=kernel_options)
