@@ -84,7 +84,7 @@ def pytest_unconfigure(config):
 # workers taking one module at a time, starting them first keeps the two
 # workers busy to the end (the rest keep their order).
 COSTLIEST_FIRST = ("test_triton.py", "test_cases_single.py", "test_reliability.py",
-                   "test_triton_aot.py", "test_properties.py", "test_readme.py",
+                   "test_triton_aot.py", "test_properties.py", "test_docs.py",
                    "test_attention.py")
 
 

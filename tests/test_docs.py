@@ -6,9 +6,10 @@ checked, every link resolves, and the contract's citations name its sections.
   ("## N. Title"), and the file it names must be in the repository.
 * Links: every relative link of the README and the guides names a file of
   the repository and, with ``#anchor``, a heading of it.
-* Examples: the guides' ``python`` blocks run and print what they claim
-  (``_doc_blocks``); their ``py`` blocks need a model and run with
-  ``--run-model``.
+* Examples: the ``python`` blocks of the README and the guides run and print
+  what they claim (``_doc_blocks``), all in one interpreter; the ``py``
+  blocks need a model and run with ``--run-model`` (the README's in
+  tests/test_vllm.py, the transformers guide's here).
 * Commands: every shell command of the README and the guides is one the
   tests run or check: a command ``.ci/run`` runs; a ``pytest`` or
   ``tests/run.sh`` call whose files and options exist; a ``stem-indexer``,
@@ -200,15 +201,15 @@ def test_guides_link_to_figures_rather_than_copy_them():
 
 # Examples --------------------------------------------------------------------
 
-_EXAMPLES = [(g.name, n, block) for g in GUIDES
-             for n, block in enumerate(fenced(g.read_text(), "python"))]
+_EXAMPLES = [(d.name, n, block) for d in DOCS
+             for n, block in enumerate(fenced(d.read_text(), "python"))]
 _IDS = [f"{name}-block{n + 1}" for name, n, _ in _EXAMPLES]
 
 
 @pytest.fixture(scope="module")
 def child(tmp_path_factory) -> dict:
-    """One fresh interpreter for the guides' blocks, guide after guide, and
-    then the commands' argument parsing (``PARSE_DRIVER``)."""
+    """One fresh interpreter for the README's blocks and the guides', document
+    after document, and then the commands' argument parsing (``PARSE_DRIVER``)."""
     jobs = sorted({job for _, c in _COMMANDS if (job := check(c)[2]) is not None}, key=repr)
     got = run_blocks([b for _, _, b in _EXAMPLES], tmp_path_factory.mktemp("guides"),
                      then=PARSE_DRIVER,
@@ -230,11 +231,11 @@ def outcomes(child) -> dict:
 
 
 def test_the_guides_have_examples():
-    assert {"OPERATOR.md", "TRANSFORMERS.md"} <= {name for name, _, _ in _EXAMPLES}
+    assert {"README.md", "OPERATOR.md", "TRANSFORMERS.md"} <= {name for name, _, _ in _EXAMPLES}
 
 
 @pytest.mark.parametrize("guide, n, block", _EXAMPLES, ids=_IDS)
-def test_guide_example_runs_and_prints_what_it_claims(guide, n, block, outcomes):
+def test_example_runs_and_prints_what_it_claims(guide, n, block, outcomes):
     got = outcomes[guide]
     assert n in got, f"{guide} block {n + 1} did not finish; output:\n{got['log']}"
     assert got[n] is None, f"{guide} block {n + 1} failed:\n{block}\n{got[n]}"
