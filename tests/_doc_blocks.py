@@ -1,9 +1,9 @@
 """Running the README's and the guides' examples, and checking what they claim.
 
-``python`` blocks run as they stand, in order, in one fresh interpreter per
-document, as a reader pasting them into one session would: each in a
-namespace of its own (a block must import what it uses), with whatever
-state the earlier blocks left in the libraries. A ``print(...)  # claim``
+``python`` blocks run as they stand, in order, in one fresh interpreter, as
+a reader pasting them into one Python session would: each in a namespace of
+its own (a block must import what it uses), with whatever state the earlier
+blocks left in the libraries. A ``print(...)  # claim``
 line's claim (shapes, words, rounded numbers) is checked against what that
 block printed. ``py`` blocks (a model, vLLM) are not run here: the tests
 that need a model run them (``--run-model``).
