@@ -164,9 +164,9 @@ def header() -> str:
     import torch
     import vllm
 
-    from common import git_sha, machine
-    return (f"machine: {machine()}; torch {torch.__version__}, vLLM {vllm.__version__}; "
-            f"git {git_sha()}; VLLM_CPU_OMP_THREADS_BIND="
+    from common import cpu_flags, git_sha, machine
+    return (f"machine: {machine()}; {cpu_flags()}; torch {torch.__version__}, vLLM "
+            f"{vllm.__version__}; git {git_sha()}; VLLM_CPU_OMP_THREADS_BIND="
             f"{os.environ.get('VLLM_CPU_OMP_THREADS_BIND', 'auto')}")
 
 

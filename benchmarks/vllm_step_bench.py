@@ -134,14 +134,15 @@ def main(argv=None) -> int:
     own = []
     for rep in range(args.reps):
         for name in (list(engines) if rep % 2 == 0 else list(reversed(engines))):
-            before = clock.seconds
+            c0 = clock.seconds
             prefill = run(engines[name], 1)
+            c1 = clock.seconds
             whole = run(engines[name], args.tokens)
             steps[name].append((whole - prefill) / (args.tokens - 1) * 1e3)
             if name == "stem":
-                # The plugin's time in the decode run, per step (its prefill run
-                # subtracted in proportion: one step of the tokens + 1 it ran).
-                own.append((clock.seconds - before) / args.tokens * 1e3)
+                # The plugin's time in the decode steps alone: the whole run's
+                # less the prefill run's, per step.
+                own.append(((clock.seconds - c1) - (c1 - c0)) / (args.tokens - 1) * 1e3)
             print(f"  turn {rep} {name}: {steps[name][-1]:.1f} ms per decode step", flush=True)
     ratios = [s / v for s, v in zip(steps["stem"], steps["vllm"])]
     lines = [f"\n### A decode step of {args.requests} requests, with and without the plugin\n",
