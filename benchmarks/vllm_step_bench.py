@@ -12,6 +12,10 @@ tokens together, once with 1 new token (prefill only) and once with
 ``--tokens``; the difference over ``tokens - 1`` is the time of one decode
 step of every request. Engines alternate within a turn.
 
+Prefix caching is off unless ``--prefix-caching``: without it the indexer
+cache leaves decode rows' tokens out (nothing reads them), with it it takes
+every token.
+
 Beside the wall clock, the Stem engine's own work is timed where it runs:
 the metadata builder's ``build`` (vLLM's, plus the step's plan) and each
 layer's ``forward``/``do_kv_cache_update`` beyond vLLM's (the plugin's
@@ -61,6 +65,7 @@ class Clock:
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.parts: dict[str, float] = {}  # the same, per method
         self.inside = 0  # calls of the plugin's methods under way
 
     def around(self, cls, name: str, base) -> None:
@@ -76,7 +81,7 @@ class Clock:
             try:
                 return theirs(*args, **kwargs)
             finally:
-                clock.seconds -= time.perf_counter() - t0
+                clock.add(name, t0 - time.perf_counter())
 
         def timed(*args, **kwargs):
             clock.inside += 1
@@ -84,11 +89,15 @@ class Clock:
             try:
                 return ours(*args, **kwargs)
             finally:
-                clock.seconds += time.perf_counter() - t0
+                clock.add(name, time.perf_counter() - t0)
                 clock.inside -= 1
 
         setattr(cls, name, timed)
         setattr(base, name, timed_base)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds += seconds
+        self.parts[name] = self.parts.get(name, 0.0) + seconds
 
 
 def main(argv=None) -> int:
@@ -96,6 +105,9 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=33)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="both engines with prefix caching (the indexer cache then "
+                             "takes the decoded tokens too)")
     parser.add_argument("--record", default=None, help="append the table to this file")
     args = parser.parse_args(argv)
     make_model(MODEL)
@@ -104,7 +116,7 @@ def main(argv=None) -> int:
     from common import cpu_flags, git_sha, machine, write_atomic
 
     engine = dict(model=str(MODEL), dtype="bfloat16", max_model_len=2048, seed=0,
-                  enable_prefix_caching=False, max_num_seqs=args.requests,
+                  enable_prefix_caching=args.prefix_caching, max_num_seqs=args.requests,
                   max_num_batched_tokens=max(2048, 64 * args.requests))
     engines = {"vllm": LLM(**engine),
                "stem": LLM(**engine, attention_backend="CUSTOM", additional_config={"stem": {}})}
@@ -131,31 +143,41 @@ def main(argv=None) -> int:
     for llm in engines.values():  # warm-up
         run(llm, 2)
     steps = {name: [] for name in engines}
-    own = []
+    own, parts = [], {}
     for rep in range(args.reps):
         for name in (list(engines) if rep % 2 == 0 else list(reversed(engines))):
-            c0 = clock.seconds
+            c0 = clock.seconds, dict(clock.parts)
             prefill = run(engines[name], 1)
-            c1 = clock.seconds
+            c1 = clock.seconds, dict(clock.parts)
             whole = run(engines[name], args.tokens)
             steps[name].append((whole - prefill) / (args.tokens - 1) * 1e3)
             if name == "stem":
                 # The plugin's time in the decode steps alone: the whole run's
                 # less the prefill run's, per step.
-                own.append(((clock.seconds - c1) - (c1 - c0)) / (args.tokens - 1) * 1e3)
+                per_step = 1e3 / (args.tokens - 1)
+                own.append(((clock.seconds - c1[0]) - (c1[0] - c0[0])) * per_step)
+                for part, total in clock.parts.items():
+                    decode = (total - c1[1].get(part, 0.0)) - (c1[1].get(part, 0.0)
+                                                                - c0[1].get(part, 0.0))
+                    parts.setdefault(part, []).append(decode * per_step)
             print(f"  turn {rep} {name}: {steps[name][-1]:.1f} ms per decode step", flush=True)
     ratios = [s / v for s, v in zip(steps["stem"], steps["vllm"])]
     lines = [f"\n### A decode step of {args.requests} requests, with and without the plugin\n",
              f"Machine: {machine()}; {cpu_flags()}; git {git_sha()}; a random model of "
              f"SmolLM2-135M's shape (30 layers), bf16, {args.requests} requests of 64 prompt "
-             f"tokens decoding {args.tokens - 1} steps; {args.reps} turns, engines alternating.",
+             f"tokens decoding {args.tokens - 1} steps; prefix caching "
+             f"{'on' if args.prefix_caching else 'off'}; {args.reps} turns, engines alternating.",
              "", f"`python benchmarks/vllm_step_bench.py --requests {args.requests} "
-             f"--tokens {args.tokens} --reps {args.reps}`", "",
+             f"--tokens {args.tokens} --reps {args.reps}"
+             f"{' --prefix-caching' if args.prefix_caching else ''}`", "",
              "| vLLM ms / step | with the plugin ms / step | ratio, median [min, max] | "
              "the plugin's own code ms / step, median [min, max] |", "|---|---|---|---|",
              f"| {statistics.median(steps['vllm']):.1f} | {statistics.median(steps['stem']):.1f} "
              f"| {statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}] | "
-             f"{statistics.median(own):.2f} [{min(own):.2f}, {max(own):.2f}] |"]
+             f"{statistics.median(own):.2f} [{min(own):.2f}, {max(own):.2f}] |", "",
+             "The plugin's own code per decode step, by method (median ms, all layers): "
+             + ", ".join(f"`{part}` {statistics.median(ms):.2f}" for part, ms in parts.items())
+             + "."]
     print("\n".join(lines))
     if args.record:
         write_atomic(args.record, "\n".join(lines) + "\n", append=True)

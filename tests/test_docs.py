@@ -199,6 +199,20 @@ def test_guides_link_to_figures_rather_than_copy_them():
     assert not copied, "speed-ups belong in benchmarks/*.md:\n" + "\n".join(copied)
 
 
+def test_the_vllm_log_line_shown_is_the_one_printed():
+    """The per-request line the README and docs/VLLM.md show is what the
+    backend's ``request_line`` prints for the counts it names."""
+    from stem_indexer.integrations.vllm.stats import request_line
+
+    line = request_line("0", 2400, 26, {"sparse:continuation": 36,
+                                        "dense:budget keeps every block": 14,
+                                        "dense:budget keeps most blocks": 2}, 485, 1000)
+    assert line.endswith("density 48.5%")
+    for doc in (README, ROOT / "docs" / "VLLM.md"):
+        shown = [x for x in doc.read_text().splitlines() if x.startswith("Stem prefill of")]
+        assert shown == [line], doc.name
+
+
 # Examples --------------------------------------------------------------------
 
 _EXAMPLES = [(d.name, n, block) for d in DOCS

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -307,11 +308,26 @@ def test_stem_path_keeping_every_block_matches_vllm(model):
 def test_sparse_rows_equal_stem_attention_on_the_same_inputs(model):
     run = cached(model, "sparse", SPARSE, check_rows=True)
     _assert_rows_match_stem(run, 1e-5)
+    assert run["record"]["writes_left_out"] == 0  # prefix caching: every token written
     stats = run["stats"]
     assert stats["density"] < 0.7, stats
     assert set(stats["layers"]) == {f"model.layers.{i}.self_attn.attn" for i in range(2)}
     for layer in stats["layers"].values():
         assert 0 < layer["kept"] < layer["visible"], stats
+
+
+def test_without_prefix_caching_decode_tokens_stay_out_of_the_indexer_cache(model):
+    """No page outlives its request, so no Stem row reads a decode row's
+    tokens: the indexer cache leaves them out, and every Stem row still
+    equals Stem's own functions on every key vLLM wrote."""
+    run = cached(model, "sparse-no-prefix", SPARSE, check_rows=True,
+                 engine={"enable_prefix_caching": False})
+    rec = run["record"]
+    assert rec["writes_left_out"] > 0, rec
+    assert rec["rows"] > 20 and rec["selection_mismatches"] == 0, rec
+    assert rec["cache_mismatches"] == 0 and rec["max_error"] < 1e-5, rec
+    assert rec["beside_other_rows"] > 0 and "prefix hit" not in rec["kinds"], rec
+    assert_close_tokens(run, plain(model))
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallel 2 needs two cores")
@@ -388,6 +404,10 @@ def test_amx_engine_runs_stem_on_the_amx_layout(model):
         v for k, v in rows.items() if k.startswith("sparse")) > 0, run["stats"]
     for kind in ("continuation", "prefix hit"):
         assert rows.get(f"sparse:{kind}", 0) > 0, rows
+    # ... and the requests' log lines say so.
+    lines = [x for x in run["log"].splitlines() if "Stem prefill of request" in x]
+    for kind in ("continuation", "prefix hit"):
+        assert any(re.search(rf"rows sparse \([^)]*{kind} [1-9]", x) for x in lines), lines
     assert assert_close_tokens(run, plain(model, BF16))
 
 

@@ -19,8 +19,9 @@ import torch
 import stem_indexer
 from stem_indexer import StemIndexerInputError
 from stem_indexer.integrations.vllm.index_cache import IndexCache
-from stem_indexer.integrations.vllm.rows import (Row, RowKinds, plan_row, plan_stem_row,
-                                                  select_blocks, virtual_rows)
+from stem_indexer.integrations.vllm.rows import (Row, RowKinds, decode_tokens_left_out,
+                                                  plan_row, plan_stem_row, select_blocks,
+                                                  virtual_rows)
 from stem_indexer.integrations.vllm.settings import DEFAULT_DENSE_ABOVE, StemSettings
 
 # --------------------------------------------------------------------------- #
@@ -90,6 +91,15 @@ def test_row_kinds_follow_a_prompt_through_its_chunks():
     assert kinds.kind("c", 0, 50, 50) == "fresh"  # one shot
     assert kinds.kind("d", 128, 900, 100) == "prefix hit"
     assert kinds.kind("d", 228, 900, 100) == "continuation"
+
+
+def test_decode_rows_tokens_are_the_ones_left_out():
+    q_lens = torch.tensor([3, 1, 0, 2, 1])
+    decode = torch.tensor([False, True, False, False, True])
+    assert decode_tokens_left_out(q_lens, decode).tolist() == [
+        True, True, True, False, True, True, False]
+    assert decode_tokens_left_out(q_lens, torch.zeros(5, dtype=torch.bool)) is None
+    assert not decode_tokens_left_out(torch.tensor([1, 1]), torch.tensor([True, True])).any()
 
 
 def test_forgotten_requests_are_bounded():

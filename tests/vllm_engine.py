@@ -32,11 +32,13 @@ class _Shadow:
 
     def __init__(self) -> None:
         self.layers: dict = {}
+        self.left_out = 0  # tokens vLLM's cache took and the indexer cache did not
 
-    def write(self, layer, key, value, slots) -> None:
+    def write(self, layer, key, value, slots, written) -> None:
         import torch
 
         keep = slots >= 0
+        self.left_out += int((keep & (written < 0)).sum())
         key, value, slots = key[keep], value[keep], slots[keep].long()
         if slots.numel() == 0:
             return
@@ -182,6 +184,8 @@ def main() -> None:
             o = out.outputs[0]
             results.append({"tokens": list(o.token_ids),
                             "logprobs": [d[t].logprob for d, t in zip(o.logprobs, o.token_ids)]})
+    if spec.get("check_rows"):
+        record["writes_left_out"] = shadow.left_out
     result = {"outputs": results, "record": record}
     if spec.get("stem") is not None:
         result["stats"] = stem_vllm.stats(llm)

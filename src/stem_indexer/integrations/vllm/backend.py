@@ -21,7 +21,11 @@ sorts the rows and does all their host work.
 * ``do_kv_cache_update`` writes the step's keys and values into vLLM's cache
   (vLLM's own writer, for its layout) and into the layer's indexer cache
   (``index_cache.py``: per page, the keys' group sums and the values' run
-  maxima);
+  maxima). Without prefix caching, decode rows' tokens are left out of the
+  indexer cache: nothing reads them (a request's later rows are decodes too,
+  and a recomputed request rewrites its pages from the start), so a
+  decode-only step writes nothing there. With prefix caching every token is
+  written, as a later prompt may share those pages;
 * ``forward`` runs, for each Stem row, the indexer on the row's queries and
   the indexer cache's entries of its pages (its keys and values are never
   read back), then vLLM's own paged kernel on *virtual rows* that list only
@@ -48,6 +52,7 @@ import torch
 from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.config import get_current_vllm_config
+from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -58,7 +63,8 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from .index_cache import IndexCache
 from .patches import install_step_hook
-from .rows import Row, RowKinds, StemRow, plan_row, plan_stem_row, select_blocks, virtual_rows
+from .rows import (Row, RowKinds, StemRow, decode_tokens_left_out, plan_row, plan_stem_row,
+                   select_blocks, virtual_rows)
 from .settings import StemSettings
 from .stats import STATS
 
@@ -124,6 +130,10 @@ class StepPlan:
     #: every Stem row's pages, and what a complete indexer cache holds on them
     pages: torch.Tensor | None = None
     fill: torch.Tensor | None = None
+    #: the step's tokens the indexer cache takes ([tokens] bool; None: all)
+    write: torch.Tensor | None = None
+    #: no token of the step goes into the indexer cache
+    write_nothing: bool = False
 
 
 @dataclass
@@ -178,6 +188,9 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.settings = StemSettings.from_config(vllm_config.additional_config)
         self.settings.check_kv_block_size(self.block_size)
+        # Without prefix caching no page outlives its request: decode tokens'
+        # indexer-cache entries would never be read.
+        self.write_decodes = bool(vllm_config.cache_config.enable_prefix_caching)
         # Why none of this group's layers can run Stem ("" when some can): their
         # rows are then sorted, not planned.
         self.group_reason = ("sliding window" if self.window_size != -1 else
@@ -208,7 +221,8 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
             return StepPlan(bulk=(("no prompt length", n),))
         prompt = torch.tensor(prompts, dtype=torch.int64)
         context = seq_lens - q_lens
-        bulk = collections.Counter({"decode": int(((q_lens > 0) & (context >= prompt)).sum()),
+        decode = (q_lens > 0) & (context >= prompt)
+        bulk = collections.Counter({"decode": int(decode.sum()),
                                     "empty row": int((q_lens == 0).sum())})
         kinds = _STEP.kinds or {}
         stem, dense = [], []
@@ -225,6 +239,9 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
                                           self.block_size, self.num_heads, self.num_kv_heads,
                                           self.head_dim))
         plan = StepPlan(tuple(stem), tuple(dense), tuple((k, v) for k, v in bulk.items() if v))
+        if not self.write_decodes:
+            plan.write = decode_tokens_left_out(q_lens, decode)
+            plan.write_nothing = plan.write is not None and not bool(plan.write.any())
         if stem:
             plan.pages = torch.cat([s.pages for s in stem])
             plan.fill = torch.cat([s.fill for s in stem])
@@ -258,6 +275,18 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
             kv_cache_dtype=self.kv_cache_dtype)
         spans = tuple((int(starts[r]), int(starts[r] + q_lens[r])) for r in rows)
         return DenseRows(spans, qsl, seq_lens, md.block_table[index], scheduler)
+
+
+def _step_of(layer) -> StepPlan | None:
+    """The plan of the step this layer is in (None where the forward context
+    has none for it: every token is then written)."""
+    try:
+        md = get_forward_context().attn_metadata
+    except Exception:  # outside a forward: no plan
+        return None
+    if isinstance(md, dict):
+        md = md.get(getattr(layer, "layer_name", ""))
+    return getattr(md, "step", None)
 
 
 def _cache_dtype_reason(kv_cache_dtype: str) -> str:
@@ -321,8 +350,10 @@ def observe(fn) -> None:
 
 
 def observe_writes(fn) -> None:
-    """Call ``fn(layer_name, key, value, slot_mapping)`` for every step's keys
-    and values a Stem layer of this process writes from now on."""
+    """Call ``fn(layer_name, key, value, slot_mapping, written)`` for every
+    step's keys and values a Stem layer of this process writes from now on:
+    ``slot_mapping`` where vLLM's cache takes them, ``written`` where the
+    indexer cache does (-1 for the tokens it leaves out)."""
     _WRITE_OBSERVERS.append(fn)
 
 
@@ -388,10 +419,17 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         try:
             n = slot_mapping.shape[0]
             cache = self._index_cache(kv_cache)
-            # One plan of the step's slots serves every layer (checked to fit).
-            _WRITE_PLAN[0] = cache.write(key[:n], value[:n], slot_mapping, _WRITE_PLAN[0])
+            written = slot_mapping  # the slots the indexer cache takes (-1: none)
+            step = _step_of(layer)
+            if step is not None and step.write is not None:
+                written = slot_mapping.clone()
+                keep = step.write[:n]
+                written[:keep.shape[0]].masked_fill_(~keep, -1)
+            if step is None or not step.write_nothing:
+                # One plan of the step's slots serves every layer (checked to fit).
+                _WRITE_PLAN[0] = cache.write(key[:n], value[:n], written, _WRITE_PLAN[0])
             for fn in _WRITE_OBSERVERS:
-                fn(getattr(layer, "layer_name", ""), key[:n], value[:n], slot_mapping)
+                fn(getattr(layer, "layer_name", ""), key[:n], value[:n], slot_mapping, written)
         except Exception as exc:  # the engine goes on; this layer's rows go dense
             if self.index_cache is not None:
                 self.index_cache.filled.fill_(-1)

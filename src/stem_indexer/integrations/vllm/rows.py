@@ -52,7 +52,7 @@ from ...prepare import block_representation
 from .settings import StemSettings
 
 __all__ = ["Row", "RowKinds", "RowPlan", "plan_row", "StemRow", "plan_stem_row",
-           "select_blocks", "virtual_rows", "VirtualRows"]
+           "select_blocks", "virtual_rows", "VirtualRows", "decode_tokens_left_out"]
 
 
 @dataclass(frozen=True)
@@ -237,3 +237,11 @@ def virtual_rows(indices: torch.Tensor, lengths: torch.Tensor, plan: StemRow, bl
     seq = (lengths.to(torch.int64) - 1) * block_size + plan.block_tokens
     return VirtualRows(plan.query_lens, seq.reshape(-1).to(torch.int32),
                        table.reshape(hq * qb, width * per_block).to(torch.int32))
+
+
+def decode_tokens_left_out(q_lens: torch.Tensor, decode: torch.Tensor) -> torch.Tensor | None:
+    """``[tokens]`` bool, False on the tokens of the rows ``decode`` marks
+    (``q_lens [rows]`` tokens each, in order); None when no row is one."""
+    if not bool(decode.any()):
+        return None
+    return (~decode).repeat_interleave(q_lens)
