@@ -112,6 +112,18 @@ def pytest_generate_tests(metafunc):
     metafunc.parametrize("device", variants, indirect=True)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    """Each test plans anew: a plan ``stem_attention`` kept from another test
+    would not see what this one patches (``contract``'s rules, a kernel)."""
+    import sys
+
+    plan = sys.modules.get("stem_indexer.plan")
+    if plan is not None:
+        plan.cached_plan.cache_clear()
+    yield
+
+
 def _torch_selection(monkeypatch) -> None:
     from stem_indexer.ops import native
     monkeypatch.setattr(native, "kernel", lambda: None)

@@ -599,6 +599,7 @@ def test_dense_when_the_budget_keeps_every_block_is_the_contracts_rule(q_len, kv
     assert (info.path == "dense") is exact
     if exact:  # the rule alone sends the call to dense attention
         monkeypatch.setattr(stem_indexer.contract, "dense_is_exact", lambda *args: False)
+        stem_indexer.plan.cached_plan.cache_clear()  # the call above kept its plan
         out, info = stem_attention(q, k, v, return_info=True, dense_above=1.0, **SMALL)
         assert info.path == "sparse"
         dense = dense_attention(q, k, v)

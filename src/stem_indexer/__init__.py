@@ -38,6 +38,7 @@ from .contract import PRESETS, IndexerParams, StemIndexerInputError
 from .dispatch import status
 from .flash import stem_attn_func, stem_attn_varlen_func
 from .ops.flex_attention import block_mask
+from .plan import StemPlan, stem_plan, stem_run
 from .prepare import StemInputs, stem_inputs
 from .reference import stem_indexer_reference
 
@@ -47,6 +48,9 @@ __all__ = [
     "stem_attention",
     "stem_attn_func",
     "stem_attn_varlen_func",
+    "stem_plan",
+    "stem_run",
+    "StemPlan",
     "StemInfo",
     "PRESETS",
     "stem_inputs",

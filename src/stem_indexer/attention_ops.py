@@ -13,7 +13,8 @@ import torch
 from . import contract
 from .checks import _selection_values
 from .contract import IndexerParams, ceil_div
-from .dispatch import _backend, _Call, _run, _stem
+from .dispatch import _backend, _Call, _run
+from .plan import Shape, cached_plan, execute
 from .prepare import check_lens_values
 
 @torch.library.custom_op("stem_indexer::block_sparse_attention", mutates_args=())
@@ -60,15 +61,41 @@ def _stem_attention_op(
     params = IndexerParams(causal, stem_block_size, stem_stride, alpha, initial_blocks,
                            window_size, k_block_num_rate_medium, k_block_num_bias_medium,
                            k_block_num_rate_large, k_block_num_bias_large, topk_score_precision)
-    out, lse, info = _stem(q, k, v, qlen, kvlen, prompt, params, scale, softcap, oam,
-                           oam_lambda, indexer_scale, min_q_blocks, backend, want_lse,
-                           dense_above, exact_tail)
+    # One plan per batch shape and settings: the layers of a forward pass share it.
+    shape = Shape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
+                  q.device, q.dtype)
+    plan = cached_plan(shape, tuple(qlen.tolist()), tuple(kvlen.tolist()),
+                       tuple(prompt.tolist()), params, scale, softcap, oam, oam_lambda,
+                       indexer_scale, min_q_blocks, backend, want_lse, dense_above, exact_tail)
+    out, lse, lengths = execute(q, k, v, plan)
+    info = plan.info
+    if lengths is not None:  # the sparse path: the pairs its lists keep
+        info = info._replace(kept_pairs=int(lengths.sum()))
     return out.contiguous(), _lse_or_nan(lse, q), info.encode()
 
 @_stem_attention_op.register_fake
 def _(q, k, v, *args):
     return (q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32),
             torch.empty(5, dtype=torch.int64, device="cpu"))
+
+@torch.library.custom_op("stem_indexer::planned_attention", mutates_args=())
+def _planned_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          sparse_indices: torch.Tensor, sparse_seq_len: torch.Tensor,
+                          q_lens: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
+                          causal: bool, scale: float, softcap: float | None, kernel: str,
+                          want_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block_sparse_attention`` for ``plan.stem_run``: the lists are the
+    indexer's (or the plan's), the host lengths and the kernel the plan's, all
+    checked when it was made, so nothing is checked again."""
+    call = _Call(q, k, v, sparse_indices, sparse_seq_len, q_lens, kv_lens, block_size, causal,
+                 scale, softcap)
+    out, lse = _run(call, kernel, want_lse)
+    return out.contiguous(), _lse_or_nan(lse, q)
+
+@_planned_attention_op.register_fake
+def _(q, k, v, sparse_indices, sparse_seq_len, q_lens, kv_lens, block_size, causal, scale,
+      softcap, kernel, want_lse):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 def _lse_or_nan(lse: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     """The op's second output: the log-sum-exp, or NaN where none was asked for."""

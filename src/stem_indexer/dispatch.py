@@ -1,13 +1,15 @@
-"""Which path and which kernel run a checked call, and running them.
+"""Which kernel runs a checked call, and running it.
 
-``_stem`` is the body of ``stem_attention``: dense attention where the
-budget keeps every block (``contract.dense_is_exact``), more than
-``dense_above`` of the visible block pairs (``contract.budget_pairs``), or
-there are too few query blocks, else ``prepare.stem_inputs`` -> indexer
-metadata -> indexer -> (the rows of the prompt's last ``exact_tail`` tokens
-widened to every block, ``widen_tail``) -> block-sparse attention. ``_run``
-runs block-sparse attention on the kernel that ``_backend`` picks (see
-``attention.py``'s docstring for the backends).
+``_run`` runs block-sparse attention on the kernel that ``_backend`` picks
+(see ``attention.py``'s docstring for the backends); the pieces of
+``stem_attention``'s path that ``plan.py`` plans with (the visible pairs,
+the dense lists, the rows ``exact_tail`` widens) live here beside it.
+``plan.py`` decides the path: dense attention where the budget keeps every
+block (``contract.dense_is_exact``), more than ``dense_above`` of the
+visible block pairs (``contract.budget_pairs``), or there are too few query
+blocks, else indexer inputs -> indexer -> (the rows of the prompt's last
+``exact_tail`` tokens widened to every block, ``apply_tail``) -> block-sparse
+attention.
 """
 
 from __future__ import annotations
@@ -19,13 +21,10 @@ from typing import NamedTuple
 import torch
 
 from . import contract
-from .api import run_indexer, stem_indexer_metadata
 from .checks import check_backend_fits
 from .contract import IndexerParams, ceil_div, fail
-from .dense import _dense
 from .ops import flex_attention as flex, native
 from .ops.gather_attention import gather_attention
-from .prepare import stem_inputs
 
 # --------------------------------------------------------------------------- #
 # Kernels
@@ -62,17 +61,22 @@ def attention_path(device_type: str, dtype: torch.dtype) -> tuple[str, str | Non
 
 
 def _backend(backend: str, q: torch.Tensor) -> str:
+    """``_backend_for`` q's device and dtype."""
+    return _backend_for(backend, q.device, q.dtype)
+
+
+def _backend_for(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     """``backend``, or for ``"auto"`` the kernel of ``attention_path``; a
     fallback is reported once (a warning; ``stem_indexer.status()``)."""
     if backend != "auto":
         return backend
-    chosen, why = attention_path(q.device.type, q.dtype)
+    chosen, why = attention_path(device.type, dtype)
     if why is not None and _native() is None:
         from .ops import sparse_attention
         sparse_attention.report_fallback()
     elif why is not None:
-        native.report_once(f"attention {q.device.type} {q.dtype}", "block-sparse attention "
-                           f"on {q.device.type} {str(q.dtype).removeprefix('torch.')} runs "
+        native.report_once(f"attention {device.type} {dtype}", "block-sparse attention "
+                           f"on {device.type} {str(dtype).removeprefix('torch.')} runs "
                            f"torch operations on gathered blocks ({why}): slower")
     return chosen
 
@@ -297,62 +301,10 @@ def apply_tail(idx: torch.Tensor, lengths: torch.Tensor, plan: tuple[TailRows, .
     wide = idx.new_full((*idx.shape[:3], max(kmax, idx.shape[3])), -1)
     wide[..., :idx.shape[3]] = idx
     lengths = lengths.clone()
-    blocks = torch.arange(wide.shape[3])
+    blocks = torch.arange(wide.shape[3], device=wide.device)
     for b, r, reach in plan:
+        reach = reach.to(wide.device)  # a plan's are there already
         listed = torch.where(blocks < reach[:, None], blocks, -1)
-        wide[b, :, r.start:r.stop] = listed.to(device=wide.device, dtype=wide.dtype)
-        lengths[b, :, r.start:r.stop] = reach.to(device=lengths.device, dtype=lengths.dtype)
+        wide[b, :, r.start:r.stop] = listed.to(wide.dtype)
+        lengths[b, :, r.start:r.stop] = reach.to(lengths.dtype)
     return wide, lengths
-
-def widen_tail(idx: torch.Tensor, lengths: torch.Tensor, qlen, kvlen, prompt, tail: int,
-               bs: int, causal: bool, kmax: int):
-    """The indexer's lists with every row of ``contract.tail_rows`` (the
-    prompt's last ``tail`` tokens) widened to every key block its tokens can
-    see: ``apply_tail`` of ``tail_plan``."""
-    return apply_tail(idx, lengths, tail_plan(qlen, kvlen, prompt, tail, bs, causal), kmax)
-
-def _stem(q, k, v, qlen, kvlen, prompt, params: IndexerParams, scale, softcap, oam, oam_lambda,
-          indexer_scale, min_q_blocks, backend, want_lse, dense_above: float = 1.0,
-          exact_tail: int = 0):
-    """The body of ``stem_attention`` on checked arguments: (out, lse, info)."""
-    hq, hkv = q.shape[1], k.shape[1]
-    bs, stride = params.stem_block_size, params.stem_stride
-    qmax, kmax = ceil_div(q.shape[2], bs), ceil_div(k.shape[2], bs)
-    visible = _visible_pairs(qlen, kvlen, params) * hq
-    backend = _backend(backend, q)
-    reason = ""
-    if int(ceil_div(qlen, bs).max()) < min_q_blocks:
-        reason = "decode"
-    elif contract.dense_is_exact(qlen, kvlen, prompt, params):
-        reason = "budget keeps every block"
-    elif dense_above < 1.0:
-        kept, seen = contract.budget_pairs(qlen, kvlen, prompt, params)
-        if seen and kept > dense_above * seen:
-            reason = "budget keeps most blocks"
-    if reason and not (want_lse or softcap):
-        out = _dense(q, k, v, params.causal, scale, qlen, kvlen)
-        return out, None, StemInfo("dense", reason, "sdpa", visible, visible)
-    if reason:  # dense through the block kernels, which give the lse and the softcap
-        idx, lengths = _dense_lists(qlen, kvlen, bs, params.causal, hq, qmax, kmax, q.device)
-        out, lse = _run(_Call(q, k, v, idx, lengths, qlen, kvlen, bs, params.causal, scale,
-                              softcap), backend, want_lse)
-        return out, lse, StemInfo("dense", reason, backend, visible, visible)
-
-    inputs = stem_inputs(q, k, v, stem_block_size=bs, stem_stride=stride,
-                         q_lens=qlen.to(q.device),
-                         kv_lens=kvlen.to(q.device),
-                         scale=scale / stride if indexer_scale is None else indexer_scale,
-                         oam=oam, oam_lambda=oam_lambda)
-    metadata = stem_indexer_metadata(
-        inputs.q_seq_lens, inputs.kv_seq_lens, hq, hkv, causal=params.causal,
-        stem_block_size=bs, dim_qkflat=inputs.qflat.shape[-1], window_size=params.window_size)
-    idx, lengths = run_indexer(
-        inputs.qflat, inputs.kflat, inputs.vbias, inputs.q_seq_lens, inputs.kv_seq_lens,
-        prompt.to(device=q.device, dtype=torch.int32), metadata, params)
-    idx, lengths = widen_tail(idx, lengths, qlen, kvlen, prompt, exact_tail, bs, params.causal,
-                               kmax)
-    # The lists are valid by contract (the indexer's ascend; a widened row is
-    # 0 .. reach-1): no check needed.
-    out, lse = _run(_Call(q, k, v, idx, lengths, qlen, kvlen, bs, params.causal, scale,
-                          softcap), backend, want_lse)
-    return out, lse, StemInfo("sparse", "", backend, int(lengths.sum()), visible)

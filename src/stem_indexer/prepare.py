@@ -55,6 +55,8 @@ __all__ = [
     "block_representation",
     "output_aware_bias",
     "bias_from_run_max",
+    "represent",
+    "value_bias",
     "seq_lens_tensor",
     "lens_argument",
     "check_lens_values",
@@ -192,14 +194,26 @@ def block_representation(
     who = "block_representation"
     _check_4d("x", x, who)
     check_blocking(block_size, stride, who)
-    batch, heads, seq, dim = x.shape
-    nblocks = ceil_div(seq, block_size)
-    ratio = block_size // stride
+    batch, _, seq, _ = x.shape
+    valid = None
     if lens is not None:
         lens = seq_lens_tensor(lens, batch, seq, "lens", x.device, who)
         valid = torch.arange(seq, device=x.device) < lens[:, None]
-        if not bool(valid.all()):
-            x = x.masked_fill(~valid[:, None, :, None], 0)
+        if bool(valid.all()):
+            valid = None
+    return represent(x, block_size, stride, valid, reverse=reverse, scale=scale, dtype=dtype)
+
+
+def represent(x: torch.Tensor, block_size: int, stride: int, valid: torch.Tensor | None, *,
+              reverse: bool = False, scale: float | None = None,
+              dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``block_representation`` on checked arguments, tensor work only:
+    ``valid [B, S]`` bool marks the valid tokens (None: every one)."""
+    batch, heads, seq, dim = x.shape
+    nblocks = ceil_div(seq, block_size)
+    ratio = block_size // stride
+    if valid is not None:
+        x = x.masked_fill(~valid[:, None, :, None], 0)
     pad = nblocks * block_size - seq
     if pad:
         x = torch.nn.functional.pad(x, (0, 0, 0, pad))
@@ -225,20 +239,30 @@ def output_aware_bias(
     _check_4d("v", v, who)
     check_blocking(block_size, stride, who)
     check_oam_lambda(oam_lambda, who)
+    batch, _, seq, _ = v.shape
+    lens = seq_lens_tensor(lens, batch, seq, "lens", v.device, who)
+    valid = torch.arange(seq, device=v.device) < lens[:, None]
+    return value_bias(v, block_size, stride, valid, ceil_div(lens, stride), oam_lambda, eps)
+
+
+def value_bias(v: torch.Tensor, block_size: int, stride: int, valid: torch.Tensor | None,
+               valid_runs: torch.Tensor, oam_lambda: float = DEFAULT_OAM_LAMBDA,
+               eps: float = _EPS) -> torch.Tensor:
+    """``output_aware_bias`` on checked arguments, tensor work only: ``valid
+    [B, S]`` bool marks the valid tokens (None: every one), ``valid_runs
+    [B]`` is ``ceil(len / stride)``."""
     batch, heads, seq, _ = v.shape
     nblocks = ceil_div(seq, block_size)
     ratio = block_size // stride
     nruns = nblocks * ratio
-    lens = seq_lens_tensor(lens, batch, seq, "lens", v.device, who)
-
     # float32 norms whatever v's dtype (vector_norm's dtype= refuses narrowing)
     norms = torch.linalg.vector_norm(v.float(), dim=-1)  # (B, H, S)
-    valid = torch.arange(seq, device=v.device) < lens[:, None]
-    # Norms are >= 0, so zeroed padding never wins a run's max over valid tokens.
-    norms = norms.masked_fill(~valid[:, None, :], 0.0)
+    if valid is not None:
+        # Norms are >= 0, so zeroed padding never wins a run's max over valid tokens.
+        norms = norms.masked_fill(~valid[:, None, :], 0.0)
     norms = torch.nn.functional.pad(norms, (0, nblocks * block_size - seq))
     run_max = norms.view(batch, heads, nruns, stride).amax(dim=-1)
-    return bias_from_run_max(run_max, ceil_div(lens, stride), ratio, oam_lambda, eps)
+    return bias_from_run_max(run_max, valid_runs, ratio, oam_lambda, eps)
 
 
 def bias_from_run_max(run_max: torch.Tensor, valid_runs: torch.Tensor, ratio: int,

@@ -168,4 +168,31 @@ _lib.impl("npu_stem_indexer", _indexer_cuda_kernel, "CUDA")
 for _key in ("CPU", "CUDA"):
     _lib.impl("npu_stem_indexer_metadata", _metadata_kernel, _key)
 torch.library.register_fake(f"{NAMESPACE}::npu_stem_indexer", _indexer_fake, lib=_lib)
+
+
+# The same indexer for ``plan.stem_run``, in this package's namespace: its
+# plan checked the lengths and built the metadata, so on CUDA it reads
+# nothing on the host (no check repeated), captured or not. On CPU the
+# kernel needs the lengths on the host anyway and checks them as the op does.
+PLANNED_NAMESPACE = "stem_indexer"
+_planned = torch.library.Library(PLANNED_NAMESPACE, "FRAGMENT")
+_planned.define(INDEXER_SCHEMA.replace("npu_stem_indexer(", "planned_indexer("))
+
+
+def _planned_cuda_kernel(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, *,
+                         num_prompt_tokens=None, metadata=None, **attrs):
+    if not _triton_available():
+        return _indexer_cuda_kernel(qflat, kflat, vbias, q_seq_lens, kv_seq_lens,
+                                    num_prompt_tokens=num_prompt_tokens, metadata=metadata,
+                                    **attrs)
+    inputs = (qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens, metadata)
+    from .triton.launch import stem_indexer_triton
+
+    return stem_indexer_triton(*inputs, _checked(*inputs, attrs))
+
+
+_planned.impl("planned_indexer", _indexer_kernel, "CPU")
+_planned.impl("planned_indexer", _planned_cuda_kernel, "CUDA")
+torch.library.register_fake(f"{PLANNED_NAMESPACE}::planned_indexer", _indexer_fake,
+                            lib=_planned)
 torch.library.register_fake(f"{NAMESPACE}::npu_stem_indexer_metadata", _metadata_fake, lib=_lib)

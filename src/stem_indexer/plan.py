@@ -1,0 +1,315 @@
+"""Plan once, run without the host: ``stem_attention`` in two halves.
+
+``stem_plan`` does all of a call's host work for one batch shape: the
+argument checks, the path (dense or sparse, and why), the kernel, the visible
+block pairs, the indexer's metadata, the rows ``exact_tail`` widens, the
+masks of padded tokens, the lengths on the device. ``stem_run(q, k, v, plan)``
+is tensor work and kernel calls only: it reads nothing on the host (no
+``.item()``, ``int(tensor)``, ``bool(tensor)`` or ``.tolist()``), and it
+compiles with ``torch.compile(fullgraph=True, dynamic=True)``: its kernels
+are custom ops (``stem_indexer::planned_indexer``,
+``stem_indexer::planned_attention``) that trust the plan's checked values
+instead of checking them again.
+
+One plan serves every layer of a forward pass that shares its lengths,
+heads and settings (``stem_attention`` keeps the last few plans it made, so
+the transformers integration plans once per forward, not once per layer).
+
+    plan = stem_plan(q_lens, kv_lens, num_heads=32, num_kv_heads=8, head_dim=128,
+                     device="cuda", dtype=torch.bfloat16, preset="default")
+    for layer in layers:
+        out = stem_run(q, k, v, plan)   # the same result as stem_attention(q, k, v, ...)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from . import contract
+from .api import stem_indexer_metadata
+from .checks import _check_scale, _check_softcap, check_backend_fits, check_stem_options
+from .contract import DEFAULT_EXACT_TAIL, IndexerParams, ceil_div, check_bool, fail
+from .dense import _dense_one
+from .dispatch import (StemInfo, TailRows, _backend_for, _dense_lists, _visible_pairs,
+                       apply_tail, tail_plan)
+from .prepare import (DEFAULT_OAM_LAMBDA, Lengths, check_lens_values, lens_argument, represent,
+                      value_bias)
+
+__all__ = ["StemPlan", "stem_plan", "stem_run"]
+
+
+@dataclass(frozen=True, eq=False)
+class StemPlan:
+    """What ``stem_run`` needs for one batch shape, every host value decided.
+
+    ``info`` is the path the plan takes (``StemInfo``; for a sparse plan its
+    kept pairs are those of the widened rows only: the indexer's are known
+    after the run). Tensors live on the plan's device unless named host."""
+
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    q_len: int  #: the padded query length (q's sequence dim)
+    kv_len: int  #: the padded key length
+    head_dim: int
+    device: torch.device
+    dtype: torch.dtype
+    params: IndexerParams
+    scale: float
+    softcap: float | None
+    indexer_scale: float
+    oam: bool
+    oam_lambda: float
+    return_lse: bool
+    info: StemInfo
+    q_lens_host: tuple[int, ...]
+    kv_lens_host: tuple[int, ...]
+    #: the attention kernels' host lengths (int64, CPU)
+    qlen: torch.Tensor
+    kvlen: torch.Tensor
+    #: sparse: the indexer's lengths (int32), prompt lengths, metadata
+    q_seq_lens: torch.Tensor | None = None
+    kv_seq_lens: torch.Tensor | None = None
+    prompt: torch.Tensor | None = None
+    metadata: torch.Tensor | None = None
+    #: [B, S] bool valid-token masks (None: no padding)
+    q_valid: torch.Tensor | None = None
+    kv_valid: torch.Tensor | None = None
+    valid_runs: torch.Tensor | None = None
+    tail: tuple[TailRows, ...] = ()
+    #: dense through the block kernels (for the lse or the softcap): every
+    #: visible block listed
+    lists: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def path(self) -> str:
+        return self.info.path
+
+    def check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The shapes, dtype and device the plan was made for (metadata only:
+        no value is read)."""
+        want_q = (self.batch, self.num_heads, self.q_len, self.head_dim)
+        want_kv = (self.batch, self.num_kv_heads, self.kv_len, self.head_dim)
+        for name, x, want in (("q", q, want_q), ("k", k, want_kv), ("v", v, want_kv)):
+            if tuple(x.shape) != want:
+                fail("stem_run", name, f"must have the plan's shape {list(want)}",
+                     f"shape {tuple(x.shape)}")
+            if x.dtype != self.dtype or x.device != self.device:
+                fail("stem_run", name, f"must be {self.dtype} on {self.device}, as planned",
+                     f"{x.dtype} on {x.device}")
+
+
+def stem_plan(
+    q_lens: Lengths, kv_lens: Lengths, *, num_heads: int, num_kv_heads: int, head_dim: int,
+    device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
+    q_len: int | None = None, kv_len: int | None = None, num_prompt_tokens: Lengths = None,
+    causal: bool = True, scale: float | None = None, softcap: float | None = None,
+    preset: str = "default", oam: bool = True, oam_lambda: float = DEFAULT_OAM_LAMBDA,
+    indexer_scale: float | None = None, min_q_blocks: int = 2,
+    dense_above: float | None = None, exact_tail: int = DEFAULT_EXACT_TAIL,
+    backend: str = "auto", return_lse: bool = False, **indexer_params,
+) -> StemPlan:
+    """All host work of ``stem_attention`` for one batch shape.
+
+    Args:
+        q_lens, kv_lens: valid tokens per batch (host ints or a tensor; read
+            once, here).
+        num_heads, num_kv_heads, head_dim: q's and k/v's heads and head dim.
+        device, dtype: those of the q, k, v the plan will run on.
+        q_len, kv_len: the padded sequence dims of q and k/v (default the
+            longest length).
+        The rest: ``stem_attention``'s keywords, with the same defaults and
+        checks.
+
+    Returns:
+        A ``StemPlan`` for ``stem_run``.
+    """
+    who = "stem_plan"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    qlen = lens_argument(q_lens, _batch(q_lens), 2**31 - 1, "q_lens", who).cpu()
+    batch = qlen.shape[0]
+    if batch == 0:
+        fail(who, "q_lens", "must hold one length per batch, at least one", "[]")
+    kvlen = lens_argument(kv_lens, batch, 2**31 - 1, "kv_lens", who).cpu()
+    q_len = int(qlen.max()) if q_len is None else q_len
+    kv_len = int(kvlen.max()) if kv_len is None else kv_len
+    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("q_len", q_len), ("kv_len", kv_len)):
+        contract.check_int(who, name, value, 1)
+    if num_heads % num_kv_heads:
+        fail(who, "num_heads", f"must be a multiple of num_kv_heads ({num_kv_heads})",
+             num_heads)
+    qlen = check_lens_values(qlen, q_len, "q_lens", who)
+    kvlen = check_lens_values(kvlen, kv_len, "kv_lens", who)
+    prompt = kvlen
+    if num_prompt_tokens is not None:
+        prompt = lens_argument(num_prompt_tokens, batch, 2**31 - 1, "num_prompt_tokens", who)
+        prompt = check_lens_values(prompt.cpu(), 2**31 - 1, "num_prompt_tokens", who)
+        contract.check_prompt(prompt, kvlen, who, "kv_lens")
+    params, indexer_scale = check_stem_options(
+        who, causal=causal, preset=preset, oam=oam, oam_lambda=oam_lambda,
+        indexer_scale=indexer_scale, min_q_blocks=min_q_blocks, exact_tail=exact_tail,
+        backend=backend, **indexer_params)
+    check_backend_fits(who, backend, device, dtype)
+    scale = _check_scale(who, "scale", scale, head_dim)
+    softcap = _check_softcap(who, softcap)
+    check_bool(who, "return_lse", return_lse)
+    contract.check_dense_above(who, dense_above)
+    if dense_above is None:
+        dense_above = contract.default_dense_above(device, dtype)
+    return build_plan(Shape(batch, num_heads, num_kv_heads, q_len, kv_len, head_dim, device,
+                            dtype), qlen, kvlen, prompt, params, scale, softcap, oam,
+                      float(oam_lambda), indexer_scale, min_q_blocks, backend, return_lse,
+                      float(dense_above), exact_tail)
+
+
+def _batch(q_lens: Lengths) -> int:
+    """The batch size ``q_lens`` gives (its checks are ``lens_argument``'s)."""
+    if isinstance(q_lens, torch.Tensor) and q_lens.dim() == 1:
+        return q_lens.shape[0]
+    try:
+        return len(q_lens)
+    except TypeError:
+        fail("stem_plan", "q_lens", "must be a 1-D integer tensor or a sequence of ints (one "
+             "length per batch)", type(q_lens).__name__)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The tensors a plan is for."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    device: torch.device
+    dtype: torch.dtype
+
+
+@functools.lru_cache(maxsize=16)
+def cached_plan(shape: Shape, q_lens: tuple, kv_lens: tuple, prompt: tuple,
+                params: IndexerParams, *options) -> StemPlan:
+    """``build_plan`` on host tuples, kept for the next call with the same
+    ones (the next layer of a forward pass)."""
+    as_tensor = functools.partial(torch.tensor, dtype=torch.int64)
+    return build_plan(shape, as_tensor(q_lens), as_tensor(kv_lens), as_tensor(prompt), params,
+                      *options)
+
+
+def build_plan(shape: Shape, qlen: torch.Tensor, kvlen: torch.Tensor, prompt: torch.Tensor,
+               params: IndexerParams, scale: float, softcap: float | None, oam: bool,
+               oam_lambda: float, indexer_scale: float | None, min_q_blocks: int,
+               backend: str, want_lse: bool, dense_above: float,
+               exact_tail: int) -> StemPlan:
+    """The plan of checked arguments (host int64 lengths)."""
+    s, device = shape, shape.device
+    bs, stride = params.stem_block_size, params.stem_stride
+    visible = _visible_pairs(qlen, kvlen, params) * s.heads
+    kernel = _backend_for(backend, device, s.dtype)
+    reason = ""
+    if int(ceil_div(qlen, bs).max()) < min_q_blocks:
+        reason = "decode"
+    elif contract.dense_is_exact(qlen, kvlen, prompt, params):
+        reason = "budget keeps every block"
+    elif dense_above < 1.0:
+        kept, seen = contract.budget_pairs(qlen, kvlen, prompt, params)
+        if seen and kept > dense_above * seen:
+            reason = "budget keeps most blocks"
+    common = dict(batch=s.batch, num_heads=s.heads, num_kv_heads=s.kv_heads, q_len=s.q_len,
+                  kv_len=s.kv_len, head_dim=s.head_dim, device=device, dtype=s.dtype,
+                  params=params, scale=scale, softcap=softcap,
+                  indexer_scale=scale / stride if indexer_scale is None else indexer_scale,
+                  oam=oam, oam_lambda=oam_lambda, return_lse=want_lse,
+                  q_lens_host=tuple(qlen.tolist()), kv_lens_host=tuple(kvlen.tolist()),
+                  qlen=qlen, kvlen=kvlen)
+    qmax, kmax = ceil_div(s.q_len, bs), ceil_div(s.kv_len, bs)
+    if reason and not (want_lse or softcap):
+        return StemPlan(info=StemInfo("dense", reason, "sdpa", visible, visible), **common)
+    if reason:
+        lists = _dense_lists(qlen, kvlen, bs, params.causal, s.heads, qmax, kmax, device)
+        return StemPlan(info=StemInfo("dense", reason, kernel, visible, visible),
+                        lists=lists, **common)
+    q_seq_lens = qlen.to(device=device, dtype=torch.int32)
+    kv_seq_lens = kvlen.to(device=device, dtype=torch.int32)
+    metadata = stem_indexer_metadata(
+        q_seq_lens, kv_seq_lens, s.heads, s.kv_heads, causal=params.causal,
+        stem_block_size=bs, dim_qkflat=stride * s.head_dim, window_size=params.window_size)
+    tail = tuple(TailRows(t.batch, t.rows, t.reach.to(device))
+                 for t in tail_plan(qlen, kvlen, prompt, exact_tail, bs, params.causal))
+    return StemPlan(info=StemInfo("sparse", "", kernel, 0, visible), **common,
+                    q_seq_lens=q_seq_lens, kv_seq_lens=kv_seq_lens,
+                    prompt=prompt.to(device=device, dtype=torch.int32), metadata=metadata,
+                    q_valid=_valid(qlen, s.q_len, device), kv_valid=_valid(kvlen, s.kv_len, device),
+                    valid_runs=ceil_div(kvlen, stride).to(device), tail=tail)
+
+
+def _valid(lens: torch.Tensor, seq: int, device: torch.device) -> torch.Tensor | None:
+    """[B, seq] bool, the valid tokens, or None when every one is."""
+    if bool((lens == seq).all()):
+        return None
+    return (torch.arange(seq) < lens[:, None]).to(device)
+
+
+def stem_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             plan: StemPlan) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Stem attention of ``q [B, Hq, Sq, D]``, ``k, v [B, Hkv, Skv, D]`` on the
+    plan made for them: ``stem_attention``'s result (and, with the plan's
+    ``return_lse``, its log-sum-exp). Tensor work and kernels only."""
+    plan.check_inputs(q, k, v)
+    out, lse, _ = execute(q, k, v, plan)
+    return (out, lse) if plan.return_lse else out
+
+
+def execute(q, k, v, plan: StemPlan):
+    """``(out, lse or None, lengths or None)``: the run, with the sparse
+    path's list lengths (for counting the kept pairs)."""
+    p = plan.params
+    if plan.info.backend == "sdpa":
+        return _dense_planned(q, k, v, plan), None, None
+    if plan.lists is not None:
+        idx, lengths = plan.lists
+    else:
+        bs, stride = p.stem_block_size, p.stem_stride
+        qflat = represent(q, bs, stride, plan.q_valid, scale=plan.indexer_scale)
+        kflat = represent(k, bs, stride, plan.kv_valid, reverse=True)
+        if plan.oam:
+            vbias = value_bias(v, bs, stride, plan.kv_valid, plan.valid_runs, plan.oam_lambda)
+        else:
+            vbias = v.new_zeros(plan.batch, plan.num_kv_heads, ceil_div(plan.kv_len, bs),
+                                dtype=torch.float32)
+        idx, lengths = torch.ops.stem_indexer.planned_indexer(
+            qflat, kflat, vbias, plan.q_seq_lens, plan.kv_seq_lens,
+            num_prompt_tokens=plan.prompt, metadata=plan.metadata, causal=p.causal,
+            stem_block_size=bs, stem_stride=stride, alpha=p.alpha,
+            initial_blocks=p.initial_blocks, window_size=p.window_size,
+            k_block_num_rate_medium=p.k_block_num_rate_medium,
+            k_block_num_bias_medium=p.k_block_num_bias_medium,
+            k_block_num_rate_large=p.k_block_num_rate_large,
+            k_block_num_bias_large=p.k_block_num_bias_large,
+            topk_score_precision=p.topk_score_precision)
+        idx, lengths = apply_tail(idx, lengths, plan.tail, ceil_div(plan.kv_len, bs))
+    out, lse = torch.ops.stem_indexer.planned_attention(
+        q, k, v, idx, lengths, plan.qlen, plan.kvlen, p.stem_block_size, p.causal, plan.scale,
+        plan.softcap, plan.info.backend, plan.return_lse)
+    return out, (lse if plan.return_lse else None), (None if plan.lists is not None else lengths)
+
+
+def _dense_planned(q, k, v, plan: StemPlan) -> torch.Tensor:
+    """``dense._dense`` on the plan's host lengths."""
+    causal = plan.params.causal
+    if all(n == plan.q_len for n in plan.q_lens_host) and \
+            all(n == plan.kv_len for n in plan.kv_lens_host):
+        return _dense_one(q, k, v, causal, plan.scale).to(q.dtype)
+    out = torch.zeros_like(q)
+    for b, (ql, kl) in enumerate(zip(plan.q_lens_host, plan.kv_lens_host)):
+        if ql and kl:
+            out[b:b + 1, :, :ql] = _dense_one(q[b:b + 1, :, :ql], k[b:b + 1, :, :kl],
+                                              v[b:b + 1, :, :kl], causal, plan.scale)
+    return out
