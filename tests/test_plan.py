@@ -50,6 +50,9 @@ def _both(q, k, v, lens, **kw):
     (1024, None, {"dense_above": 0.1}, "dense"),       # ... more than dense_above
     (1024, None, {"return_lse": True}, "sparse"),
     (256, [256, 200], {"return_lse": True}, "dense"),  # dense through the block kernels
+    (1000, [1000, 700], {"backend": "gather"}, "sparse"),
+    # the lengths FlexAttention takes on the device (inductor's compile on CPU: slow)
+    pytest.param(1000, [1000, 700], {"backend": "flex"}, "sparse", marks=pytest.mark.slow),
 ])
 def test_the_run_is_stem_attention(seq, lens, extra, path, device):
     q, k, v = qkv(2, 4, 2, seq, seq, 32, seed=seq, device=device)

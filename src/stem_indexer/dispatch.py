@@ -144,7 +144,9 @@ def _padding_zeroed(x: torch.Tensor, lens: torch.Tensor, blocks: int, bs: int) -
 @dataclass(frozen=True)
 class _Call:
     """A checked block-sparse attention problem: q/k/v and the lists on one
-    device, the per-batch lengths on the host."""
+    device, the per-batch lengths on the host. A plan's call also has the
+    lengths on the device and the mask of padded queries there (None: no
+    padding), so that its run copies nothing from the host."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -157,6 +159,7 @@ class _Call:
     causal: bool
     scale: float
     softcap: float | None
+    on_device: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
 def _flex(c: _Call, want_lse: bool):
     qmax, kmax = ceil_div(c.q.shape[2], c.bs), ceil_div(c.k.shape[2], c.bs)
@@ -164,9 +167,10 @@ def _flex(c: _Call, want_lse: bool):
     if want_lse and device.type == "cpu":
         fail("block_sparse_attention", "backend", "'flex' cannot return the log-sum-exp on CPU "
              "(inductor's CPU FlexAttention lacks it); use 'native' or 'gather'", "'flex'")
+    qlen, kvlen = (c.qlen.to(device), c.kvlen.to(device)) if c.on_device is None \
+        else c.on_device[:2]
     mask = flex.block_mask(c.idx, c.lengths, block_size=c.bs, causal=c.causal,
-                           q_len=qmax * c.bs, kv_len=kmax * c.bs, q_lens=c.qlen.to(device),
-                           kv_lens=c.kvlen.to(device))
+                           q_len=qmax * c.bs, kv_len=kmax * c.bs, q_lens=qlen, kv_lens=kvlen)
     out, lse = flex.flex_attention_forward(_padding_zeroed(c.q, c.qlen, qmax, c.bs),
                                            _padding_zeroed(c.k, c.kvlen, kmax, c.bs),
                                            _padding_zeroed(c.v, c.kvlen, kmax, c.bs), mask,
@@ -191,9 +195,13 @@ def _run(c: _Call, backend: str, want_lse: bool = False):
         out, lse = gather_attention(c.q, c.k, c.v, c.idx, c.lengths, c.qlen, c.kvlen, c.bs,
                                     c.causal, c.scale, c.softcap)
     lse = lse.float() if want_lse else None
-    pad_q = torch.arange(c.q.shape[2])[None, :] >= c.qlen[:, None]
-    if bool(pad_q.any()):
-        pad_q = pad_q.to(c.q.device)[:, None, :]
+    if c.on_device is not None:
+        pad_q = c.on_device[2]
+    else:
+        pad_q = torch.arange(c.q.shape[2])[None, :] >= c.qlen[:, None]
+        pad_q = pad_q.to(c.q.device) if bool(pad_q.any()) else None
+    if pad_q is not None:
+        pad_q = pad_q[:, None, :]
         out = out.masked_fill(pad_q[..., None], 0)
         lse = None if lse is None else lse.masked_fill(pad_q, -math.inf)
     return out.to(c.q.dtype), lse

@@ -67,9 +67,13 @@ class StemPlan:
     info: StemInfo
     q_lens_host: tuple[int, ...]
     kv_lens_host: tuple[int, ...]
-    #: the attention kernels' host lengths (int64, CPU)
+    #: the attention kernels' lengths (int64) on the host and on the device,
+    #: and the padded query positions there ([B, Sq] bool; None: none)
     qlen: torch.Tensor
     kvlen: torch.Tensor
+    qlen_device: torch.Tensor
+    kvlen_device: torch.Tensor
+    q_padding: torch.Tensor | None
     #: sparse: the indexer's lengths (int32), prompt lengths, metadata
     q_seq_lens: torch.Tensor | None = None
     kv_seq_lens: torch.Tensor | None = None
@@ -228,7 +232,8 @@ def build_plan(shape: Shape, qlen: torch.Tensor, kvlen: torch.Tensor, prompt: to
                   indexer_scale=scale / stride if indexer_scale is None else indexer_scale,
                   oam=oam, oam_lambda=oam_lambda, return_lse=want_lse,
                   q_lens_host=tuple(qlen.tolist()), kv_lens_host=tuple(kvlen.tolist()),
-                  qlen=qlen, kvlen=kvlen)
+                  qlen=qlen, kvlen=kvlen, qlen_device=qlen.to(device),
+                  kvlen_device=kvlen.to(device), q_padding=_padding(qlen, s.q_len, device))
     qmax, kmax = ceil_div(s.q_len, bs), ceil_div(s.kv_len, bs)
     if reason and not (want_lse or softcap):
         return StemPlan(info=StemInfo("dense", reason, "sdpa", visible, visible), **common)
@@ -255,6 +260,12 @@ def _valid(lens: torch.Tensor, seq: int, device: torch.device) -> torch.Tensor |
     if bool((lens == seq).all()):
         return None
     return (torch.arange(seq) < lens[:, None]).to(device)
+
+
+def _padding(lens: torch.Tensor, seq: int, device: torch.device) -> torch.Tensor | None:
+    """[B, seq] bool, the padded positions, or None when there are none."""
+    valid = _valid(lens, seq, device)
+    return None if valid is None else ~valid
 
 
 def stem_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -296,8 +307,9 @@ def execute(q, k, v, plan: StemPlan):
             topk_score_precision=p.topk_score_precision)
         idx, lengths = apply_tail(idx, lengths, plan.tail, ceil_div(plan.kv_len, bs))
     out, lse = torch.ops.stem_indexer.planned_attention(
-        q, k, v, idx, lengths, plan.qlen, plan.kvlen, p.stem_block_size, p.causal, plan.scale,
-        plan.softcap, plan.info.backend, plan.return_lse)
+        q, k, v, idx, lengths, plan.qlen, plan.kvlen, plan.qlen_device, plan.kvlen_device,
+        plan.q_padding, p.stem_block_size, p.causal, plan.scale, plan.softcap,
+        plan.info.backend, plan.return_lse)
     return out, (lse if plan.return_lse else None), (None if plan.lists is not None else lengths)
 
 
