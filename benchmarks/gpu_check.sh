@@ -8,9 +8,11 @@
 #       1. every CUDA test (pytest -k cuda with STEM_INDEXER_DEVICE=cuda): indexer,
 #          attention, flash functions, FlexAttention, the HF integration on tiny models
 #       2. the indexer check above
-#       3. stem_attention against SDPA and FlexAttention's dense kernel, 32K to 128K
+#       3. stem_attention against SDPA and FlexAttention's dense kernel, 32K to 128K; then
+#          stem_run on one stem_plan at 128K: eager, compiled (fullgraph, dynamic) and
+#          replayed from a CUDA graph, each equal to stem_attention
 #       4. the dense_above break-even at 32K
-#   benchmarks/gpu_check.sh --all --dry-run   # 2 to 4 on CPU, tiny shapes, Triton interpreter
+#   benchmarks/gpu_check.sh --all --dry-run   # about a minute on CPU: tiny shapes, Triton interpreter
 # The kernels' compile report (no GPU needed): python -m stem_indexer.ops.triton.aot
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,7 +53,7 @@ if [ ${#dry[@]} = 0 ]; then
         -n 6 --dist loadfile -k cuda tests
 fi
 step "indexer check" 120 "$PY" benchmarks/gpu_check.py "${dry[@]}" --reps 5
-step "attention" 120 "$PY" benchmarks/gpu_attention.py "${dry[@]}"
+step "attention" 180 "$PY" benchmarks/gpu_attention.py "${dry[@]}"
 step "break-even" 60 "$PY" benchmarks/gpu_attention.py "${dry[@]}" --break-even 32768
 if [ ${#failed[@]} = 0 ]; then
     echo "gpu_check --all: every step passed"

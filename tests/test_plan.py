@@ -81,12 +81,12 @@ def test_one_plan_serves_many_layers():
 def test_the_run_compiles_with_fullgraph_and_dynamic_shapes():
     torch._dynamo.reset()
     run = torch.compile(stem_run, fullgraph=True, dynamic=True)
-    for seq in (1024, 1536):
+    for seq, path in ((1024, "sparse"), (1536, "sparse"), (256, "dense")):
         q, k, v = qkv(1, 4, 2, seq, seq, 32, seed=seq)
         with torch.inference_mode():
             plan = stem_plan([seq], [seq], num_heads=4, num_kv_heads=2, head_dim=32,
                              dtype=torch.float32, **SMALL)
-            assert plan.path == "sparse"
+            assert plan.path == path
             assert torch.equal(run(q, k, v, plan), stem_run(q, k, v, plan))
 
 
