@@ -417,10 +417,12 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         if self._reason(layer, kv_cache):
             return
         try:
+            step = _step_of(layer)
+            if step is not None and step.write_nothing and not _WRITE_OBSERVERS:
+                return  # a decode-only step without prefix caching
             n = slot_mapping.shape[0]
             cache = self._index_cache(kv_cache)
             written = slot_mapping  # the slots the indexer cache takes (-1: none)
-            step = _step_of(layer)
             if step is not None and step.write is not None:
                 written = slot_mapping.clone()
                 keep = step.write[:n]
