@@ -37,8 +37,9 @@ attention where sparsity cannot help (see its docstring).
 
 This module is the public API; each part has its own home: the argument
 checks in ``checks.py``, dense attention in ``dense.py``, the choice of path
-and kernel and the pipeline's body in ``dispatch.py``, the two functions'
-custom ops in ``attention_ops.py``, and the rules "dense when the budget keeps
+and the pipeline's body in ``plan.py`` (``stem_plan`` / ``stem_run``, which
+``stem_attention`` runs on), the choice of kernel in ``dispatch.py``, the
+two functions' custom ops in ``attention_ops.py``, and the rules "dense when the budget keeps
 every block" (``contract.dense_is_exact``) and "dense when it keeps more than
 ``dense_above`` of the pairs" (``contract.budget_pairs``) beside the budget.
 """
