@@ -194,3 +194,5 @@ def test_a_run_on_other_tensors_than_planned_is_refused():
         stem_run(q[:, :, :32], k, v, plan)
     with pytest.raises(StemIndexerInputError, match="as planned"):
         stem_run(q.double(), k, v, plan)
+    with pytest.raises(StemIndexerInputError, match="inference-only"):
+        stem_run(q.requires_grad_(), k, v, plan)

@@ -30,7 +30,8 @@ import torch
 
 from . import contract
 from .api import stem_indexer_metadata
-from .checks import _check_scale, _check_softcap, check_backend_fits, check_stem_options
+from .checks import (_check_inference, _check_scale, _check_softcap, check_backend_fits,
+                     check_stem_options)
 from .contract import DEFAULT_EXACT_TAIL, IndexerParams, ceil_div, check_bool, fail
 from .dense import _dense_one
 from .dispatch import (StemInfo, TailRows, _backend_for, _dense_lists, _visible_pairs,
@@ -45,9 +46,9 @@ __all__ = ["StemPlan", "stem_plan", "stem_run"]
 class StemPlan:
     """What ``stem_run`` needs for one batch shape, every host value decided.
 
-    ``info`` is the path the plan takes (``StemInfo``; for a sparse plan its
-    kept pairs are those of the widened rows only: the indexer's are known
-    after the run). Tensors live on the plan's device unless named host."""
+    ``info`` is the path the plan takes (``StemInfo``; a sparse plan's
+    ``kept_pairs`` is 0: the indexer's picks are known only after a run).
+    Tensors live on the plan's device unless named host."""
 
     batch: int
     num_heads: int
@@ -104,6 +105,7 @@ class StemPlan:
             if x.dtype != self.dtype or x.device != self.device:
                 fail("stem_run", name, f"must be {self.dtype} on {self.device}, as planned",
                      f"{x.dtype} on {x.device}")
+        _check_inference("stem_run", q, k, v)
 
 
 def stem_plan(
