@@ -12,7 +12,7 @@
 #          stem_run on one stem_plan at 128K: eager, compiled (fullgraph, dynamic) and
 #          replayed from a CUDA graph, each equal to stem_attention
 #       4. the dense_above break-even at 32K
-#   benchmarks/gpu_check.sh --all --dry-run   # about a minute on CPU: tiny shapes, Triton interpreter
+#   benchmarks/gpu_check.sh --all --dry-run   # about 20 s on CPU: tiny shapes, Triton interpreter
 # The kernels' compile report (no GPU needed): python -m stem_indexer.ops.triton.aot
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -17,9 +17,7 @@ _CPU = torch.device("cpu")
 
 
 def _sdpa(q, k, v, *, attn_mask=None, is_causal=False, scale):
-    # A branch, not bool(): under torch.compile's symbolic shapes it gives a
-    # plain bool (guarded), which SDPA's argument requires.
-    gqa = True if q.shape[1] != k.shape[1] else False
+    gqa = q.shape[1] != k.shape[1]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                           scale=scale, enable_gqa=gqa)
 

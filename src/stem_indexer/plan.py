@@ -33,7 +33,7 @@ from .api import stem_indexer_metadata
 from .checks import (_check_inference, _check_scale, _check_softcap, check_backend_fits,
                      check_stem_options)
 from .contract import DEFAULT_EXACT_TAIL, IndexerParams, ceil_div, check_bool, fail
-from .dense import _dense_one
+from .dense import _dense
 from .dispatch import (StemInfo, TailRows, _backend_for, _dense_lists, _visible_pairs,
                        apply_tail, tail_plan)
 from .prepare import (DEFAULT_OAM_LAMBDA, Lengths, check_lens_values, lens_argument, represent,
@@ -285,18 +285,16 @@ def execute(q, k, v, plan: StemPlan):
     path's list lengths (for counting the kept pairs)."""
     p = plan.params
     if plan.info.backend == "sdpa":
-        return _dense_planned(q, k, v, plan), None, None
+        out = torch.ops.stem_indexer.planned_dense(q, k, v, plan.qlen, plan.kvlen, p.causal,
+                                                   plan.scale)
+        return out, None, None
     if plan.lists is not None:
         idx, lengths = plan.lists
     else:
         bs, stride = p.stem_block_size, p.stem_stride
-        qflat = represent(q, bs, stride, plan.q_valid, scale=plan.indexer_scale)
-        kflat = represent(k, bs, stride, plan.kv_valid, reverse=True)
-        if plan.oam:
-            vbias = value_bias(v, bs, stride, plan.kv_valid, plan.valid_runs, plan.oam_lambda)
-        else:
-            vbias = v.new_zeros(plan.batch, plan.num_kv_heads, ceil_div(plan.kv_len, bs),
-                                dtype=torch.float32)
+        qflat, kflat, vbias = torch.ops.stem_indexer.planned_inputs(
+            q, k, v, plan.q_valid, plan.kv_valid, plan.valid_runs, bs, stride,
+            plan.indexer_scale, plan.oam, plan.oam_lambda)
         idx, lengths = torch.ops.stem_indexer.planned_indexer(
             qflat, kflat, vbias, plan.q_seq_lens, plan.kv_seq_lens,
             num_prompt_tokens=plan.prompt, metadata=plan.metadata, causal=p.causal,
@@ -315,15 +313,41 @@ def execute(q, k, v, plan: StemPlan):
     return out, (lse if plan.return_lse else None), (None if plan.lists is not None else lengths)
 
 
-def _dense_planned(q, k, v, plan: StemPlan) -> torch.Tensor:
-    """``dense._dense`` on the plan's host lengths."""
-    causal = plan.params.causal
-    if all(n == plan.q_len for n in plan.q_lens_host) and \
-            all(n == plan.kv_len for n in plan.kv_lens_host):
-        return _dense_one(q, k, v, causal, plan.scale).to(q.dtype)
-    out = torch.zeros_like(q)
-    for b, (ql, kl) in enumerate(zip(plan.q_lens_host, plan.kv_lens_host)):
-        if ql and kl:
-            out[b:b + 1, :, :ql] = _dense_one(q[b:b + 1, :, :ql], k[b:b + 1, :, :kl],
-                                              v[b:b + 1, :, :kl], causal, plan.scale)
-    return out
+# The run's floating-point work outside the kernels, as custom ops: compiled,
+# the run then keeps eager's operations and summation order, so its result is
+# eager's to the bit on any CPU or GPU (inductor would fuse and reorder them).
+
+@torch.library.custom_op("stem_indexer::planned_inputs", mutates_args=())
+def _planned_inputs_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       q_valid: torch.Tensor | None, kv_valid: torch.Tensor | None,
+                       valid_runs: torch.Tensor, block_size: int, stride: int,
+                       indexer_scale: float, oam: bool,
+                       oam_lambda: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``prepare.stem_inputs``'s qflat, kflat and vbias on a plan's masks."""
+    qflat = represent(q, block_size, stride, q_valid, scale=indexer_scale)
+    kflat = represent(k, block_size, stride, kv_valid, reverse=True)
+    if oam:
+        vbias = value_bias(v, block_size, stride, kv_valid, valid_runs, oam_lambda)
+    else:
+        vbias = v.new_zeros(*k.shape[:2], ceil_div(k.shape[2], block_size),
+                            dtype=torch.float32)
+    return qflat, kflat, vbias
+
+@_planned_inputs_op.register_fake
+def _(q, k, v, q_valid, kv_valid, valid_runs, block_size, stride, indexer_scale, oam,
+      oam_lambda):
+    width = stride * q.shape[3]
+    qb, kb = ceil_div(q.shape[2], block_size), ceil_div(k.shape[2], block_size)
+    return (q.new_empty(*q.shape[:2], qb, width, dtype=torch.bfloat16),
+            k.new_empty(*k.shape[:2], kb, width, dtype=torch.bfloat16),
+            v.new_empty(*k.shape[:2], kb, dtype=torch.float32))
+
+@torch.library.custom_op("stem_indexer::planned_dense", mutates_args=())
+def _planned_dense_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: torch.Tensor,
+                      kv_lens: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """Dense attention on a plan's host lengths (``dense._dense``)."""
+    return _dense(q, k, v, causal, scale, q_lens, kv_lens).contiguous()
+
+@_planned_dense_op.register_fake
+def _(q, k, v, q_lens, kv_lens, causal, scale):
+    return q.new_empty(q.shape)
