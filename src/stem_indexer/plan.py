@@ -6,10 +6,11 @@ block pairs, the indexer's metadata, the rows ``exact_tail`` widens, the
 masks of padded tokens, the lengths on the device. ``stem_run(q, k, v, plan)``
 is tensor work and kernel calls only: it reads nothing on the host (no
 ``.item()``, ``int(tensor)``, ``bool(tensor)`` or ``.tolist()``), and it
-compiles with ``torch.compile(fullgraph=True, dynamic=True)``: its kernels
-are custom ops (``stem_indexer::planned_indexer``,
-``stem_indexer::planned_attention``) that trust the plan's checked values
-instead of checking them again.
+compiles with ``torch.compile(fullgraph=True, dynamic=True)`` to the same
+result, bit for bit: its steps are custom ops (``stem_indexer::``
+``planned_inputs``, ``planned_indexer``, ``planned_attention``,
+``planned_dense``) that trust the plan's checked values instead of checking
+them again, joined by integer tensor work (the exact tail's rows).
 
 One plan serves every layer of a forward pass that shares its lengths,
 heads and settings (``stem_attention`` keeps the last few plans it made, so
