@@ -49,9 +49,8 @@ from __future__ import annotations
 import torch
 
 from . import attention_ops as _attention_ops  # noqa: F401  (registers the two ops)
-from . import contract
 from .checks import (_check_backend, _check_inference, _check_layout, _check_scale,
-                     _check_selection, _check_softcap, check_backend_fits, check_stem_options)
+                     _check_selection, _check_softcap, check_backend_fits, check_call_options)
 from .contract import DEFAULT_EXACT_TAIL, PARAM_NAMES, ceil_div, check_bool, check_int, fail
 from .dense import dense_attention
 from .dispatch import StemInfo
@@ -219,17 +218,12 @@ def _stem_arguments(who, q, k, v, *, causal, scale, softcap, q_lens, kv_lens,
     indexer_scale, scale, softcap, dense_above, (qlen, kvlen, prompt))``."""
     batch, hq, hkv, sq, skv, dim = check_qkv(q, k, v, who, same_dtype=True)
     _check_layout(who, q, k, "[B, H, S, D]")
-    params, indexer_scale = check_stem_options(
-        who, causal=causal, oam=oam, oam_lambda=oam_lambda, indexer_scale=indexer_scale,
+    params, indexer_scale, scale, softcap, dense_above = check_call_options(
+        who, q.device, q.dtype, dim, scale=scale, softcap=softcap, dense_above=dense_above,
+        causal=causal, oam=oam, oam_lambda=oam_lambda, indexer_scale=indexer_scale,
         backend=backend, **options)
-    check_backend_fits(who, backend, q.device, q.dtype)
-    scale = _check_scale(who, "scale", scale, dim)
-    softcap = _check_softcap(who, softcap)
     for name, flag in (("return_lse", return_lse), ("return_info", return_info)):
         check_bool(who, name, flag)
-    contract.check_dense_above(who, dense_above)
-    if dense_above is None:
-        dense_above = contract.default_dense_above(q.device, q.dtype)
     _check_inference(who, q, k, v)
     if return_info and torch.compiler.is_compiling():
         fail(who, "return_info", "is not available under torch.compile (it reads the "

@@ -83,21 +83,21 @@ def _planned_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           sparse_indices: torch.Tensor, sparse_seq_len: torch.Tensor,
                           q_lens: torch.Tensor, kv_lens: torch.Tensor,
                           q_lens_device: torch.Tensor, kv_lens_device: torch.Tensor,
-                          q_padding: torch.Tensor | None, block_size: int, causal: bool,
+                          q_valid: torch.Tensor | None, block_size: int, causal: bool,
                           scale: float, softcap: float | None, kernel: str,
                           want_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``block_sparse_attention`` for ``plan.stem_run``: the lists are the
     indexer's (or the plan's); the lengths (on the host and on q's device),
-    the padded queries and the kernel are the plan's, all checked when it was
+    the valid queries and the kernel are the plan's, all checked when it was
     made, so nothing is checked again and nothing is copied from the host."""
     call = _Call(q, k, v, sparse_indices, sparse_seq_len, q_lens, kv_lens, block_size, causal,
-                 scale, softcap, (q_lens_device, kv_lens_device, q_padding))
+                 scale, softcap, (q_lens_device, kv_lens_device, q_valid))
     out, lse = _run(call, kernel, want_lse)
     return out.contiguous(), _lse_or_nan(lse, q)
 
 @_planned_attention_op.register_fake
 def _(q, k, v, sparse_indices, sparse_seq_len, q_lens, kv_lens, q_lens_device, kv_lens_device,
-      q_padding, block_size, causal, scale, softcap, kernel, want_lse):
+      q_valid, block_size, causal, scale, softcap, kernel, want_lse):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 def _lse_or_nan(lse: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:

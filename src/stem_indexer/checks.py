@@ -10,7 +10,8 @@ import math
 
 import torch
 
-from .contract import IndexerParams, check_bool, check_exact_tail, check_int, fail
+from .contract import (IndexerParams, check_bool, check_dense_above, check_exact_tail, check_int,
+                       default_dense_above, fail)
 from .prepare import DEFAULT_OAM_LAMBDA, check_oam_lambda, is_finite
 
 BACKENDS = ("auto", "native", "flex", "gather")
@@ -77,6 +78,20 @@ def check_stem_options(who: str, *, causal: bool = True, preset: str = "default"
     if indexer_scale is not None:
         indexer_scale = _check_scale(who, "indexer_scale", indexer_scale, 1)
     return params, indexer_scale
+
+def check_call_options(who: str, device: torch.device, dtype: torch.dtype, head_dim: int, *,
+                       scale, softcap, dense_above, backend: str = "auto", **options):
+    """``stem_attention``'s keywords checked for tensors of this device, dtype
+    and head dim (``stem_attention`` and ``stem_plan`` alike): ``(params,
+    indexer_scale, scale, softcap, dense_above)``, each default resolved."""
+    params, indexer_scale = check_stem_options(who, backend=backend, **options)
+    check_backend_fits(who, backend, device, dtype)
+    scale = _check_scale(who, "scale", scale, head_dim)
+    softcap = _check_softcap(who, softcap)
+    check_dense_above(who, dense_above)
+    if dense_above is None:
+        dense_above = default_dense_above(device, dtype)
+    return params, indexer_scale, scale, softcap, dense_above
 
 def _check_layout(who: str, q, k, layout: str) -> None:
     """Refuse shapes that can only be another layout's (more heads than any

@@ -145,7 +145,7 @@ def _padding_zeroed(x: torch.Tensor, lens: torch.Tensor, blocks: int, bs: int) -
 class _Call:
     """A checked block-sparse attention problem: q/k/v and the lists on one
     device, the per-batch lengths on the host. A plan's call also has the
-    lengths on the device and the mask of padded queries there (None: no
+    lengths on the device and the mask of valid queries there (None: no
     padding), so that its run copies nothing from the host."""
 
     q: torch.Tensor
@@ -196,7 +196,7 @@ def _run(c: _Call, backend: str, want_lse: bool = False):
                                     c.causal, c.scale, c.softcap)
     lse = lse.float() if want_lse else None
     if c.on_device is not None:
-        pad_q = c.on_device[2]
+        pad_q = None if c.on_device[2] is None else ~c.on_device[2]
     else:
         pad_q = torch.arange(c.q.shape[2])[None, :] >= c.qlen[:, None]
         pad_q = pad_q.to(c.q.device) if bool(pad_q.any()) else None

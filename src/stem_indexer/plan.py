@@ -31,14 +31,13 @@ import torch
 
 from . import contract
 from .api import stem_indexer_metadata
-from .checks import (_check_inference, _check_scale, _check_softcap, check_backend_fits,
-                     check_stem_options)
+from .checks import _check_inference, check_call_options
 from .contract import DEFAULT_EXACT_TAIL, IndexerParams, ceil_div, check_bool, fail
 from .dense import _dense
 from .dispatch import (StemInfo, TailRows, _backend_for, _dense_lists, _visible_pairs,
                        apply_tail, tail_plan)
-from .prepare import (DEFAULT_OAM_LAMBDA, Lengths, check_lens_values, lens_argument, represent,
-                      value_bias)
+from .prepare import (DEFAULT_OAM_LAMBDA, Lengths, check_lens_values, indexer_inputs,
+                      lens_argument, valid_tokens)
 
 __all__ = ["StemPlan", "stem_plan", "stem_run"]
 
@@ -67,23 +66,17 @@ class StemPlan:
     oam_lambda: float
     return_lse: bool
     info: StemInfo
-    q_lens_host: tuple[int, ...]
-    kv_lens_host: tuple[int, ...]
-    #: the attention kernels' lengths (int64) on the host and on the device,
-    #: and the padded query positions there ([B, Sq] bool; None: none)
+    #: the lengths (int64) on the host, and (int32) on the device
     qlen: torch.Tensor
     kvlen: torch.Tensor
-    qlen_device: torch.Tensor
-    kvlen_device: torch.Tensor
-    q_padding: torch.Tensor | None
-    #: sparse: the indexer's lengths (int32), prompt lengths, metadata
-    q_seq_lens: torch.Tensor | None = None
-    kv_seq_lens: torch.Tensor | None = None
+    q_seq_lens: torch.Tensor
+    kv_seq_lens: torch.Tensor
+    #: [B, S] bool valid-token masks on the device (None: no padding)
+    q_valid: torch.Tensor | None
+    kv_valid: torch.Tensor | None
+    #: sparse: prompt lengths (int32), metadata, valid runs of the OAM
     prompt: torch.Tensor | None = None
     metadata: torch.Tensor | None = None
-    #: [B, S] bool valid-token masks (None: no padding)
-    q_valid: torch.Tensor | None = None
-    kv_valid: torch.Tensor | None = None
     valid_runs: torch.Tensor | None = None
     tail: tuple[TailRows, ...] = ()
     #: dense through the block kernels (for the lse or the softcap): every
@@ -158,17 +151,12 @@ def stem_plan(
         prompt = lens_argument(num_prompt_tokens, batch, 2**31 - 1, "num_prompt_tokens", who)
         prompt = check_lens_values(prompt.cpu(), 2**31 - 1, "num_prompt_tokens", who)
         contract.check_prompt(prompt, kvlen, who, "kv_lens")
-    params, indexer_scale = check_stem_options(
-        who, causal=causal, preset=preset, oam=oam, oam_lambda=oam_lambda,
+    params, indexer_scale, scale, softcap, dense_above = check_call_options(
+        who, device, dtype, head_dim, scale=scale, softcap=softcap, dense_above=dense_above,
+        causal=causal, preset=preset, oam=oam, oam_lambda=oam_lambda,
         indexer_scale=indexer_scale, min_q_blocks=min_q_blocks, exact_tail=exact_tail,
         backend=backend, **indexer_params)
-    check_backend_fits(who, backend, device, dtype)
-    scale = _check_scale(who, "scale", scale, head_dim)
-    softcap = _check_softcap(who, softcap)
     check_bool(who, "return_lse", return_lse)
-    contract.check_dense_above(who, dense_above)
-    if dense_above is None:
-        dense_above = contract.default_dense_above(device, dtype)
     return build_plan(Shape(batch, num_heads, num_kv_heads, q_len, kv_len, head_dim, device,
                             dtype), qlen, kvlen, prompt, params, scale, softcap, oam,
                       float(oam_lambda), indexer_scale, min_q_blocks, backend, return_lse,
@@ -233,10 +221,11 @@ def build_plan(shape: Shape, qlen: torch.Tensor, kvlen: torch.Tensor, prompt: to
                   kv_len=s.kv_len, head_dim=s.head_dim, device=device, dtype=s.dtype,
                   params=params, scale=scale, softcap=softcap,
                   indexer_scale=scale / stride if indexer_scale is None else indexer_scale,
-                  oam=oam, oam_lambda=oam_lambda, return_lse=want_lse,
-                  q_lens_host=tuple(qlen.tolist()), kv_lens_host=tuple(kvlen.tolist()),
-                  qlen=qlen, kvlen=kvlen, qlen_device=qlen.to(device),
-                  kvlen_device=kvlen.to(device), q_padding=_padding(qlen, s.q_len, device))
+                  oam=oam, oam_lambda=oam_lambda, return_lse=want_lse, qlen=qlen,
+                  kvlen=kvlen, q_seq_lens=qlen.to(device=device, dtype=torch.int32),
+                  kv_seq_lens=kvlen.to(device=device, dtype=torch.int32),
+                  q_valid=valid_tokens(qlen.to(device), s.q_len),
+                  kv_valid=valid_tokens(kvlen.to(device), s.kv_len))
     qmax, kmax = ceil_div(s.q_len, bs), ceil_div(s.kv_len, bs)
     if reason and not (want_lse or softcap):
         return StemPlan(info=StemInfo("dense", reason, "sdpa", visible, visible), **common)
@@ -244,31 +233,16 @@ def build_plan(shape: Shape, qlen: torch.Tensor, kvlen: torch.Tensor, prompt: to
         lists = _dense_lists(qlen, kvlen, bs, params.causal, s.heads, qmax, kmax, device)
         return StemPlan(info=StemInfo("dense", reason, kernel, visible, visible),
                         lists=lists, **common)
-    q_seq_lens = qlen.to(device=device, dtype=torch.int32)
-    kv_seq_lens = kvlen.to(device=device, dtype=torch.int32)
     metadata = stem_indexer_metadata(
-        q_seq_lens, kv_seq_lens, s.heads, s.kv_heads, causal=params.causal,
+        common["q_seq_lens"], common["kv_seq_lens"], s.heads, s.kv_heads, causal=params.causal,
         stem_block_size=bs, dim_qkflat=stride * s.head_dim, window_size=params.window_size)
     tail = tuple(TailRows(t.batch, t.rows, t.reach.to(device))
                  for t in tail_plan(qlen, kvlen, prompt, exact_tail, bs, params.causal))
     return StemPlan(info=StemInfo("sparse", "", kernel, 0, visible), **common,
-                    q_seq_lens=q_seq_lens, kv_seq_lens=kv_seq_lens,
                     prompt=prompt.to(device=device, dtype=torch.int32), metadata=metadata,
-                    q_valid=_valid(qlen, s.q_len, device), kv_valid=_valid(kvlen, s.kv_len, device),
                     valid_runs=ceil_div(kvlen, stride).to(device), tail=tail)
 
 
-def _valid(lens: torch.Tensor, seq: int, device: torch.device) -> torch.Tensor | None:
-    """[B, seq] bool, the valid tokens, or None when every one is."""
-    if bool((lens == seq).all()):
-        return None
-    return (torch.arange(seq) < lens[:, None]).to(device)
-
-
-def _padding(lens: torch.Tensor, seq: int, device: torch.device) -> torch.Tensor | None:
-    """[B, seq] bool, the padded positions, or None when there are none."""
-    valid = _valid(lens, seq, device)
-    return None if valid is None else ~valid
 
 
 def stem_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -308,8 +282,8 @@ def execute(q, k, v, plan: StemPlan):
             topk_score_precision=p.topk_score_precision)
         idx, lengths = apply_tail(idx, lengths, plan.tail, ceil_div(plan.kv_len, bs))
     out, lse = torch.ops.stem_indexer.planned_attention(
-        q, k, v, idx, lengths, plan.qlen, plan.kvlen, plan.qlen_device, plan.kvlen_device,
-        plan.q_padding, p.stem_block_size, p.causal, plan.scale, plan.softcap,
+        q, k, v, idx, lengths, plan.qlen, plan.kvlen, plan.q_seq_lens, plan.kv_seq_lens,
+        plan.q_valid, p.stem_block_size, p.causal, plan.scale, plan.softcap,
         plan.info.backend, plan.return_lse)
     return out, (lse if plan.return_lse else None), (None if plan.lists is not None else lengths)
 
@@ -324,15 +298,9 @@ def _planned_inputs_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        valid_runs: torch.Tensor, block_size: int, stride: int,
                        indexer_scale: float, oam: bool,
                        oam_lambda: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``prepare.stem_inputs``'s qflat, kflat and vbias on a plan's masks."""
-    qflat = represent(q, block_size, stride, q_valid, scale=indexer_scale)
-    kflat = represent(k, block_size, stride, kv_valid, reverse=True)
-    if oam:
-        vbias = value_bias(v, block_size, stride, kv_valid, valid_runs, oam_lambda)
-    else:
-        vbias = v.new_zeros(*k.shape[:2], ceil_div(k.shape[2], block_size),
-                            dtype=torch.float32)
-    return qflat, kflat, vbias
+    """``prepare.indexer_inputs`` on a plan's masks."""
+    return indexer_inputs(q, k, v, q_valid, kv_valid, valid_runs, block_size, stride,
+                          indexer_scale, oam, oam_lambda)
 
 @_planned_inputs_op.register_fake
 def _(q, k, v, q_valid, kv_valid, valid_runs, block_size, stride, indexer_scale, oam,

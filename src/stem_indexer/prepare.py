@@ -57,6 +57,8 @@ __all__ = [
     "bias_from_run_max",
     "represent",
     "value_bias",
+    "valid_tokens",
+    "indexer_inputs",
     "seq_lens_tensor",
     "lens_argument",
     "check_lens_values",
@@ -197,10 +199,7 @@ def block_representation(
     batch, _, seq, _ = x.shape
     valid = None
     if lens is not None:
-        lens = seq_lens_tensor(lens, batch, seq, "lens", x.device, who)
-        valid = torch.arange(seq, device=x.device) < lens[:, None]
-        if bool(valid.all()):
-            valid = None
+        valid = valid_tokens(seq_lens_tensor(lens, batch, seq, "lens", x.device, who), seq)
     return represent(x, block_size, stride, valid, reverse=reverse, scale=scale, dtype=dtype)
 
 
@@ -319,12 +318,35 @@ def stem_inputs(
     check_blocking(block_size, stride, who, ("stem_block_size", "stem_stride"))
     q_len = seq_lens_tensor(q_lens, batch, sq, "q_lens", q.device, who)
     kv_len = seq_lens_tensor(kv_lens, batch, skv, "kv_lens", q.device, who)
-    qflat = block_representation(q, block_size, stride, lens=q_len, scale=scale)
-    kflat = block_representation(k, block_size, stride, reverse=True, lens=kv_len)
     if oam:
-        vbias = output_aware_bias(v, block_size, stride, kv_len, oam_lambda=oam_lambda)
-    else:
-        vbias = torch.zeros(batch, hkv, ceil_div(skv, block_size), dtype=torch.float32,
-                            device=v.device)
+        check_oam_lambda(oam_lambda, who)
+    qflat, kflat, vbias = indexer_inputs(
+        q, k, v, valid_tokens(q_len, sq), valid_tokens(kv_len, skv), ceil_div(kv_len, stride),
+        block_size, stride, scale, oam, oam_lambda)
     return StemInputs(qflat, kflat, vbias, q_len.to(torch.int32), kv_len.to(torch.int32))
+
+
+def valid_tokens(lens: torch.Tensor, seq: int) -> torch.Tensor | None:
+    """``[B, seq]`` bool, the tokens before each batch's length (on the
+    lengths' device), or None when every token is valid."""
+    valid = torch.arange(seq, device=lens.device) < lens[:, None]
+    return None if bool(valid.all()) else valid
+
+
+def indexer_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   q_valid: torch.Tensor | None, kv_valid: torch.Tensor | None,
+                   valid_runs: torch.Tensor, block_size: int, stride: int,
+                   scale: float | None, oam: bool,
+                   oam_lambda: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``stem_inputs``'s qflat, kflat and vbias on checked arguments, tensor
+    work only: the valid-token masks (``valid_tokens``) and the valid runs
+    ``ceil(kv_len / stride)`` given."""
+    qflat = represent(q, block_size, stride, q_valid, scale=scale)
+    kflat = represent(k, block_size, stride, kv_valid, reverse=True)
+    if oam:
+        vbias = value_bias(v, block_size, stride, kv_valid, valid_runs, oam_lambda)
+    else:
+        vbias = v.new_zeros(*k.shape[:2], ceil_div(k.shape[2], block_size),
+                            dtype=torch.float32)
+    return qflat, kflat, vbias
 
