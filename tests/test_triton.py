@@ -1,11 +1,8 @@
 """The Triton (CUDA) path, run on CPU tensors by Triton's interpreter.
 
-Triton decides once per process, when it jits the kernels, whether they are
-interpreted (``TRITON_INTERPRET=1``) or compiled. So the interpreter tests
-(``@interpreted``) run in a child pytest with ``TRITON_INTERPRET=1``, one
-child for all of them, started by the first one; in this process each of them
-reports its own child result (failure text included). With
-``TRITON_INTERPRET=1`` set, they simply run here.
+The interpreter tests (``@interpreted``) run in one child pytest with
+``TRITON_INTERPRET=1`` (``tests/_interpreter.py``); with it set, they simply
+run here.
 
 Interpreted kernels are slow: the cases here are tiny, hand-computed first
 (ties, NaN, -0.0, the selection's edges), then exact-score (integer) random
@@ -23,14 +20,6 @@ registered op, including a CUDA-graph capture.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
-import json
-import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -41,6 +30,7 @@ from stem_indexer.testing import cases, compare  # noqa: E402
 from stem_indexer.contract import IndexerParams  # noqa: E402
 from stem_indexer.ops.triton import launch  # noqa: E402
 
+from _interpreter import interpreted  # noqa: E402
 from _helpers import (  # noqa: E402
     Inputs, assert_out_equal, expected_tensors, make_inputs, metadata_for, random_inputs, run_ref,
     spec_row_facts)
@@ -61,70 +51,6 @@ CONFIG_IDS = ("tiny", "gpu")
 # (precision, configuration) pairs of the costlier tests: both precisions with
 # TINY, one each with the GPU configuration and the interpreter's default.
 PRECISION_CONFIGS = ((1, TINY, "tiny"), (2, 90, "gpu"), (2, TINY, "tiny"), (1, None, "default"))
-
-
-# --------------------------------------------------------------------------- #
-# Interpreter tests in a child process
-# --------------------------------------------------------------------------- #
-
-_child: dict = {}
-
-
-def interpreted(test):
-    """Mark ``test`` as an interpreter test (see the module docstring)."""
-    if launch.INTERPRETED:
-        return test
-
-    @functools.wraps(test)
-    def proxy(request, **_):
-        _report_child_result(request.node)
-
-    params = [p for p in inspect.signature(test).parameters.values() if p.name != "request"]
-    proxy.__signature__ = inspect.Signature(
-        [inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD), *params])
-    proxy.interpreted = True
-    return proxy
-
-
-def _report_child_result(node) -> None:
-    if not _child:
-        _child.update(_run_child(node.session))
-    result = _child["results"].get(node.nodeid)
-    if result is None:
-        pytest.fail(f"the interpreter run gave no result for {node.nodeid}; its output:\n"
-                    f"{_child['log']}", pytrace=False)
-    if result["outcome"] == "failed":
-        pytest.fail(result["text"], pytrace=False)
-    if result["outcome"] == "skipped":
-        pytest.skip(result["text"])
-
-
-def _run_child(session) -> dict:
-    """Run every selected interpreter test in one child pytest."""
-    ids = [item.nodeid for item in session.items
-           if getattr(getattr(item, "function", None), "interpreted", False)]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "results.json"
-        proc = subprocess.run([sys.executable, __file__, str(out), *ids],
-                              env=dict(os.environ, TRITON_INTERPRET="1"),
-                              cwd=session.config.rootpath, capture_output=True, text=True)
-        results = json.loads(out.read_text()) if out.exists() else {}
-    return {"results": results, "log": (proc.stdout + proc.stderr)[-6000:]}
-
-
-class _Recorder:
-    """pytest plugin of the child: each test's outcome and failure text."""
-
-    def __init__(self):
-        self.results: dict = {}
-
-    def pytest_runtest_logreport(self, report):
-        rank = {"passed": 0, "skipped": 1, "failed": 2}
-        old = self.results.get(report.nodeid)
-        if old is None or rank[report.outcome] > rank[old["outcome"]]:
-            text = (report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple)
-                    else report.longreprtext)
-            self.results[report.nodeid] = {"outcome": report.outcome, "text": text}
 
 
 # --------------------------------------------------------------------------- #
@@ -487,11 +413,3 @@ def test_cuda_graph_capture_replays_identically():
     compiled = torch.compile(call, mode="reduce-overhead")
     for _ in range(3):
         assert_out_equal(tuple(t.cpu() for t in compiled()), expected, "reduce-overhead")
-
-
-if __name__ == "__main__":  # the child run: results file, then the test ids
-    recorder = _Recorder()
-    pytest.main(["-q", "-p", "no:cacheprovider", "-n", "0", "--run-slow", "--run-large",
-                 *sys.argv[2:]],
-                plugins=[recorder])
-    Path(sys.argv[1]).write_text(json.dumps(recorder.results))

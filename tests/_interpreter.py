@@ -1,0 +1,94 @@
+"""Triton interpreter tests in one child process, for every test file.
+
+Triton decides once per process, when it jits the kernels, whether they are
+interpreted (``TRITON_INTERPRET=1``) or compiled. A test marked
+``@interpreted`` therefore runs in a child pytest with ``TRITON_INTERPRET=1``:
+the first such test of a session starts one child for all of them (whatever
+file they are in), and in this process each reports its own child result,
+failure text included. In a process that has ``TRITON_INTERPRET=1`` set
+already, they simply run.
+
+    python tests/_interpreter.py RESULTS.json TEST_ID...   # the child run
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_child: dict = {}
+
+
+def interpreted(test):
+    """Mark ``test`` as an interpreter test (see the module docstring)."""
+    from stem_indexer.ops.triton import launch
+
+    if launch.INTERPRETED:
+        return test
+
+    @functools.wraps(test)
+    def proxy(request, **_):
+        _report_child_result(request.node)
+
+    params = [p for p in inspect.signature(test).parameters.values() if p.name != "request"]
+    proxy.__signature__ = inspect.Signature(
+        [inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD), *params])
+    proxy.interpreted = True
+    return proxy
+
+
+def _report_child_result(node) -> None:
+    if not _child:
+        _child.update(_run_child(node.session))
+    result = _child["results"].get(node.nodeid)
+    if result is None:
+        pytest.fail(f"the interpreter run gave no result for {node.nodeid}; its output:\n"
+                    f"{_child['log']}", pytrace=False)
+    if result["outcome"] == "failed":
+        pytest.fail(result["text"], pytrace=False)
+    if result["outcome"] == "skipped":
+        pytest.skip(result["text"])
+
+
+def _run_child(session) -> dict:
+    """Run every selected interpreter test of the session in one child pytest."""
+    ids = [item.nodeid for item in session.items
+           if getattr(getattr(item, "function", None), "interpreted", False)]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "results.json"
+        proc = subprocess.run([sys.executable, __file__, str(out), *ids],
+                              env=dict(os.environ, TRITON_INTERPRET="1"),
+                              cwd=session.config.rootpath, capture_output=True, text=True)
+        results = json.loads(out.read_text()) if out.exists() else {}
+    return {"results": results, "log": (proc.stdout + proc.stderr)[-6000:]}
+
+
+class _Recorder:
+    """pytest plugin of the child: each test's outcome and failure text."""
+
+    def __init__(self):
+        self.results: dict = {}
+
+    def pytest_runtest_logreport(self, report):
+        rank = {"passed": 0, "skipped": 1, "failed": 2}
+        old = self.results.get(report.nodeid)
+        if old is None or rank[report.outcome] > rank[old["outcome"]]:
+            text = (report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple)
+                    else report.longreprtext)
+            self.results[report.nodeid] = {"outcome": report.outcome, "text": text}
+
+
+if __name__ == "__main__":  # the child run: results file, then the test ids
+    recorder = _Recorder()
+    pytest.main(["-q", "-p", "no:cacheprovider", "-n", "0", "--run-slow", "--run-large",
+                 *sys.argv[2:]],
+                plugins=[recorder])
+    Path(sys.argv[1]).write_text(json.dumps(recorder.results))
