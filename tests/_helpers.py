@@ -13,6 +13,8 @@ import dataclasses
 import hashlib
 import os
 
+import traceback
+
 import torch
 
 import stem_indexer
@@ -262,3 +264,39 @@ def native_on_cache(cache):
         else:
             os.environ["STEM_INDEXER_CACHE_DIR"] = before
         native.reset()
+
+
+# The ways a tensor's values reach Python: each one, on a GPU tensor, waits for
+# the device.
+_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+
+
+def host_reads(fn) -> list[str]:
+    """Run ``fn`` with every value read recorded, unless it comes from inside
+    a kernel (``stem_indexer/ops/`` or a custom op's body, a function whose
+    name ends in ``_op``): where in the package each read was made."""
+    seen = []
+    originals = {name: getattr(torch.Tensor, name) for name in _READS}
+
+    def spy(name):
+        original = originals[name]
+
+        def read(self, *args, **kwargs):
+            frames = traceback.extract_stack()[:-1]
+            ours = [f for f in frames if "/stem_indexer/" in f.filename]
+            inside_kernel = any("/stem_indexer/ops/" in f.filename
+                                or f.name.endswith("_op") for f in ours)
+            if ours and not inside_kernel:
+                seen.append(f"{name} at {ours[-1].filename.split('/stem_indexer/')[-1]}:"
+                            f"{ours[-1].lineno} ({ours[-1].name})")
+            return original(self, *args, **kwargs)
+        return read
+
+    try:
+        for name in _READS:
+            setattr(torch.Tensor, name, spy(name))
+        fn()
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+    return seen

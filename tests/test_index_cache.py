@@ -1,4 +1,4 @@
-"""The vLLM backend's indexer cache (integrations/vllm/index_cache.py), without vLLM.
+"""The indexer cache (stem_indexer/index_cache.py), without vLLM.
 
 Tokens are written as vLLM's cache writer receives them (``key``, ``value``
 [T, Hkv, D] and their slots, page id x page size + offset) onto shuffled
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from stem_indexer import stem_inputs
-from stem_indexer.integrations.vllm.index_cache import IndexCache, index_cache_bytes
+from stem_indexer.index_cache import IndexCache, index_cache_bytes
 
 
 def _tokens(seq: int, hkv: int, dim: int, dtype, seed: int):

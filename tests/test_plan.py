@@ -15,11 +15,9 @@
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
-from _helpers import cpu_dense_above, qkv
+from _helpers import cpu_dense_above, host_reads, qkv
 
 import stem_indexer
 from stem_indexer import StemIndexerInputError, plan as plan_module
@@ -90,42 +88,6 @@ def test_the_run_compiles_with_fullgraph_and_dynamic_shapes():
             assert torch.equal(run(q, k, v, plan), stem_run(q, k, v, plan))
 
 
-# The ways a tensor's values reach Python: each one, on a GPU tensor, waits for
-# the device.
-_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
-
-
-def _host_reads(fn) -> list[str]:
-    """Run ``fn`` with every value read recorded, unless it comes from inside
-    a kernel (``stem_indexer/ops/`` or a custom op's body in
-    ``attention_ops.py``): where in the package each read was made."""
-    seen = []
-    originals = {name: getattr(torch.Tensor, name) for name in _READS}
-
-    def spy(name):
-        original = originals[name]
-
-        def read(self, *args, **kwargs):
-            frames = traceback.extract_stack()[:-1]
-            ours = [f for f in frames if "/stem_indexer/" in f.filename]
-            inside_kernel = any("/stem_indexer/ops/" in f.filename
-                                or f.name.endswith("_op") for f in ours)
-            if ours and not inside_kernel:
-                seen.append(f"{name} at {ours[-1].filename.split('/stem_indexer/')[-1]}:"
-                            f"{ours[-1].lineno} ({ours[-1].name})")
-            return original(self, *args, **kwargs)
-        return read
-
-    try:
-        for name in _READS:
-            setattr(torch.Tensor, name, spy(name))
-        fn()
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
-    return seen
-
-
 @pytest.mark.parametrize("seq,lens,extra", [
     (1024, None, {}), (1000, [1000, 700], {}), (256, None, {}),
     (256, [256, 200], {"return_lse": True}),
@@ -136,12 +98,12 @@ def test_the_run_reads_nothing_on_the_host(seq, lens, extra):
         plan = stem_plan(lens or [seq] * 2, lens or [seq] * 2, num_heads=4, num_kv_heads=2,
                          head_dim=32, dtype=torch.float32, q_len=seq, kv_len=seq, **SMALL,
                          **extra)
-        assert _host_reads(lambda: stem_run(q, k, v, plan)) == []
+        assert host_reads(lambda: stem_run(q, k, v, plan)) == []
 
 
 def test_the_spy_sees_a_host_read():
     # The planning itself reads the lengths: the spy must say so.
-    reads = _host_reads(lambda: stem_plan([1024], [1024], num_heads=4, num_kv_heads=2,
+    reads = host_reads(lambda: stem_plan([1024], [1024], num_heads=4, num_kv_heads=2,
                                           head_dim=32, dtype=torch.float32, **SMALL))
     assert any("plan.py" in r for r in reads), reads
 

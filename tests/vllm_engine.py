@@ -133,7 +133,7 @@ def _inject_failure(kind: str, after: int) -> None:
     row's selection, ``write`` in the indexer cache's writer, each from its
     ``after``-th call on."""
     from stem_indexer.integrations.vllm import backend
-    from stem_indexer.integrations.vllm.index_cache import IndexCache
+    from stem_indexer.index_cache import IndexCache
 
     calls = [0]
 

@@ -11,7 +11,10 @@ only. Start here:
 * ``stem_attn_func`` / ``stem_attn_varlen_func``: the same in FlashAttention's
   calling conventions (``[B, S, H, D]``; packed sequences);
 * ``stem_indexer.integrations.transformers.register()``: ``attn_implementation="stem"``
-  for Hugging Face models.
+  for Hugging Face models;
+* ``stem_paged_plan`` / ``stem_paged_run``: the entry point of a serving
+  engine's attention backend (packed queries, a paged KV cache and its
+  ``IndexCache``, a block table per row; plan once per step).
 
 The pieces, for those who build their own pipeline: ``stem_inputs`` (Q/K/V ->
 block representations and value bias), ``stem_indexer`` and
@@ -37,7 +40,9 @@ from .attention import StemInfo, block_sparse_attention, dense_attention, stem_a
 from .contract import PRESETS, IndexerParams, StemIndexerInputError
 from .dispatch import status
 from .flash import stem_attn_func, stem_attn_varlen_func
+from .index_cache import IndexCache
 from .ops.flex_attention import block_mask
+from .paged import PagedPlan, stem_paged_plan, stem_paged_run
 from .plan import StemPlan, stem_plan, stem_run
 from .prepare import StemInputs, stem_inputs
 from .reference import stem_indexer_reference
@@ -51,6 +56,10 @@ __all__ = [
     "stem_plan",
     "stem_run",
     "StemPlan",
+    "stem_paged_plan",
+    "stem_paged_run",
+    "PagedPlan",
+    "IndexCache",
     "StemInfo",
     "PRESETS",
     "stem_inputs",

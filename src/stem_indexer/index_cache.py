@@ -1,20 +1,23 @@
 """The indexer cache: what Stem's indexer needs of each KV-cache page, kept
-beside vLLM's paged cache. Plain torch, no vLLM import.
+beside an engine's paged KV cache. Plain torch, no engine import; the vLLM
+CPU backend writes and reads it, and ``paged.py``'s entry point reads it for
+any engine.
 
-vLLM writes each step's new keys and values into its paged cache, packed for
-the CPU's instruction set (``vec``, ``vec16``, ``amx``): reading them back is
-layout-specific. The indexer needs far less than the keys and values
-themselves (docs/CONTRACT.md section 7):
+An engine writes each step's new keys and values into its paged cache, in
+its own layout (vLLM's CPU cache is packed for the instruction set: ``vec``,
+``vec16``, ``amx``), so reading them back is layout-specific. The indexer
+needs far less than the keys and values themselves (docs/CONTRACT.md
+section 7):
 
 * ``kflat``: per Stem block and group ``s`` of the stride, the float32 sum
   of the block's keys at offsets ``r * Ts + s``;
 * ``vbias``: per run of ``Ts`` tokens, the largest value norm (the
   Output-Aware Metric's raw statistic).
 
-Both follow from the keys and values as vLLM writes them. ``IndexCache``
-holds them per page and KV head, indexed by vLLM's page ids, and is written
-from the same unpacked ``key``/``value`` and ``slot_mapping`` that vLLM's
-cache writer receives (``write``):
+Both follow from the keys and values as the engine writes them.
+``IndexCache`` holds them per page and KV head, indexed by the engine's page
+ids, and is written from the same unpacked ``key``/``value`` and slots that
+its cache writer receives (``write``):
 
 * ``ksum [num_pages, Ts, Hkv, D]`` float32: group ``s`` of a page sums its
   keys at offsets ``o`` with ``o % Ts == s`` (pages hold whole groups: the
@@ -30,14 +33,17 @@ reused, or rewritten after preemption, never carries old sums. A write that
 neither starts the page nor continues it exactly where it stopped (a slot
 written twice, a gap) marks the page unusable (``filled = -1``) until it
 starts again; ``complete`` tells whether a row's pages hold exactly its
-tokens, and a row whose pages do not runs vLLM's kernel instead.
+tokens (a vLLM row whose pages do not runs vLLM's kernel instead).
 
 Prefix-cache hits share pages, so they find their entries written. With
 ``Bs`` equal to the page size (vLLM's CPU default, 128) a block's group sums
 are accumulated token after token in order, as ``prepare.block_representation``
 sums them, and ``kflat`` is bit for bit ``stem_inputs``'s; with ``Bs`` a
-multiple of the page, the pages' sums are added once more (a float32
-rounding per page, docs/CONTRACT.md section 8). The run maxima are exact
+multiple of the page, the pages' sums are added once more, in page order (a
+float32 rounding per page, docs/CONTRACT.md section 8; ``block_inputs`` and
+the Triton pass of ``ops/triton/paged_index.py`` add them alike). On CUDA
+``write`` accumulates with atomics, whose order is not fixed: the sums are
+then ``stem_inputs``'s up to summation order. The run maxima are exact
 whatever the order, so ``vbias`` is ``stem_inputs``'s bit for bit.
 
 Memory, per page and KV head: ``(Ts * D + page / Ts) * 4`` bytes, against
@@ -51,8 +57,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...contract import ceil_div
-from ...prepare import bias_from_run_max
+from .contract import ceil_div
+from .prepare import bias_from_run_max
 
 __all__ = ["IndexCache", "WritePlan", "index_cache_bytes"]
 
@@ -131,9 +137,9 @@ class IndexCache:
             slots = slots[keep]
         num_pages, stride, runs = self.ksum.shape[0], self.stride, self.vmax.shape[1]
         pages, offsets = slots // self.page, slots % self.page
-        first = torch.full((num_pages,), self.page, dtype=torch.int64)
+        first = torch.full((num_pages,), self.page, dtype=torch.int64, device=slots.device)
         first.scatter_reduce_(0, pages, offsets, "amin")
-        last = torch.full((num_pages,), -1, dtype=torch.int64)
+        last = torch.full((num_pages,), -1, dtype=torch.int64, device=slots.device)
         last.scatter_reduce_(0, pages, offsets, "amax")
         touched = (last >= 0).nonzero().squeeze(1)
         start, end = first[touched], last[touched] + 1
@@ -190,24 +196,59 @@ class IndexCache:
         """``kflat [Hkv, Kb, Ts*D]`` bfloat16 (groups reversed) and ``vbias
         [Hkv, Kb]`` float32 of a sequence's first ``seq_len`` tokens, from the
         entries of its ``pages`` (block-table order), as ``stem_inputs``
-        computes them from the tokens themselves."""
-        stride, kv_heads, dim = self.ksum.shape[1:]
+        computes them from the tokens themselves (``block_inputs`` of one row)."""
+        lens = torch.tensor([seq_len], device=self.ksum.device)
+        kflat, vbias = self.block_inputs(pages[None], lens, ceil_div(seq_len, block_size),
+                                         block_size, oam, oam_lambda)
+        return kflat[0], vbias[0]
+
+    def block_inputs(self, block_table: torch.Tensor, seq_lens: torch.Tensor, kmax: int,
+                     block_size: int, oam: bool,
+                     oam_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kflat [B, Hkv, kmax, Ts*D]`` bfloat16 and ``vbias [B, Hkv, kmax]``
+        float32 of B sequences: row ``b`` holds the first ``seq_lens[b]``
+        tokens at pages ``block_table[b]`` (in order). Tensor work only (no
+        value is read on the host). Key blocks past a sequence's end, and its
+        last block's pages past its last token, count as zeros; table entries
+        there are never used (ids are clamped into the cache)."""
+        return (self.block_kflat(block_table, seq_lens, kmax, block_size),
+                self.block_vbias(block_table, seq_lens, kmax, block_size, oam, oam_lambda))
+
+    def block_kflat(self, block_table: torch.Tensor, seq_lens: torch.Tensor, kmax: int,
+                    block_size: int) -> torch.Tensor:
+        """``block_inputs``'s kflat: a block's pages are added in page order,
+        then rounded once to bfloat16."""
+        num_pages, stride, kv_heads, dim = self.ksum.shape
         per_block = block_size // self.page
-        kb = ceil_div(seq_len, block_size)
-        n = ceil_div(seq_len, self.page)
-        ids = pages[:n].to(torch.int64)
-        ksum = self.ksum[ids]  # [n, Ts, Hkv, D]
-        vmax = self.vmax[ids]  # [n, page / Ts, Hkv]
-        if n < kb * per_block:  # the last block's pages not yet allocated: zeros
-            ksum = torch.nn.functional.pad(ksum, (0, 0, 0, 0, 0, 0, 0, kb * per_block - n))
-            vmax = torch.nn.functional.pad(vmax, (0, 0, 0, 0, 0, kb * per_block - n))
-        if per_block > 1:
-            ksum = ksum.view(kb, per_block, stride, kv_heads, dim).sum(1)
-        kflat = ksum.flip(1).permute(2, 0, 1, 3).reshape(kv_heads, kb, stride * dim)
-        kflat = kflat.to(torch.bfloat16)
+        ids, used = self.table_pages(block_table, seq_lens, kmax * per_block)
+        ksum = torch.where(used[..., None, None, None], self.ksum[ids], 0.0)
+        ksum = ksum.view(-1, kmax, per_block, stride, kv_heads, dim)
+        sums = ksum[:, :, 0]
+        for p in range(1, per_block):
+            sums = sums + ksum[:, :, p]
+        kflat = sums.flip(2).permute(0, 3, 1, 2, 4).reshape(-1, kv_heads, kmax, stride * dim)
+        return kflat.to(torch.bfloat16)
+
+    def block_vbias(self, block_table: torch.Tensor, seq_lens: torch.Tensor, kmax: int,
+                    block_size: int, oam: bool, oam_lambda: float) -> torch.Tensor:
+        """``block_inputs``'s vbias (zeros without ``oam``)."""
+        stride, kv_heads = self.ksum.shape[1], self.ksum.shape[2]
         if not oam:
-            return kflat, torch.zeros(kv_heads, kb, dtype=torch.float32)
-        run_max = vmax.permute(2, 0, 1).reshape(1, kv_heads, -1)
-        valid = torch.tensor([ceil_div(seq_len, stride)])
-        vbias = bias_from_run_max(run_max, valid, block_size // stride, oam_lambda)
-        return kflat, vbias[0]
+            return self.ksum.new_zeros(block_table.shape[0], kv_heads, kmax)
+        ids, used = self.table_pages(block_table, seq_lens, kmax * (block_size // self.page))
+        vmax = torch.where(used[..., None, None], self.vmax[ids], 0.0)  # [B, slots, runs, Hkv]
+        run_max = vmax.permute(0, 3, 1, 2).reshape(block_table.shape[0], kv_heads, -1)
+        valid = ceil_div(seq_lens.to(torch.int64), stride)
+        return bias_from_run_max(run_max, valid, block_size // stride, oam_lambda)
+
+    def table_pages(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                    slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids, used)``, both [B, slots]: the page ids of each row's first
+        ``slots`` table entries, clamped into the cache, and whether the row
+        has that page (``ceil(seq_lens[b] / page)`` of them)."""
+        device = self.ksum.device
+        slot = torch.arange(slots, device=device)
+        width = block_table.shape[1]
+        ids = block_table[:, slot.clamp(max=max(width - 1, 0))].to(torch.int64)
+        used = slot < ceil_div(seq_lens.to(device=device, dtype=torch.int64), self.page)[:, None]
+        return ids.clamp(0, self.ksum.shape[0] - 1), used
