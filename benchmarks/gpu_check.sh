@@ -6,11 +6,14 @@
 #   benchmarks/gpu_check.sh --variants     # plus its kernels under other launch configurations
 #   benchmarks/gpu_check.sh --all          # everything, about 7 minutes on one H200:
 #       1. every CUDA test (pytest -k cuda with STEM_INDEXER_DEVICE=cuda): indexer,
-#          attention, flash functions, FlexAttention, the HF integration on tiny models
+#          attention, flash functions, FlexAttention, the paged entry point and its
+#          kernels, the HF integration on tiny models
 #       2. the indexer check above
 #       3. stem_attention against SDPA and FlexAttention's dense kernel, 32K to 128K; then
 #          stem_run on one stem_plan at 128K: eager, compiled (fullgraph, dynamic) and
-#          replayed from a CUDA graph, each equal to stem_attention
+#          replayed from a CUDA graph, each equal to stem_attention; and stem_paged_run on
+#          the same tokens in 16-token pages: Triton picks = torch picks, compiled and
+#          graph-replayed equal to eager, timed against stem_run
 #       4. the dense_above break-even at 32K
 #   benchmarks/gpu_check.sh --all --dry-run   # about 20 s on CPU: tiny shapes, Triton interpreter
 # The kernels' compile report (no GPU needed): python -m stem_indexer.ops.triton.aot

@@ -3,9 +3,9 @@
 Triton decides once per process, when it jits the kernels, whether they are
 interpreted (``TRITON_INTERPRET=1``) or compiled. A test marked
 ``@interpreted`` therefore runs in a child pytest with ``TRITON_INTERPRET=1``:
-the first such test of a session starts one child for all of them (whatever
-file they are in), and in this process each reports its own child result,
-failure text included. In a process that has ``TRITON_INTERPRET=1`` set
+the first such test of a file starts one child for all of that file's (so
+files spread over the test run's workers), and in this process each reports
+its own child result, failure text included. In a process that has ``TRITON_INTERPRET=1`` set
 already, they simply run.
 
     python tests/_interpreter.py RESULTS.json TEST_ID...   # the child run
@@ -24,12 +24,16 @@ from pathlib import Path
 
 import pytest
 
-_child: dict = {}
+_children: dict = {}  # test file -> its child's results and log
 
 
 def interpreted(test):
-    """Mark ``test`` as an interpreter test (see the module docstring)."""
-    from stem_indexer.ops.triton import launch
+    """Mark ``test`` as an interpreter test (see the module docstring);
+    skipped, saying so, where Triton is not installed."""
+    try:
+        from stem_indexer.ops.triton import launch
+    except ImportError as exc:
+        return pytest.mark.skip(reason=f"Triton is not installed ({exc})")(test)
 
     if launch.INTERPRETED:
         return test
@@ -46,22 +50,23 @@ def interpreted(test):
 
 
 def _report_child_result(node) -> None:
-    if not _child:
-        _child.update(_run_child(node.session))
-    result = _child["results"].get(node.nodeid)
+    if node.path not in _children:
+        _children[node.path] = _run_child(node.session, node.path)
+    child = _children[node.path]
+    result = child["results"].get(node.nodeid)
     if result is None:
         pytest.fail(f"the interpreter run gave no result for {node.nodeid}; its output:\n"
-                    f"{_child['log']}", pytrace=False)
+                    f"{child['log']}", pytrace=False)
     if result["outcome"] == "failed":
         pytest.fail(result["text"], pytrace=False)
     if result["outcome"] == "skipped":
         pytest.skip(result["text"])
 
 
-def _run_child(session) -> dict:
-    """Run every selected interpreter test of the session in one child pytest."""
-    ids = [item.nodeid for item in session.items
-           if getattr(getattr(item, "function", None), "interpreted", False)]
+def _run_child(session, path) -> dict:
+    """Run every selected interpreter test of the file ``path`` in one child pytest."""
+    ids = [item.nodeid for item in session.items if item.path == path
+           and getattr(getattr(item, "function", None), "interpreted", False)]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
         proc = subprocess.run([sys.executable, __file__, str(out), *ids],

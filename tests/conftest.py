@@ -83,7 +83,8 @@ def pytest_unconfigure(config):
 # The costliest modules of the default run, costliest first: with two xdist
 # workers taking one module at a time, starting them first keeps the two
 # workers busy to the end (the rest keep their order).
-COSTLIEST_FIRST = ("test_triton.py", "test_cases_single.py", "test_reliability.py",
+COSTLIEST_FIRST = ("test_triton.py", "test_paged_attention.py", "test_paged.py",
+                   "test_cases_single.py", "test_reliability.py",
                    "test_triton_aot.py", "test_properties.py", "test_docs.py",
                    "test_attention.py")
 

@@ -57,6 +57,14 @@ class Step:
     seq_lens: list
     prompts: list
 
+    def to(self, device) -> "Step":
+        moved = {name: getattr(self, name).to(device) for name in
+                 ("q", "k", "v", "query", "key_cache", "value_cache", "table")}
+        c = self.index_cache
+        cache = IndexCache(c.ksum.to(device), c.vmax.to(device), c.filled.to(device), c.page)
+        return Step(**moved, index_cache=cache, query_lens=self.query_lens,
+                    seq_lens=self.seq_lens, prompts=self.prompts)
+
 
 def make_step(prompts, contexts, query_lens, *, page, stride, hq=4, hkv=2, dim=16,
               dtype=torch.float32, integer=False, hnd=False, seed=0, chunk=None) -> Step:
@@ -106,7 +114,8 @@ def plan_for(step: Step, **kw):
     hq, dim = step.q.shape[1], step.q.shape[3]
     return stem_paged_plan(step.query_lens, step.seq_lens, num_prompt_tokens=step.prompts,
                            num_heads=hq, num_kv_heads=step.k.shape[1], head_dim=dim,
-                           page_size=step.index_cache.page, dtype=step.q.dtype, **kw)
+                           page_size=step.index_cache.page, dtype=step.q.dtype,
+                           device=step.q.device, **kw)
 
 
 def run(step: Step, plan):
@@ -241,25 +250,51 @@ def test_triton_kflat_pass_writes_the_torch_bits(page, block):
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+# 8-token blocks: 56 of them (the least a sparse budget needs) in few tokens.
+TINY_SPARSE = dict(stem_block_size=8, stem_stride=4, k_block_num_bias_medium=3,
+                   k_block_num_bias_large=3, dense_above=1.0, exact_tail=16)
+
+
+def _tiny_sparse_step(hnd=False):
+    return make_step([480, 460, 300], [0, 203, 299], [480, 257, 1], page=8, stride=4, hq=2,
+                     hkv=1, dim=16, seed=5, hnd=hnd, chunk=100)
+
+
 @interpreted
-@pytest.mark.parametrize("hnd", [False, True])
-def test_triton_picks_the_torch_blocks_and_attends_alike(hnd):
-    prompts, contexts, new = [1100, 900, 700], [0, 300, 699], [1100, 600, 1]
-    step = make_step(prompts, contexts, new, page=16, stride=8, hq=4, hkv=2, dim=16, seed=5,
-                     hnd=hnd, chunk=200)
-    kw = dict(stem_block_size=16, stem_stride=8, k_block_num_bias_medium=3,
-              k_block_num_bias_large=3, dense_above=1.0, exact_tail=32)
+def test_triton_picks_the_torch_blocks():
+    step = _tiny_sparse_step()
     with torch.inference_mode():
-        torch_plan = plan_for(step, backend="torch", **kw)
-        triton_plan = plan_for(step, backend="triton", **kw)
-        assert triton_plan.kernel == "triton" and triton_plan.attention == "triton"
-        assert torch_plan.paths == triton_plan.paths and "sparse" in torch_plan.paths
+        torch_plan = plan_for(step, backend="torch", **TINY_SPARSE)
+        triton_plan = plan_for(step, backend="triton", **TINY_SPARSE)
+        assert torch_plan.paths == triton_plan.paths == ("sparse", "sparse", "dense: decode")
         want = stem_paged_select(step.query, step.index_cache, step.table, torch_plan)
         got = stem_paged_select(step.query, step.index_cache, step.table, triton_plan)
-        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
+def _runs_alike(step, **kw):
+    with torch.inference_mode():
+        triton_plan = plan_for(step, backend="triton", **kw)
+        assert triton_plan.kernel == "triton" and triton_plan.attention == "triton"
         out = run(step, triton_plan)
-        ref = run(step, torch_plan)
+        ref = run(step, plan_for(step, backend="torch", **kw))
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), (out - ref).abs().max()
+
+
+@interpreted
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_triton_run_attends_as_the_torch_run(softcap):
+    # Short rows (dense lists): the paged kernel against the gathered pages.
+    step = make_step([200, 150, 90], [0, 77, 89], [200, 73, 1], page=8, stride=4, hq=2,
+                     hkv=1, dim=16, seed=6, hnd=softcap is not None)
+    _runs_alike(step, stem_block_size=16, stem_stride=4, softcap=softcap)
+
+
+@interpreted
+@pytest.mark.slow
+@pytest.mark.parametrize("hnd", [False, True])
+def test_triton_sparse_run_attends_as_the_torch_run(hnd):
+    _runs_alike(_tiny_sparse_step(hnd), **TINY_SPARSE)
 
 
 # --------------------------------------------------------------------------- #

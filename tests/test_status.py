@@ -34,7 +34,8 @@ def _fallback_warnings(call) -> list[str]:
 
 def test_status_lists_every_op_device_and_dtype():
     rows = dispatch.paths()
-    assert {(p.op, p.device) for p in rows} == {(op, d) for op in ("indexer", "attention")
+    assert {(p.op, p.device) for p in rows} == {(op, d) for op in ("indexer", "attention",
+                                                                 "paged")
                                                 for d in ("cpu", "cuda")}
     attention = {(p.device, p.dtype) for p in rows if p.op == "attention"}
     assert attention == {(d, t) for d in ("cpu", "cuda")

@@ -111,7 +111,17 @@ def paths() -> list[Path]:
             kernel, why = attention_path(device, dtype)
             rows.append(Path("attention", device, str(dtype).removeprefix("torch."),
                              _RUNS[kernel], why))
+        rows.append(_paged_path(device, why=indexer_path(device)[1]))
     return rows
+
+
+def _paged_path(device: str, why: str | None) -> Path:
+    """The paged entry point's row of ``paths`` (``paged.py``)."""
+    if device == "cuda" and why is None:
+        return Path("paged", device, "any", "Triton: kflat from the pages, the indexer's "
+                    "kernels, attention through the block table (ops/triton/paged_*.py)", None)
+    return Path("paged", device, "any", "the pages gathered with torch operations, then the "
+                "indexer and attention rows above (paged.py)", why if device == "cuda" else None)
 
 
 def status() -> str:

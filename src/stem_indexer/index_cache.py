@@ -6,8 +6,8 @@ any engine.
 An engine writes each step's new keys and values into its paged cache, in
 its own layout (vLLM's CPU cache is packed for the instruction set: ``vec``,
 ``vec16``, ``amx``), so reading them back is layout-specific. The indexer
-needs far less than the keys and values themselves (docs/CONTRACT.md
-section 7):
+needs far less than the keys and values themselves
+(docs/CONTRACT.md section 7):
 
 * ``kflat``: per Stem block and group ``s`` of the stride, the float32 sum
   of the block's keys at offsets ``r * Ts + s``;

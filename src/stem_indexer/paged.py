@@ -224,6 +224,8 @@ def _kernels(backend: str, device: torch.device, dtype: torch.dtype, block_size:
         fail("stem_paged_plan", "backend", "'triton' runs CUDA tensors, or CPU tensors under "
              "the Triton interpreter (TRITON_INTERPRET=1)", f"'triton' on {device.type}")
     why = paged_attention.paged_kernel_supports(block_size, head_dim)
+    if why is None and dtype not in paged_attention.DTYPES:
+        why = f"it takes bfloat16, float16 and float32, not {str(dtype).removeprefix('torch.')}"
     if why is None:
         return "triton", "triton"
     from .ops import native
@@ -452,9 +454,10 @@ def _paged_attention_op(
     if kernel == "triton":
         from .ops.triton.paged_attention import paged_sparse_attention
 
-        return paged_sparse_attention(query, key_cache, value_cache, block_table,
-                                      sparse_indices, sparse_seq_len, rows,
-                                      block_size=block_size, scale=scale, softcap=softcap)
+        return paged_sparse_attention(query, key_cache, value_cache,
+                                      block_table.to(torch.int32), sparse_indices,
+                                      sparse_seq_len, rows, block_size=block_size, scale=scale,
+                                      softcap=softcap)
     q = _window_queries(query, q_map)
     k, v = (_contiguous_keys(x, block_table, seq_lens_device, sparse_indices.shape[3],
                              block_size) for x in (key_cache, value_cache))

@@ -6,14 +6,17 @@ an NVIDIA target without a GPU, with its register and spill figures.
 
 For each benchmark shape (``SHAPES``), Df and precision, the launcher's own
 ``default_config`` and ``kernel_launches`` produce the launches on ``meta``
-tensors (so the arguments have the benchmark's sizes and no memory); Triton's
-own argument binder turns each launch into the signature, constants,
-attributes and options its JIT would compile, and ``triton.compile`` builds
-that for ``GPUTarget("cuda", arch, 32)``. ``cuobjdump`` (shipped with Triton)
-then reads the cubin: registers and stack bytes per thread (``-res-usage``),
-and in the SASS the local-memory spill stores/loads (STL/LDL) and the
-tensor-core MMA instructions (HMMA, or HGMMA on sm_90). Identical compiles
-are made once; ``shape`` lists every case each one serves.
+tensors, and with them (Df 2048: head dim 128, bfloat16, 16-token pages) the
+paged entry point's ``kflat_kernel`` and ``paged_attention_kernel``
+(``paged_index.py``, ``paged_attention.py``); the arguments have the
+benchmark's sizes and no memory. Triton's own argument binder turns each
+launch into the signature, constants, attributes and options its JIT would
+compile, and ``triton.compile`` builds that for ``GPUTarget("cuda", arch,
+32)``. ``cuobjdump`` (shipped with Triton) then reads the cubin: registers
+and stack bytes per thread (``-res-usage``), and in the SASS the local-
+memory spill stores/loads (STL/LDL) and the tensor-core MMA instructions
+(HMMA, or HGMMA on sm_90). Identical compiles are made once; ``shape`` lists
+every case each one serves.
 
 Compiles go through Triton's own cache (``TRITON_CACHE_DIR``, by default
 under ``~/.triton``), whose key covers the kernel's source, constants,
@@ -43,7 +46,7 @@ from triton.runtime.jit import create_function_from_signature
 
 from ... import metadata as md
 from ...contract import IndexerParams
-from . import launch
+from . import launch, paged_attention, paged_index
 
 # SM count of each target's reference GPU (it sets the persistent grid, an argument).
 REFERENCE_SMS = {80: 108, 90: 132}  # A100, H100/H200 SXM
@@ -87,6 +90,35 @@ def _launches(shape: Shape, df: int, precision: int, arch: int) -> list[launch.L
         torch.empty(md.metadata_size(b, nk), dtype=torch.int32, **meta), params, cfg,
         torch.empty(b, nq, qmax, kmax, dtype=torch.int32, **meta),
         torch.empty(b, nq, qmax, dtype=torch.int32, **meta))
+
+
+PAGE = 16  # vLLM's default page size on CUDA
+
+
+def _paged_launches(shape: Shape, df: int, arch: int) -> list[launch.Launch]:
+    """The paged entry point's launches for ``shape`` (head dim ``df / 16``:
+    Df 2048 only, the realistic head dim 128), bfloat16, ``PAGE``-token pages."""
+    if df != 2048:
+        return []
+    meta = dict(device="meta")
+    stride, dim = 16, df // 16
+    b, nq, nk = shape.batch, shape.q_heads, shape.kv_heads
+    qmax, kmax = shape.q_tokens // shape.block, shape.kv_tokens // shape.block
+    pages = b * shape.kv_tokens // PAGE
+    i32 = dict(dtype=torch.int32, **meta)
+    table = torch.empty(b, shape.kv_tokens // PAGE, **i32)
+    kflat = paged_index.kflat_launch(
+        torch.empty(pages, stride, nk, dim, dtype=torch.float32, **meta), table,
+        torch.empty(b, **i32), torch.empty(b, nk, kmax, df, dtype=torch.int16, **meta),
+        shape.block, PAGE)
+    query = torch.empty(b * shape.q_tokens, nq, dim, dtype=torch.bfloat16, **meta)
+    cache = torch.empty(pages, PAGE, nk, dim, dtype=torch.bfloat16, **meta)
+    cfg = paged_attention.default_paged_config(shape.block, dim, torch.bfloat16, arch)
+    attention = paged_attention.paged_launch(
+        query, cache, cache, table, torch.empty(b, nq, qmax, kmax, **i32),
+        torch.empty(b, nq, qmax, **i32), torch.empty(b, 4, **i32), torch.empty_like(query),
+        block_size=shape.block, scale=dim ** -0.5, softcap=None, config=cfg)
+    return [kflat, attention]
 
 
 def _compile_inputs(run: launch.Launch, arch: int) -> dict:
@@ -152,7 +184,9 @@ def report_entries(archs, shapes=SHAPES, dfs=DFS) -> list[dict]:
             for df in dfs:
                 for precision in PRECISIONS:
                     case = f"{shape.name} Df{df} p{precision}"
-                    for run in _launches(shape, df, precision, arch):
+                    runs = _launches(shape, df, precision, arch)
+                    runs += _paged_launches(shape, df, arch)
+                    for run in runs:
                         entry = dict(_compile_inputs(run, arch), arch=arch, target=f"sm_{arch}")
                         key = json.dumps(entry, sort_keys=True, default=str)
                         entries.setdefault(key, dict(entry, shape=[]))["shape"].append(case)

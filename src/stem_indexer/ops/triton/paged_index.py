@@ -32,9 +32,9 @@ import triton
 import triton.language as tl
 
 from ...contract import fail
-from .launch import INTERPRETED
+from .launch import INTERPRETED, Launch
 
-__all__ = ["kflat_kernel", "paged_kflat"]
+__all__ = ["kflat_kernel", "kflat_launch", "paged_kflat"]
 
 
 @triton.jit
@@ -95,10 +95,20 @@ def paged_kflat(ksum: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.T
                       device=ksum.device)
     if out.numel() == 0:
         return out.view(torch.bfloat16)
-    table = block_table.to(torch.int32).contiguous()
-    kflat_kernel[(kmax, kv_heads, batch)](
-        ksum.contiguous(), table, seq_lens.to(torch.int32).contiguous(), out, num_pages,
-        max(table.shape[1], 1), kv_heads, kmax, page, TS=stride, D=dim,
-        BLOCK_D=1 << max(dim - 1, 0).bit_length(), PER_BLOCK=block_size // page)
+    kflat_launch(ksum.contiguous(), block_table.to(torch.int32).contiguous(),
+                 seq_lens.to(torch.int32).contiguous(), out, block_size, page)()
     return out.view(torch.bfloat16)
 
+
+
+def kflat_launch(ksum: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor,
+                 out: torch.Tensor, block_size: int, page: int) -> Launch:
+    """The launch that fills ``out`` ([B, Hkv, kmax, Ts*D] int16) from
+    contiguous arguments; works on ``meta`` tensors (``aot.py``)."""
+    num_pages, stride, kv_heads, dim = ksum.shape
+    batch, _, kmax, _ = out.shape
+    return Launch(kflat_kernel, (kmax, kv_heads, batch),
+                  (ksum, table, seq_lens, out, num_pages, max(table.shape[1], 1), kv_heads,
+                   kmax, page),
+                  dict(TS=stride, D=dim, BLOCK_D=1 << max(dim - 1, 0).bit_length(),
+                       PER_BLOCK=block_size // page), {})
