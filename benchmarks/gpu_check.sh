@@ -56,7 +56,7 @@ if [ ${#dry[@]} = 0 ]; then
         -n 6 --dist loadfile -k cuda tests
 fi
 step "indexer check" 120 "$PY" benchmarks/gpu_check.py "${dry[@]}" --reps 5
-step "attention" 180 "$PY" benchmarks/gpu_attention.py "${dry[@]}"
+step "attention" 240 "$PY" benchmarks/gpu_attention.py "${dry[@]}"
 step "break-even" 60 "$PY" benchmarks/gpu_attention.py "${dry[@]}" --break-even 32768
 if [ ${#failed[@]} = 0 ]; then
     echo "gpu_check --all: every step passed"

@@ -58,6 +58,12 @@ class Case:
     scale: float
     softcap: float | None
 
+    def to(self, device) -> "Case":
+        moved = {f: getattr(self, f).to(device) for f in
+                 ("query", "key_cache", "value_cache", "block_table", "indices", "lengths",
+                  "rows")}
+        return replace(self, **moved)
+
     def run(self, **kw) -> torch.Tensor:
         return paged_sparse_attention(
             self.query, self.key_cache, self.value_cache, self.block_table, self.indices,
@@ -253,6 +259,21 @@ MATRIX = [
 def test_matches_the_reference(label, kw):
     case = make_case(len(label), ROWS, **kw)
     assert_matches(case, case.run(), label)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or launch.INTERPRETED,
+                    reason="needs a CUDA device (the compiled kernel)")
+@pytest.mark.parametrize("label,kw", MATRIX + [
+    ("bs128-page16-d128-bf16-NHD", dict(bs=128, page=16, d=128, dtype=BF16, hq=8, hkv=2)),
+    ("bs64-page16-d64-f16-HND-softcap",
+     dict(bs=64, page=16, d=64, dtype=F16, layout="HND", softcap=30.0))],
+    ids=[m[0] for m in MATRIX] + ["bs128-page16-d128-bf16-NHD", "bs64-page16-d64-f16-HND-softcap"])
+def test_cuda_kernel_matches_the_reference(label, kw):
+    """The compiled kernel, with the GPU's default configuration, on a CUDA
+    device: the same cases (and two of realistic sizes)."""
+    rows = ((0, 300), (130, 400), (399, 400), (256, 512)) if kw["bs"] >= 64 else ROWS
+    case = make_case(len(label), rows, **kw)
+    assert_matches(case, case.to("cuda").run().cpu(), label)
 
 
 # (label, block size, config): the GPU configurations themselves; tiles

@@ -34,6 +34,12 @@ its pairs attends every block it can see (a *dense* row: its lists are made
 in the plan, and the indexer skips it); the rows holding the prompt's last
 ``exact_tail`` tokens are widened alike. The others are *sparse*.
 
+Which rows to pass: the plan's tensors are padded to the longest row, as
+the indexer's contract pads its batch (the lists are ``B x Hq x Qmax x
+Kmax`` int32), so a step's many decode rows beside one long prompt belong to
+the engine's own kernel, not here; pass the long prefill rows (the vLLM CPU
+backend sends each Stem row alone and the others to vLLM's kernel).
+
 The run is three custom ops joined by integer tensor work, reading nothing
 on the host (CUDA-graph capturable; ``torch.compile(fullgraph=True,
 dynamic=True)`` gives eager's result):
@@ -107,7 +113,7 @@ class PagedPlan:
     q_map: torch.Tensor  #: [B, qmax * Bs] int64: each window position's token, T if none
     out_map: torch.Tensor  #: [T] int64: each token's flat window position
     kv_seq_lens: torch.Tensor  #: [B] int32
-    window_valid: torch.Tensor  #: [B] int32, the windows' queries (for the torch path)
+    window_lens_device: torch.Tensor  #: [B] int32, ``window_lens`` on the device
     #: the indexer's (None when no row is sparse): its window lengths (0 on
     #: dense rows), prompt lengths, metadata
     indexer_q_lens: torch.Tensor | None = None
@@ -234,7 +240,7 @@ def _kernels(backend: str, device: torch.device, dtype: torch.dtype, block_size:
     return "triton", _backend_for("auto", device, dtype)
 
 
-def _row_path(q: int, kv: int, p: int, window: int, params: IndexerParams,
+def _row_path(kv: int, p: int, window: int, params: IndexerParams,
               min_q_blocks: int, dense_above: float) -> str:
     """"sparse", or "dense: <reason>", for one row (host ints)."""
     bs = params.stem_block_size
@@ -262,7 +268,7 @@ def _build(qlen, kvlen, prompt, params: IndexerParams, *, device, dtype, heads, 
     qmax = max(int(ceil_div(window, bs).max()), 1)
     kmax = max(int(ceil_div(kvlen, bs).max()), 1)
     paths = tuple("dense: no queries" if int(q) == 0 else
-                  _row_path(int(q), int(kv), int(p), int(w), params, min_q_blocks, dense_above)
+                  _row_path(int(kv), int(p), int(w), params, min_q_blocks, dense_above)
                   for q, kv, p, w in zip(qlen, kvlen, prompt, window))
     sparse = torch.tensor([p == "sparse" for p in paths])
     starts = torch.cumsum(qlen, 0) - qlen
@@ -288,7 +294,7 @@ def _build(qlen, kvlen, prompt, params: IndexerParams, *, device, dtype, heads, 
         window_lens=window, qmax=qmax, kmax=kmax, pages=int(ceil_div(kvlen, page).max()),
         rows=torch.stack([starts, context, kvlen, first], 1).to(**i32),
         q_map=q_map.to(device), out_map=out_map.to(device), kv_seq_lens=kvlen.to(**i32),
-        window_valid=window.to(**i32))
+        window_lens_device=window.to(**i32))
     if not bool(sparse.any()):
         empty = torch.full((batch, heads, qmax, 0), -1, **i32)
         lists = apply_tail(empty, torch.zeros(batch, heads, qmax, **i32), tail, kmax)
@@ -316,7 +322,7 @@ def stem_paged_run(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
     p = plan.params
     return torch.ops.stem_indexer.paged_attention(
         query, key_cache, value_cache, block_table, idx, lengths, plan.rows, plan.q_map,
-        plan.out_map, plan.window_lens, plan.seq_lens, plan.window_valid, plan.kv_seq_lens,
+        plan.out_map, plan.window_lens, plan.seq_lens, plan.window_lens_device, plan.kv_seq_lens,
         p.stem_block_size, plan.scale, plan.softcap, plan.attention)
 
 
