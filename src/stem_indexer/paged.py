@@ -63,6 +63,7 @@ indexer's kernels agree exactly (docs/CONTRACT.md section 5).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -431,13 +432,7 @@ def _paged_select_op(
     kflat = cache.block_kflat(block_table, kv_seq_lens, kmax, bs)
     return torch.ops.stem_indexer.planned_indexer(
         qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens=prompt,
-        metadata=metadata, causal=True, stem_block_size=bs, stem_stride=stride, alpha=alpha,
-        initial_blocks=initial_blocks, window_size=window_size,
-        k_block_num_rate_medium=k_block_num_rate_medium,
-        k_block_num_bias_medium=k_block_num_bias_medium,
-        k_block_num_rate_large=k_block_num_rate_large,
-        k_block_num_bias_large=k_block_num_bias_large,
-        topk_score_precision=topk_score_precision)
+        metadata=metadata, **dataclasses.asdict(params))
 
 @_paged_select_op.register_fake
 def _(query, ksum, vmax, block_table, q_map, q_seq_lens, kv_seq_lens, prompt, metadata, qmax,
