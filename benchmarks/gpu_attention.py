@@ -8,7 +8,12 @@ For B=1, Hq=32, Hkv=8, D=128, bf16 causal prefill at each of ``--seqs``
   ``create_block_mask`` and this package's kernel options (the dense
   kernel of the library the sparse path runs on);
 * ``indexer``: ``stem_inputs`` + metadata + indexer (default budget);
-* ``sparse``: ``block_sparse_attention`` on the indexer's selection;
+* ``sparse``: ``block_sparse_attention`` on the indexer's selection
+  (FlexAttention on CUDA);
+* ``triton sparse`` (CUDA): the paged entry point's Triton kernel
+  (``ops/triton/paged_attention.py``) on the same selection, K and V viewed
+  as pages of one block each (no copy): the candidate to replace
+  FlexAttention there, with its own E and error;
 * ``stem``: ``stem_attention`` with every default (preset, ``exact_tail``,
   ``dense_above``: it may step aside to dense, said in the ``path`` column).
 
@@ -108,6 +113,22 @@ def _flex_dense(q, k, v, scale):
     return lambda: flex.flex_attention_forward(q, k, v, mask, scale)[0]
 
 
+def _triton_sparse(q, k, v, idx, lens, bs: int, scale: float):
+    """The paged Triton kernel on a contiguous B=1 problem: K and V viewed as
+    ``bs``-token pages in order, the queries as the packed tokens of one row.
+    Returns a function giving the output as [1, Hq, S, D]."""
+    from stem_indexer.ops.triton.paged_attention import paged_sparse_attention
+
+    seq = k.shape[2]
+    pages = seq // bs
+    key_cache, value_cache = (x[0].transpose(0, 1).unflatten(0, (pages, bs)) for x in (k, v))
+    table = torch.arange(pages, device=q.device, dtype=torch.int32)[None]
+    rows = torch.tensor([[0, 0, seq, 0]], device=q.device, dtype=torch.int32)
+    query = q[0].transpose(0, 1)
+    return lambda: paged_sparse_attention(query, key_cache, value_cache, table, idx, lens,
+                                          rows, block_size=bs, scale=scale).transpose(0, 1)[None]
+
+
 def _spread(runs: dict, name: str) -> str:
     turns = [d / x for d, x in zip(runs["sdpa"], runs[name])]
     return f"{statistics.median(turns):.2f}x [{min(turns):.2f}, {max(turns):.2f}]"
@@ -156,14 +177,22 @@ def run(seq: int, device: str, reps: int, lines: list[str]) -> bool:
     ok = err < 2e-2 and stem_err < 2e-2
     fns = {"sdpa": sdpa, "flex dense": _flex_dense(q, k, v, scale), "indexer": indexer,
            "sparse": sparse, "stem": stem}
+    triton_err = None
+    if device == "cuda":
+        fns["triton sparse"] = _triton_sparse(q, k, v, idx, lens, bs, scale)
+        triton_err = float((fns["triton sparse"]().float() - got.float()).abs().max())
+        ok &= triton_err < 2e-2
     runs = interleaved_runs(fns, device=device, reps=reps)
     t = {name: statistics.median(ms) for name, ms in runs.items()}
     eff = t["sdpa"] * density / t["sparse"]
+    triton = "- | - | -" if triton_err is None else (
+        f"{t['triton sparse']:.2f} | {t['sdpa'] * density / t['triton sparse']:.2f} | "
+        f"{triton_err:.1e}")
     lines.append(
         f"| {seq} | {density:.1%} | {t['sdpa']:.2f} | {t['flex dense']:.2f} | "
         f"{t['indexer']:.2f} | {t['sparse']:.2f} | {t['stem']:.2f} | {info.path} | "
         f"{_spread(runs, 'sparse')} | {eff:.2f} | {_spread(runs, 'stem')} | "
-        f"{t['flex dense'] / t['stem']:.2f}x | {err:.1e} / {stem_err:.1e} | "
+        f"{t['flex dense'] / t['stem']:.2f}x | {err:.1e} / {stem_err:.1e} | {triton} | "
         f"{'ok' if ok else 'FAIL'} |")
     print(lines[-1], flush=True)
     return ok
@@ -365,8 +394,9 @@ def main(argv=None) -> int:
         else:
             lines += ["", "| tokens | density | sdpa | flex dense | indexer | sparse attn | "
                       "stem_attention | path | sdpa / sparse | E | sdpa / stem | "
-                      "flex dense / stem | max err sparse / stem | check |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                      "flex dense / stem | max err sparse / stem | triton sparse | E triton | "
+                      "triton - flex | check |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
             print("\n".join(lines), flush=True)
             default = "32768,65536,131072" if device == "cuda" else "1024,2048"
             seqs = [int(s) for s in (args.seqs or default).split(",")]
