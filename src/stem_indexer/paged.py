@@ -40,8 +40,8 @@ Kmax`` int32), so a step's many decode rows beside one long prompt belong to
 the engine's own kernel, not here; pass the long prefill rows (the vLLM CPU
 backend sends each Stem row alone and the others to vLLM's kernel).
 
-The run is three custom ops joined by integer tensor work, reading nothing
-on the host (CUDA-graph capturable; ``torch.compile(fullgraph=True,
+The run is two custom ops joined by integer tensor work, reading nothing on
+the host (so a CUDA graph can capture it; ``torch.compile(fullgraph=True,
 dynamic=True)`` gives eager's result):
 
 * ``stem_indexer::paged_select``: qflat from the packed queries, kflat and
