@@ -15,7 +15,9 @@ new queries packed, a block table per row.
 * Layouts: an HND cache viewed as NHD, table entries past a row's pages
   holding garbage: the same result.
 * The Triton kernels (interpreted, ``tests/_interpreter.py``) pick exactly
-  the torch path's blocks, and their kflat pass writes its bits.
+  the torch path's blocks, their kflat pass writes its bits, and their run
+  attends as the torch run; on a GPU (``-k cuda``) the compiled ones do the
+  same and a CUDA graph replays the run.
 * The run reads nothing on the host, compiles with ``fullgraph=True,
   dynamic=True`` to eager's result; bad arguments name themselves.
 """
