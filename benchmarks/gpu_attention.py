@@ -10,10 +10,10 @@ For B=1, Hq=32, Hkv=8, D=128, bf16 causal prefill at each of ``--seqs``
 * ``indexer``: ``stem_inputs`` + metadata + indexer (default budget);
 * ``sparse``: ``block_sparse_attention`` on the indexer's selection
   (FlexAttention on CUDA);
-* ``triton sparse`` (CUDA): the paged entry point's Triton kernel
-  (``ops/triton/paged_attention.py``) on the same selection, K and V viewed
-  as pages of one block each (no copy): the candidate to replace
-  FlexAttention there, with its own E and error;
+* ``triton sparse`` (CUDA): ``block_sparse_attention(backend="triton")``,
+  the paged entry point's Triton kernel (``ops/triton/paged_attention.py``)
+  on the same selection, K and V cut into pages of one block: the candidate
+  to replace FlexAttention there, with its own E and error;
 * ``stem``: ``stem_attention`` with every default (preset, ``exact_tail``,
   ``dense_above``: it may step aside to dense, said in the ``path`` column).
 
@@ -113,22 +113,6 @@ def _flex_dense(q, k, v, scale):
     return lambda: flex.flex_attention_forward(q, k, v, mask, scale)[0]
 
 
-def _triton_sparse(q, k, v, idx, lens, bs: int, scale: float):
-    """The paged Triton kernel on a contiguous B=1 problem: K and V viewed as
-    ``bs``-token pages in order, the queries as the packed tokens of one row.
-    Returns a function giving the output as [1, Hq, S, D]."""
-    from stem_indexer.ops.triton.paged_attention import paged_sparse_attention
-
-    seq = k.shape[2]
-    pages = seq // bs
-    key_cache, value_cache = (x[0].transpose(0, 1).unflatten(0, (pages, bs)) for x in (k, v))
-    table = torch.arange(pages, device=q.device, dtype=torch.int32)[None]
-    rows = torch.tensor([[0, 0, seq, 0]], device=q.device, dtype=torch.int32)
-    query = q[0].transpose(0, 1)
-    return lambda: paged_sparse_attention(query, key_cache, value_cache, table, idx, lens,
-                                          rows, block_size=bs, scale=scale).transpose(0, 1)[None]
-
-
 def _spread(runs: dict, name: str) -> str:
     turns = [d / x for d, x in zip(runs["sdpa"], runs[name])]
     return f"{statistics.median(turns):.2f}x [{min(turns):.2f}, {max(turns):.2f}]"
@@ -179,7 +163,8 @@ def run(seq: int, device: str, reps: int, lines: list[str]) -> bool:
            "sparse": sparse, "stem": stem}
     triton_err = None
     if device == "cuda":
-        fns["triton sparse"] = _triton_sparse(q, k, v, idx, lens, bs, scale)
+        fns["triton sparse"] = lambda: block_sparse_attention(
+            q, k, v, idx, lens, stem_block_size=bs, scale=scale, backend="triton")
         triton_err = float((fns["triton sparse"]().float() - got.float()).abs().max())
         ok &= triton_err < 2e-2
     runs = interleaved_runs(fns, device=device, reps=reps)

@@ -10,7 +10,8 @@
 #          kernels, the HF integration on tiny models
 #       2. the indexer check above
 #       3. stem_attention against SDPA and FlexAttention's dense kernel, 32K to 128K (and the
-#          paged Triton kernel against FlexAttention on the same selection); then
+#          backend="triton", the paged Triton kernel, against FlexAttention on the same
+#          selection); then
 #          stem_run on one stem_plan at 128K: eager, compiled (fullgraph, dynamic) and
 #          replayed from a CUDA graph, each equal to stem_attention; and stem_paged_run on
 #          the same tokens in 16-token pages: Triton picks = torch picks, compiled and

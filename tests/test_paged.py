@@ -359,3 +359,84 @@ def test_runs_on_other_tensors_than_planned_are_refused():
     for name, value in bad.items():
         with pytest.raises(StemIndexerInputError, match=rf"\b{name}\b"):
             stem_paged_run(**{**args, name: value}, plan=plan)
+
+
+# --------------------------------------------------------------------------- #
+# The paged kernel as block_sparse_attention's "triton" backend
+# --------------------------------------------------------------------------- #
+
+@interpreted
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_the_triton_backend_attends_as_the_gather_backend(softcap):
+    # Two batches, one padded (a partial last block), GQA; kv one block
+    # longer than q (keys before the queries: a whole block).
+    gen = torch.Generator().manual_seed(11)
+    bs, hq, hkv, dim = 16, 4, 2, 16
+    q = torch.randn(2, hq, 40, dim, generator=gen)
+    k, v = (torch.randn(2, hkv, 56, dim, generator=gen) for _ in range(2))
+    q_lens, kv_lens = torch.tensor([40, 23]), torch.tensor([56, 39])
+    qb, kb = 3, 4
+    idx = torch.full((2, hq, qb, kb), -1, dtype=torch.int32)
+    lengths = torch.zeros(2, hq, qb, dtype=torch.int32)
+    for b in range(2):
+        for h in range(hq):
+            for i in range(qb):
+                own = i + 1  # the query block's own key block (one block of context)
+                picks = sorted({0, own} | {j for j in range(own) if (b + h + i + j) % 2})
+                idx[b, h, i, :len(picks)] = torch.tensor(picks, dtype=torch.int32)
+                lengths[b, h, i] = len(picks)
+    kw = dict(q_lens=q_lens, kv_lens=kv_lens, stem_block_size=bs, softcap=softcap)
+    with torch.inference_mode():
+        got = stem_indexer.block_sparse_attention(q, k, v, idx, lengths, backend="triton", **kw)
+        want = stem_indexer.block_sparse_attention(q, k, v, idx, lengths, backend="gather",
+                                                   **kw)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
+@interpreted
+def test_stem_attention_on_the_triton_backend_is_the_native_run():
+    q = torch.randn(1, 2, 480, 16, generator=torch.Generator().manual_seed(12))
+    k, v = q[:, :1] * 0.5, q[:, 1:] + 0.1
+    # A few blocks a row (sink, window, three picks): few tiles to interpret.
+    kw = dict(TINY_SPARSE, k_block_num_rate_medium=0.0, initial_blocks=1, window_size=1)
+    with torch.inference_mode():
+        got, info = stem_indexer.stem_attention(q, k, v, backend="triton", return_info=True,
+                                                **kw)
+        want = stem_indexer.stem_attention(q, k, v, backend="native", **kw)
+    assert info.path == "sparse" and info.backend == "triton"
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
+def _triton_call(**kw):
+    """block_sparse_attention and stem_plan with backend="triton" on 40
+    queries over ``kv_lens`` keys in 16-token blocks (both refuse first)."""
+    lens = dict(q_lens=kw.pop("q_lens", [40]), kv_lens=kw.pop("kv_lens", [40]))
+    q, k = torch.zeros(1, 2, 40, 16), torch.zeros(1, 1, max(lens["kv_lens"]), 16)
+    idx = torch.zeros(1, 2, 3, 4, dtype=torch.int32)
+    lengths = torch.ones(1, 2, 3, dtype=torch.int32)
+    yield lambda: stem_indexer.block_sparse_attention(q, k, k, idx, lengths, stem_block_size=16,
+                                                      backend="triton", **lens, **kw)
+    yield lambda: stem_indexer.stem_plan(lens["q_lens"], lens["kv_lens"], num_heads=2,
+                                         num_kv_heads=1, head_dim=16, stem_block_size=16,
+                                         stem_stride=4, backend="triton", **kw)
+
+
+@interpreted
+@pytest.mark.parametrize("kw,rule", [
+    (dict(q_lens=[40], kv_lens=[50]), "whole number of blocks"),
+    (dict(causal=False), "causal only"),
+    (dict(return_lse=True), "log-sum-exp"),
+])
+def test_the_triton_backend_refuses_what_its_kernel_cannot_run(kw, rule):
+    for call in _triton_call(**kw):
+        with pytest.raises(StemIndexerInputError, match=rf"backend.*{rule}"):
+            call()
+
+
+def test_the_triton_backend_needs_cuda_or_the_interpreter():
+    launch = pytest.importorskip("stem_indexer.ops.triton.launch")
+    if launch.INTERPRETED:
+        pytest.skip("the Triton interpreter takes CPU tensors")
+    for call in _triton_call():
+        with pytest.raises(StemIndexerInputError, match=r"backend.*TRITON_INTERPRET=1"):
+            call()

@@ -24,6 +24,12 @@ Backends (``backend=``):
   (CUDA; on CPU through inductor's C++ template);
 * ``"gather"``: torch operations on gathered blocks (``ops/gather_attention.py``),
   any device and float64;
+* ``"triton"``: the paged entry point's Triton kernel
+  (``ops/triton/paged_attention.py``) on the tensors cut into one page per
+  block (CUDA, or CPU under the Triton interpreter; causal, no log-sum-exp,
+  and every batch's ``kv_len - q_len`` a whole number of blocks): the
+  candidate to replace FlexAttention on CUDA, timed beside it by
+  ``benchmarks/gpu_check.sh --all``;
 * ``"auto"`` (default): ``"native"`` on CPU where it is built (float32 and
   bfloat16), ``"flex"`` on CUDA, else ``"gather"`` (float16 and float64 on CPU).
 
@@ -82,7 +88,7 @@ def block_sparse_attention(
         softcap: logit soft-capping (Gemma 2): scaled scores become
             ``softcap * tanh(score / softcap)`` before the softmax.
         q_lens, kv_lens: valid tokens per batch (positions ``[0, len)``).
-        backend: ``"auto"``, ``"native"``, ``"flex"`` or ``"gather"`` (see the
+        backend: ``"auto"``, ``"native"``, ``"flex"``, ``"gather"`` or ``"triton"`` (see the
             module docstring).
         return_lse: also return the log-sum-exp of the attended scores.
 

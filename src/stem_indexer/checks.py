@@ -14,7 +14,7 @@ from .contract import (IndexerParams, check_bool, check_dense_above, check_exact
                        default_dense_above, fail)
 from .prepare import DEFAULT_OAM_LAMBDA, check_oam_lambda, is_finite
 
-BACKENDS = ("auto", "native", "flex", "gather")
+BACKENDS = ("auto", "native", "flex", "gather", "triton")
 
 # No model has this many attention heads; more, and more than tokens, is a
 # tensor in another layout.
@@ -43,7 +43,11 @@ def _check_backend(who: str, backend) -> None:
 def check_backend_fits(who: str, backend: str, device: torch.device, dtype: torch.dtype) -> None:
     """A backend asked for by name runs on q's device and dtype: the native
     kernel reads CPU memory (a CUDA tensor's pointer would crash it) and
-    multiplies float32 or bfloat16 only. (Static: fine while tracing.)"""
+    multiplies float32 or bfloat16 only; the Triton kernel runs CUDA tensors
+    (CPU ones under the Triton interpreter) of 16- or 32-bit floats. (Static:
+    fine while tracing.)"""
+    if backend == "triton":
+        _check_triton_fits(who, device, dtype)
     if backend != "native":
         return
     if torch.device(device).type != "cpu":
@@ -53,6 +57,18 @@ def check_backend_fits(who: str, backend: str, device: torch.device, dtype: torc
     if dtype not in DTYPES:
         fail(who, "backend", f"'native' runs on float32 and bfloat16 only (q is {dtype}); use "
              "'auto' or 'gather'", "'native'")
+
+def _check_triton_fits(who: str, device: torch.device, dtype: torch.dtype) -> None:
+    try:
+        from .ops.triton import launch
+    except ImportError as exc:
+        fail(who, "backend", f"'triton' needs Triton ({exc}); use 'auto'", "'triton'")
+    if torch.device(device).type != "cuda" and not launch.INTERPRETED:
+        fail(who, "backend", f"'triton' runs CUDA tensors (q is on {device}), or CPU tensors "
+             "under the Triton interpreter (TRITON_INTERPRET=1); use 'auto'", "'triton'")
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        fail(who, "backend", f"'triton' runs bfloat16, float16 and float32 (q is {dtype}); "
+             "use 'auto' or 'gather'", "'triton'")
 
 def _check_inference(who: str, *tensors: torch.Tensor) -> None:
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):

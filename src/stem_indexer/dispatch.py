@@ -188,6 +188,54 @@ def _flex(c: _Call, want_lse: bool):
     sq = c.q.shape[2]
     return out[:, :, :sq], None if lse is None else lse[:, :, :sq]
 
+def triton_unfit(qlen: torch.Tensor, kvlen: torch.Tensor, bs: int, causal: bool,
+                 want_lse: bool) -> str | None:
+    """Why the Triton kernel (``ops/triton/paged_attention.py``) cannot run
+    a call of these host lengths, or None. Its query blocks are aligned to
+    the keys' blocks: a query block of the call is one of the kernel's when
+    every batch's keys before its queries are whole blocks."""
+    if not causal:
+        return "is causal only"
+    if want_lse:
+        return "cannot return the log-sum-exp"
+    offset = kvlen - qlen
+    bad = ((offset < 0) | (offset % bs != 0)).nonzero()
+    if bad.numel():
+        b = int(bad[0, 0])
+        return (f"needs kv_lens - q_lens to be a whole number of blocks ({bs} tokens) in "
+                f"every batch; batch {b} has {int(offset[b])}")
+    return None
+
+def _triton(c: _Call, want_lse: bool):
+    """The paged Triton kernel on contiguous tensors: the keys and values
+    cut into one page per block, the queries packed (copies: the kernel reads
+    one token stride)."""
+    from .ops.triton.paged_attention import paged_sparse_attention
+
+    why = triton_unfit(c.qlen, c.kvlen, c.bs, c.causal, want_lse)
+    if why is not None:
+        fail("block_sparse_attention", "backend", f"'triton' {why}; use 'auto'", "'triton'")
+    batch, hq, sq, dim = c.q.shape
+    hkv, skv = c.k.shape[1], c.k.shape[2]
+    kmax = ceil_div(skv, c.bs)
+    device = c.q.device
+
+    def pages(x):  # [B, Hkv, S, D] -> [B * kmax, bs, Hkv, D]
+        x = torch.nn.functional.pad(x.transpose(1, 2), (0, 0, 0, 0, 0, kmax * c.bs - skv))
+        return x.reshape(batch * kmax, c.bs, hkv, dim)
+
+    qlen, kvlen = ((c.qlen.to(device), c.kvlen.to(device)) if c.on_device is None
+                   else c.on_device[:2])
+    context = (kvlen - qlen).to(torch.int64)
+    rows = torch.stack([torch.arange(batch, device=device) * sq, context,
+                        kvlen.to(torch.int64), context // c.bs], 1).to(torch.int32)
+    table = torch.arange(batch * kmax, device=device, dtype=torch.int32).view(batch, kmax)
+    out = paged_sparse_attention(c.q.transpose(1, 2).reshape(batch * sq, hq, dim), pages(c.k),
+                                 pages(c.v), table, c.idx.to(torch.int32),
+                                 c.lengths.to(torch.int32), rows, block_size=c.bs,
+                                 scale=c.scale, softcap=c.softcap)
+    return out.view(batch, sq, hq, dim).transpose(1, 2), None
+
 def _run(c: _Call, backend: str, want_lse: bool = False):
     """``(out, lse)`` of a checked call (lse None unless ``want_lse``); padded
     query positions zero (and -inf)."""
@@ -201,6 +249,8 @@ def _run(c: _Call, backend: str, want_lse: bool = False):
                                            c.bs, c.causal, c.scale, c.softcap, lse=True)
     elif backend == "flex":
         out, lse = _flex(c, want_lse)
+    elif backend == "triton":
+        out, lse = _triton(c, want_lse)
     else:
         out, lse = gather_attention(c.q, c.k, c.v, c.idx, c.lengths, c.qlen, c.kvlen, c.bs,
                                     c.causal, c.scale, c.softcap)
@@ -258,7 +308,7 @@ _PATHS = ("sparse", "dense")
 
 _REASONS = ("", "decode", "budget keeps every block", "budget keeps most blocks")
 
-_KERNELS = ("native", "flex", "gather", "sdpa")
+_KERNELS = ("native", "flex", "gather", "sdpa", "triton")
 
 def _visible_pairs(qlen, kvlen, params: IndexerParams) -> int:
     """Visible (query block, key block) pairs per query head, over the batch."""

@@ -8,7 +8,8 @@ For each benchmark shape (``SHAPES``), Df and precision, the launcher's own
 ``default_config`` and ``kernel_launches`` produce the launches on ``meta``
 tensors, and with them (Df 2048: head dim 128, bfloat16, 16-token pages) the
 paged entry point's ``kflat_kernel`` and ``paged_attention_kernel``
-(``paged_index.py``, ``paged_attention.py``); the arguments have the
+(``paged_index.py``, ``paged_attention.py``; the latter also with one page
+per block, as ``backend="triton"`` runs it); the arguments have the
 benchmark's sizes and no memory. Triton's own argument binder turns each
 launch into the signature, constants, attributes and options its JIT would
 compile, and ``triton.compile`` builds that for ``GPUTarget("cuda", arch,
@@ -112,13 +113,19 @@ def _paged_launches(shape: Shape, df: int, arch: int) -> list[launch.Launch]:
         torch.empty(b, **i32), torch.empty(b, nk, kmax, df, dtype=torch.int16, **meta),
         shape.block, PAGE)
     query = torch.empty(b * shape.q_tokens, nq, dim, dtype=torch.bfloat16, **meta)
-    cache = torch.empty(pages, PAGE, nk, dim, dtype=torch.bfloat16, **meta)
     cfg = paged_attention.default_paged_config(shape.block, dim, torch.bfloat16, arch)
-    attention = paged_attention.paged_launch(
-        query, cache, cache, table, torch.empty(b, nq, qmax, kmax, **i32),
-        torch.empty(b, nq, qmax, **i32), torch.empty(b, 4, **i32), torch.empty_like(query),
-        block_size=shape.block, scale=dim ** -0.5, softcap=None, config=cfg)
-    return [kflat, attention]
+    attention = []
+    # 16-token pages (the paged entry point), and one page per block
+    # (block_sparse_attention's backend="triton" on contiguous tensors).
+    for page in (PAGE, shape.block):
+        cache = torch.empty(b * shape.kv_tokens // page, page, nk, dim, dtype=torch.bfloat16,
+                            **meta)
+        attention.append(paged_attention.paged_launch(
+            query, cache, cache, torch.empty(b, shape.kv_tokens // page, **i32),
+            torch.empty(b, nq, qmax, kmax, **i32), torch.empty(b, nq, qmax, **i32),
+            torch.empty(b, 4, **i32), torch.empty_like(query), block_size=shape.block,
+            scale=dim ** -0.5, softcap=None, config=cfg))
+    return [kflat, *attention]
 
 
 def _compile_inputs(run: launch.Launch, arch: int) -> dict:
