@@ -92,6 +92,29 @@ def test_block_sparse_matches_masked_dense(shape, causal, backend, device):
                                rtol=1e-5, atol=1e-5)
 
 
+def _triton_fits(shape) -> bool:
+    """Whether backend "triton" runs ``shape`` causally: every batch's keys
+    before its queries are whole blocks."""
+    batch, _, _, sq, skv, _, bs, q_lens, kv_lens = shape
+    pairs = zip(q_lens or [sq] * batch, kv_lens or [skv] * batch)
+    return all(kv >= q and (kv - q) % bs == 0 for q, kv in pairs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("shape", [s for s in SHAPES if _triton_fits(s)], ids=_ids)
+def test_cuda_triton_backend_matches_masked_dense(shape):
+    """block_sparse_attention(backend="triton"), the paged Triton kernel
+    compiled, on the shapes it runs (the interpreter runs it in
+    tests/test_paged.py)."""
+    batch, hq, hkv, sq, skv, dim, bs, q_lens, kv_lens = shape
+    q, k, v, idx, seq_len = _random_case(shape, sum(shape[:7]))
+    out = block_sparse_attention(*_to("cuda", q, k, v, idx, seq_len), stem_block_size=bs,
+                                 q_lens=q_lens, kv_lens=kv_lens, backend="triton").cpu()
+    mask = token_mask(idx, seq_len, bs, sq, skv, q_lens, kv_lens, True)
+    torch.testing.assert_close(out.double(), reference_attention(q, k, v, mask),
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("backend", [b for b in ("gather", "native", "flex")
                                      if b != "native" or dispatch._native() is not None])
 def test_block_sparse_softcap_matches_capped_masked_dense(backend, device):
