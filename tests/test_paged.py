@@ -299,6 +299,43 @@ def test_triton_sparse_run_attends_as_the_torch_run(hnd):
     _runs_alike(_tiny_sparse_step(hnd), **TINY_SPARSE)
 
 
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_paged_run_matches_the_torch_path_and_replays_from_a_graph(dtype):
+    """The compiled kernels: the Triton path picks the torch path's blocks
+    and attends alike; a CUDA graph of the run replays it on new queries."""
+    prompts, contexts, new = [9000, 5000, 3000], [0, 2100, 2999], [9000, 2900, 1]
+    step = make_step(prompts, contexts, new, page=16, stride=16, hq=8, hkv=2, dim=128,
+                     dtype=dtype, seed=9, chunk=1024).to("cuda")
+    kw = dict(stem_block_size=128, stem_stride=16, dense_above=1.0)
+    with torch.inference_mode():
+        torch_plan = plan_for(step, backend="torch", **kw)
+        plan = plan_for(step, **kw)
+        assert plan.kernel == "triton" and plan.attention == "triton"
+        assert "sparse" in plan.paths
+        want = stem_paged_select(step.query, step.index_cache, step.table, torch_plan)
+        got = stem_paged_select(step.query, step.index_cache, step.table, plan)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+        out, ref = run(step, plan), run(step, torch_plan)
+        assert torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+        query = step.query.clone()
+        args = (query, step.key_cache, step.value_cache, step.index_cache, step.table, plan)
+        side = torch.cuda.Stream()  # warm-up (kernels compiled) off the capture
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            stem_paged_run(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = stem_paged_run(*args)
+        query.copy_(query.flip(0))
+        graph.replay()
+        assert torch.equal(captured, stem_paged_run(*args))
+
+
 # --------------------------------------------------------------------------- #
 # The run: no host reads, compiled, checked
 # --------------------------------------------------------------------------- #
