@@ -13,8 +13,8 @@ import torch
 from . import contract
 from .checks import _selection_values
 from .contract import IndexerParams, ceil_div
-from .dispatch import _backend, _Call, _run
-from .plan import Shape, cached_plan, check_triton_fits, execute
+from .dispatch import _backend, _Call, _run, check_triton_lengths
+from .plan import Shape, cached_plan, execute
 from .prepare import check_lens_values
 
 @torch.library.custom_op("stem_indexer::block_sparse_attention", mutates_args=())
@@ -61,7 +61,8 @@ def _stem_attention_op(
     params = IndexerParams(causal, stem_block_size, stem_stride, alpha, initial_blocks,
                            window_size, k_block_num_rate_medium, k_block_num_bias_medium,
                            k_block_num_rate_large, k_block_num_bias_large, topk_score_precision)
-    check_triton_fits(who, backend, qlen, kvlen, params, want_lse)
+    if backend == "triton":
+        check_triton_lengths(who, qlen, kvlen, stem_block_size, causal, want_lse)
     # One plan per batch shape and settings: the layers of a forward pass share it.
     shape = Shape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
                   q.device, q.dtype)

@@ -188,23 +188,25 @@ def _flex(c: _Call, want_lse: bool):
     sq = c.q.shape[2]
     return out[:, :, :sq], None if lse is None else lse[:, :, :sq]
 
-def triton_unfit(qlen: torch.Tensor, kvlen: torch.Tensor, bs: int, causal: bool,
-                 want_lse: bool) -> str | None:
-    """Why the Triton kernel (``ops/triton/paged_attention.py``) cannot run
-    a call of these host lengths, or None. Its query blocks are aligned to
-    the keys' blocks: a query block of the call is one of the kernel's when
-    every batch's keys before its queries are whole blocks."""
-    if not causal:
-        return "is causal only"
-    if want_lse:
-        return "cannot return the log-sum-exp"
+def check_triton_lengths(who: str, qlen: torch.Tensor, kvlen: torch.Tensor, bs: int,
+                         causal: bool, want_lse: bool) -> None:
+    """Refuse, naming why, a call of these host lengths that backend "triton"
+    (``ops/triton/paged_attention.py``) cannot run. Its query blocks are
+    aligned to the keys' blocks: a query block of the call is one of the
+    kernel's when every batch's keys before its queries are whole blocks."""
+    why = None
     offset = kvlen - qlen
     bad = ((offset < 0) | (offset % bs != 0)).nonzero()
-    if bad.numel():
+    if not causal:
+        why = "is causal only"
+    elif want_lse:
+        why = "cannot return the log-sum-exp"
+    elif bad.numel():
         b = int(bad[0, 0])
-        return (f"needs kv_lens - q_lens to be a whole number of blocks ({bs} tokens) in "
-                f"every batch; batch {b} has {int(offset[b])}")
-    return None
+        why = (f"needs kv_lens - q_lens to be a whole number of blocks ({bs} tokens) in every "
+               f"batch; batch {b} has {int(offset[b])}")
+    if why is not None:
+        fail(who, "backend", f"'triton' {why}; use 'auto'", "'triton'")
 
 def _triton(c: _Call, want_lse: bool):
     """The paged Triton kernel on contiguous tensors: the keys and values
@@ -212,9 +214,7 @@ def _triton(c: _Call, want_lse: bool):
     one token stride)."""
     from .ops.triton.paged_attention import paged_sparse_attention
 
-    why = triton_unfit(c.qlen, c.kvlen, c.bs, c.causal, want_lse)
-    if why is not None:
-        fail("block_sparse_attention", "backend", f"'triton' {why}; use 'auto'", "'triton'")
+    check_triton_lengths("block_sparse_attention", c.qlen, c.kvlen, c.bs, c.causal, want_lse)
     batch, hq, sq, dim = c.q.shape
     hkv, skv = c.k.shape[1], c.k.shape[2]
     kmax = ceil_div(skv, c.bs)

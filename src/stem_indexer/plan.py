@@ -35,7 +35,7 @@ from .checks import _check_inference, check_call_options
 from .contract import DEFAULT_EXACT_TAIL, IndexerParams, ceil_div, check_bool, fail
 from .dense import _dense
 from .dispatch import (StemInfo, TailRows, _backend_for, _dense_lists, _visible_pairs,
-                       apply_tail, tail_plan, triton_unfit)
+                       apply_tail, check_triton_lengths, tail_plan)
 from .prepare import (DEFAULT_OAM_LAMBDA, Lengths, check_lens_values, indexer_inputs,
                       lens_argument, valid_tokens)
 
@@ -157,21 +157,13 @@ def stem_plan(
         indexer_scale=indexer_scale, min_q_blocks=min_q_blocks, exact_tail=exact_tail,
         backend=backend, **indexer_params)
     check_bool(who, "return_lse", return_lse)
-    check_triton_fits(who, backend, qlen, kvlen, params, return_lse)
+    if backend == "triton":
+        check_triton_lengths(who, qlen, kvlen, params.stem_block_size, params.causal,
+                             return_lse)
     return build_plan(Shape(batch, num_heads, num_kv_heads, q_len, kv_len, head_dim, device,
                             dtype), qlen, kvlen, prompt, params, scale, softcap, oam,
                       float(oam_lambda), indexer_scale, min_q_blocks, backend, return_lse,
                       float(dense_above), exact_tail)
-
-
-def check_triton_fits(who: str, backend: str, qlen: torch.Tensor, kvlen: torch.Tensor,
-                      params: IndexerParams, want_lse: bool) -> None:
-    """``backend="triton"`` on lengths its kernel cannot run refuses, naming why."""
-    if backend != "triton":
-        return
-    why = triton_unfit(qlen, kvlen, params.stem_block_size, params.causal, want_lse)
-    if why is not None:
-        fail(who, "backend", f"'triton' {why}; use 'auto'", "'triton'")
 
 
 def _batch(q_lens: Lengths) -> int:
