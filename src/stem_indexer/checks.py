@@ -47,7 +47,10 @@ def check_backend_fits(who: str, backend: str, device: torch.device, dtype: torc
     (CPU ones under the Triton interpreter) of 16- or 32-bit floats. (Static:
     fine while tracing.)"""
     if backend == "triton":
-        _check_triton_fits(who, device, dtype)
+        check_triton_device(who, device)
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            fail(who, "backend", f"'triton' runs bfloat16, float16 and float32 (q is {dtype}); "
+                 "use 'auto' or 'gather'", "'triton'")
     if backend != "native":
         return
     if torch.device(device).type != "cpu":
@@ -58,17 +61,16 @@ def check_backend_fits(who: str, backend: str, device: torch.device, dtype: torc
         fail(who, "backend", f"'native' runs on float32 and bfloat16 only (q is {dtype}); use "
              "'auto' or 'gather'", "'native'")
 
-def _check_triton_fits(who: str, device: torch.device, dtype: torch.dtype) -> None:
+def check_triton_device(who: str, device: torch.device) -> None:
+    """Triton is installed, and runs tensors of ``device``: CUDA ones, or CPU
+    ones under the Triton interpreter."""
     try:
         from .ops.triton import launch
     except ImportError as exc:
         fail(who, "backend", f"'triton' needs Triton ({exc}); use 'auto'", "'triton'")
     if torch.device(device).type != "cuda" and not launch.INTERPRETED:
-        fail(who, "backend", f"'triton' runs CUDA tensors (q is on {device}), or CPU tensors "
+        fail(who, "backend", f"'triton' runs CUDA tensors (here {device}), or CPU tensors "
              "under the Triton interpreter (TRITON_INTERPRET=1); use 'auto'", "'triton'")
-    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        fail(who, "backend", f"'triton' runs bfloat16, float16 and float32 (q is {dtype}); "
-             "use 'auto' or 'gather'", "'triton'")
 
 def _check_inference(who: str, *tensors: torch.Tensor) -> None:
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):

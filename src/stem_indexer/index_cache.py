@@ -60,13 +60,22 @@ import torch
 from .contract import ceil_div
 from .prepare import bias_from_run_max
 
-__all__ = ["IndexCache", "WritePlan", "index_cache_bytes"]
+__all__ = ["IndexCache", "WritePlan", "index_cache_bytes", "page_ids"]
 
 
 def index_cache_bytes(num_pages: int, page: int, stride: int, kv_heads: int,
                       head_size: int) -> int:
     """Bytes of an ``IndexCache`` with these dimensions."""
     return num_pages * (kv_heads * (stride * head_size + page // stride) * 4 + 4)
+
+
+def page_ids(block_table: torch.Tensor, slot: torch.Tensor, num_pages: int) -> torch.Tensor:
+    """[B, len(slot)] int64: the pages at table entries ``slot`` of each row,
+    both clamped into range, so that no table content leads out of bounds
+    (the entries past a row's pages are never used by the callers)."""
+    width = block_table.shape[1]
+    ids = block_table[:, slot.clamp(max=max(width - 1, 0))].to(torch.int64)
+    return ids.clamp(0, num_pages - 1)
 
 
 @dataclass(frozen=True)
@@ -203,41 +212,37 @@ class IndexCache:
         return kflat[0], vbias[0]
 
     def block_inputs(self, block_table: torch.Tensor, seq_lens: torch.Tensor, kmax: int,
-                     block_size: int, oam: bool,
-                     oam_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     block_size: int, oam: bool, oam_lambda: float, *,
+                     kflat: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
         """``kflat [B, Hkv, kmax, Ts*D]`` bfloat16 and ``vbias [B, Hkv, kmax]``
         float32 of B sequences: row ``b`` holds the first ``seq_lens[b]``
         tokens at pages ``block_table[b]`` (in order). Tensor work only (no
         value is read on the host). Key blocks past a sequence's end, and its
         last block's pages past its last token, count as zeros; table entries
-        there are never used (ids are clamped into the cache)."""
-        return (self.block_kflat(block_table, seq_lens, kmax, block_size),
-                self.block_vbias(block_table, seq_lens, kmax, block_size, oam, oam_lambda))
+        there are never used (ids are clamped into the cache). A block's pages
+        are added in page order, then rounded once to bfloat16. ``kflat=False``
+        gives ``(None, vbias)``, for a caller that builds kflat itself."""
+        ids, used = self.table_pages(block_table, seq_lens, kmax * (block_size // self.page))
+        flat = self._kflat(ids, used, kmax) if kflat else None
+        return flat, self._vbias(ids, used, seq_lens, kmax, block_size, oam, oam_lambda)
 
-    def block_kflat(self, block_table: torch.Tensor, seq_lens: torch.Tensor, kmax: int,
-                    block_size: int) -> torch.Tensor:
-        """``block_inputs``'s kflat: a block's pages are added in page order,
-        then rounded once to bfloat16."""
-        num_pages, stride, kv_heads, dim = self.ksum.shape
-        per_block = block_size // self.page
-        ids, used = self.table_pages(block_table, seq_lens, kmax * per_block)
+    def _kflat(self, ids: torch.Tensor, used: torch.Tensor, kmax: int) -> torch.Tensor:
+        stride, kv_heads, dim = self.ksum.shape[1:]
         ksum = torch.where(used[..., None, None, None], self.ksum[ids], 0.0)
-        ksum = ksum.view(-1, kmax, per_block, stride, kv_heads, dim)
+        ksum = ksum.view(ids.shape[0], kmax, -1, stride, kv_heads, dim)
         sums = ksum[:, :, 0]
-        for p in range(1, per_block):
+        for p in range(1, ksum.shape[2]):
             sums = sums + ksum[:, :, p]
         kflat = sums.flip(2).permute(0, 3, 1, 2, 4).reshape(-1, kv_heads, kmax, stride * dim)
         return kflat.to(torch.bfloat16)
 
-    def block_vbias(self, block_table: torch.Tensor, seq_lens: torch.Tensor, kmax: int,
-                    block_size: int, oam: bool, oam_lambda: float) -> torch.Tensor:
-        """``block_inputs``'s vbias (zeros without ``oam``)."""
+    def _vbias(self, ids: torch.Tensor, used: torch.Tensor, seq_lens: torch.Tensor, kmax: int,
+               block_size: int, oam: bool, oam_lambda: float) -> torch.Tensor:
         stride, kv_heads = self.ksum.shape[1], self.ksum.shape[2]
         if not oam:
-            return self.ksum.new_zeros(block_table.shape[0], kv_heads, kmax)
-        ids, used = self.table_pages(block_table, seq_lens, kmax * (block_size // self.page))
+            return self.ksum.new_zeros(ids.shape[0], kv_heads, kmax)
         vmax = torch.where(used[..., None, None], self.vmax[ids], 0.0)  # [B, slots, runs, Hkv]
-        run_max = vmax.permute(0, 3, 1, 2).reshape(block_table.shape[0], kv_heads, -1)
+        run_max = vmax.permute(0, 3, 1, 2).reshape(ids.shape[0], kv_heads, -1)
         valid = ceil_div(seq_lens.to(torch.int64), stride)
         return bias_from_run_max(run_max, valid, block_size // stride, oam_lambda)
 
@@ -248,7 +253,5 @@ class IndexCache:
         has that page (``ceil(seq_lens[b] / page)`` of them)."""
         device = self.ksum.device
         slot = torch.arange(slots, device=device)
-        width = block_table.shape[1]
-        ids = block_table[:, slot.clamp(max=max(width - 1, 0))].to(torch.int64)
         used = slot < ceil_div(seq_lens.to(device=device, dtype=torch.int64), self.page)[:, None]
-        return ids.clamp(0, self.ksum.shape[0] - 1), used
+        return page_ids(block_table, slot, self.ksum.shape[0]), used

@@ -70,10 +70,11 @@ import torch
 
 from . import contract
 from .api import stem_indexer_metadata
-from .checks import check_call_options
+from .checks import check_call_options, check_triton_device
 from .contract import DEFAULT_EXACT_TAIL, IndexerParams, ceil_div, check_int, fail
 from .dispatch import TailRows, _backend_for, _Call, _run, apply_tail, tail_plan
-from .index_cache import IndexCache
+from .index_cache import IndexCache, page_ids
+from .plan import PlanSettings
 from .prepare import DEFAULT_OAM_LAMBDA, Lengths, check_lens_values, lens_argument, represent
 
 __all__ = ["PagedPlan", "stem_paged_plan", "stem_paged_run", "stem_paged_select"]
@@ -82,23 +83,12 @@ BACKENDS = ("auto", "triton", "torch")
 
 
 @dataclass(frozen=True, eq=False)
-class PagedPlan:
+class PagedPlan(PlanSettings):
     """What ``stem_paged_run`` needs for one step, every host value decided.
     Tensors live on the plan's device unless named host."""
 
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
     page_size: int
     tokens: int  #: T, the packed queries
-    device: torch.device
-    dtype: torch.dtype
-    params: IndexerParams
-    scale: float
-    softcap: float | None
-    indexer_scale: float
-    oam: bool
-    oam_lambda: float
     kernel: str  #: "triton" or "torch"
     attention: str  #: the attention kernel: "triton", or the torch path's ("native", ...)
     #: per row: "sparse", or "dense: <reason>" (host)
@@ -225,11 +215,9 @@ def _kernels(backend: str, device: torch.device, dtype: torch.dtype, block_size:
                                "CUDA (Triton is not installed): same picks, slower")
     if backend == "torch":
         return "torch", _backend_for("auto", device, dtype)
-    from .ops.triton import launch, paged_attention
+    check_triton_device("stem_paged_plan", device)
+    from .ops.triton import paged_attention
 
-    if device.type != "cuda" and not launch.INTERPRETED:
-        fail("stem_paged_plan", "backend", "'triton' runs CUDA tensors, or CPU tensors under "
-             "the Triton interpreter (TRITON_INTERPRET=1)", f"'triton' on {device.type}")
     why = paged_attention.paged_kernel_supports(block_size, head_dim)
     if why is None and dtype not in paged_attention.DTYPES:
         why = f"it takes bfloat16, float16 and float32, not {str(dtype).removeprefix('torch.')}"
@@ -421,7 +409,8 @@ def _paged_select_op(
     bs, stride = stem_block_size, stem_stride
     qflat = represent(_window_queries(query, q_map), bs, stride, None, scale=indexer_scale)
     cache = IndexCache(ksum, vmax, ksum.new_empty(0, dtype=torch.int32), page)
-    vbias = cache.block_vbias(block_table, kv_seq_lens, kmax, bs, oam, oam_lambda)
+    kflat, vbias = cache.block_inputs(block_table, kv_seq_lens, kmax, bs, oam, oam_lambda,
+                                      kflat=kernel != "triton")
     if kernel == "triton":
         from .ops.triton import launch
         from .ops.triton.paged_index import paged_kflat
@@ -429,7 +418,6 @@ def _paged_select_op(
         kflat = paged_kflat(ksum, block_table, kv_seq_lens, kmax, bs, page)
         return launch.stem_indexer_triton(qflat, kflat, vbias, q_seq_lens, kv_seq_lens,
                                           prompt, metadata, params)
-    kflat = cache.block_kflat(block_table, kv_seq_lens, kmax, bs)
     return torch.ops.stem_indexer.planned_indexer(
         qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens=prompt,
         metadata=metadata, **dataclasses.asdict(params))
@@ -480,8 +468,7 @@ def _contiguous_keys(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: t
     longest row's key blocks)."""
     page = cache.shape[1]
     pos = torch.arange(width * block_size, device=cache.device)
-    slot = (pos // page).clamp(max=block_table.shape[1] - 1)
-    ids = block_table[:, slot].to(torch.int64).clamp(0, cache.shape[0] - 1)
+    ids = page_ids(block_table, pos // page, cache.shape[0])
     used = pos[None, :] < seq_lens[:, None]
     x = cache[ids, (pos % page)[None, :]]  # [B, S, Hkv, D]
     return torch.where(used[..., None, None], x, 0).permute(0, 2, 1, 3)

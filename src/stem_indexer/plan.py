@@ -43,18 +43,13 @@ __all__ = ["StemPlan", "stem_plan", "stem_run"]
 
 
 @dataclass(frozen=True, eq=False)
-class StemPlan:
-    """What ``stem_run`` needs for one batch shape, every host value decided.
+class PlanSettings:
+    """What every plan's run takes besides its lengths (``StemPlan``, and
+    ``paged.PagedPlan``): the layer's heads, the tensors it runs on, the
+    indexer's parameters and the attention's scales, each checked."""
 
-    ``info`` is the path the plan takes (``StemInfo``; a sparse plan's
-    ``kept_pairs`` is 0: the indexer's picks are known only after a run).
-    Tensors live on the plan's device unless named host."""
-
-    batch: int
     num_heads: int
     num_kv_heads: int
-    q_len: int  #: the padded query length (q's sequence dim)
-    kv_len: int  #: the padded key length
     head_dim: int
     device: torch.device
     dtype: torch.dtype
@@ -64,6 +59,19 @@ class StemPlan:
     indexer_scale: float
     oam: bool
     oam_lambda: float
+
+
+@dataclass(frozen=True, eq=False)
+class StemPlan(PlanSettings):
+    """What ``stem_run`` needs for one batch shape, every host value decided.
+
+    ``info`` is the path the plan takes (``StemInfo``; a sparse plan's
+    ``kept_pairs`` is 0: the indexer's picks are known only after a run).
+    Tensors live on the plan's device unless named host."""
+
+    batch: int
+    q_len: int  #: the padded query length (q's sequence dim)
+    kv_len: int  #: the padded key length
     return_lse: bool
     info: StemInfo
     #: the lengths (int64) on the host, and (int32) on the device

@@ -99,14 +99,23 @@ class Config:
     select_warps: int
 
 
-def _pow2_at_least(x: int) -> int:
+def pow2_at_least(x: int) -> int:
+    """The least power of two >= ``x`` (1 for ``x <= 1``)."""
     return 1 << max(0, (max(1, x) - 1).bit_length())
+
+
+def require_device(who: str, device: torch.device) -> None:
+    """The Triton kernels take CUDA tensors, or CPU ones under the interpreter."""
+    if device.type != "cuda" and not INTERPRETED:
+        raise RuntimeError(
+            f"{who}: the Triton kernels take {device.type} tensors only under the Triton "
+            "interpreter; set TRITON_INTERPRET=1 before Triton is imported")
 
 
 def _block_k(df: int) -> int:
     """The largest tensor-core step that divides Df, else 64 (Df gets padded)."""
     return next((bk for bk in (64, 32, 16) if df % bk == 0),
-                64 if df >= 64 else max(16, _pow2_at_least(df)))
+                64 if df >= 64 else max(16, pow2_at_least(df)))
 
 
 def default_config(g: int, qmax: int, kmax: int, df: int, *, arch: int | None,
@@ -135,7 +144,7 @@ def default_config(g: int, qmax: int, kmax: int, df: int, *, arch: int | None,
         return Config(block_m=32, block_n=32, block_k=_block_k(df), tma=True, nprog=3,
                       score_warps=4, score_stages=1, score_maxnreg=None, rows=4, block_c=64,
                       block_w=64, select_warps=4)
-    block_c = min(_pow2_at_least(kmax), 8192)
+    block_c = min(pow2_at_least(kmax), 8192)
     return Config(block_m=128 if g * min(qmax, md.TILE_ROWS_MAX) >= 128 else 64,
                   block_n=128, block_k=_block_k(df), tma=False, nprog=2 * sms,
                   score_warps=8, score_stages=4 if arch >= 90 else 3, score_maxnreg=None,
@@ -145,7 +154,7 @@ def default_config(g: int, qmax: int, kmax: int, df: int, *, arch: int | None,
 
 def _row_block(group: int, cfg: Config) -> tuple[int, int]:
     """(query heads, query blocks) of a score tile's rows."""
-    block_g = min(_pow2_at_least(group), cfg.block_m)
+    block_g = min(pow2_at_least(group), cfg.block_m)
     return block_g, cfg.block_m // block_g
 
 
@@ -287,10 +296,7 @@ def stem_indexer_triton(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt
     tiles to the batch and its query blocks).
     """
     device = qflat.device
-    if device.type != "cuda" and not INTERPRETED:
-        raise RuntimeError(
-            f"stem_indexer: the Triton kernels take {device.type} tensors only under the "
-            "Triton interpreter; set TRITON_INTERPRET=1 before Triton is imported")
+    require_device("stem_indexer", device)
     batch, nq, qmax, df = qflat.shape
     nk, kmax = kflat.shape[1], kflat.shape[2]
     if kmax == 0:  # no key block anywhere: every row is empty

@@ -254,16 +254,12 @@ class PagedConfig:
     num_stages: int
 
 
-def _pow2_at_least(x: int) -> int:
-    return 1 << max(0, (max(1, x) - 1).bit_length())
-
-
 def _pow2_at_most(x: int) -> int:
     return 1 << (max(1, x).bit_length() - 1)
 
 
 def _block_d(head_dim: int) -> int:
-    return max(16, _pow2_at_least(head_dim))
+    return max(16, launch.pow2_at_least(head_dim))
 
 
 def default_paged_config(block_size: int, head_dim: int, dtype: torch.dtype,
@@ -461,10 +457,7 @@ def paged_sparse_attention(query, key_cache, value_cache, block_table, indices, 
     if config is not None:
         _check_config(config)
     device = query.device
-    if device.type != "cuda" and not launch.INTERPRETED:
-        raise RuntimeError(
-            f"{WHO}: the Triton kernel takes {device.type} tensors only under the Triton "
-            "interpreter; set TRITON_INTERPRET=1 before Triton is imported")
+    launch.require_device(WHO, device)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=device)
     if config is None:

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ...contract import fail
-from .launch import INTERPRETED, Launch
+from .launch import Launch, pow2_at_least, require_device
 
 __all__ = ["kflat_kernel", "kflat_launch", "paged_kflat"]
 
@@ -81,13 +81,10 @@ def paged_kflat(ksum: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.T
     ([pages, Ts, Hkv, D] float32, contiguous): ``IndexCache.block_inputs``'s
     kflat, on the device, without reading a value on the host."""
     who = "paged_kflat"
-    if ksum.device.type != "cuda" and not INTERPRETED:
-        raise RuntimeError(f"{who}: the Triton kernels take {ksum.device.type} tensors only "
-                           "under the Triton interpreter; set TRITON_INTERPRET=1 before Triton "
-                           "is imported")
+    require_device(who, ksum.device)
     if block_size % page:
         fail(who, "block_size", f"must be a multiple of the page size ({page})", block_size)
-    num_pages, stride, kv_heads, dim = ksum.shape
+    stride, kv_heads, dim = ksum.shape[1:]
     if stride & (stride - 1):
         fail(who, "ksum", "must have a power-of-two stem_stride (its dim 1)", stride)
     batch = block_table.shape[0]
@@ -100,7 +97,6 @@ def paged_kflat(ksum: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.T
     return out.view(torch.bfloat16)
 
 
-
 def kflat_launch(ksum: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor,
                  out: torch.Tensor, block_size: int, page: int) -> Launch:
     """The launch that fills ``out`` ([B, Hkv, kmax, Ts*D] int16) from
@@ -110,5 +106,5 @@ def kflat_launch(ksum: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor
     return Launch(kflat_kernel, (kmax, kv_heads, batch),
                   (ksum, table, seq_lens, out, num_pages, max(table.shape[1], 1), kv_heads,
                    kmax, page),
-                  dict(TS=stride, D=dim, BLOCK_D=1 << max(dim - 1, 0).bit_length(),
+                  dict(TS=stride, D=dim, BLOCK_D=pow2_at_least(dim),
                        PER_BLOCK=block_size // page), {})
