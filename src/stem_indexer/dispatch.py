@@ -310,6 +310,22 @@ _REASONS = ("", "decode", "budget keeps every block", "budget keeps most blocks"
 
 _KERNELS = ("native", "flex", "gather", "sdpa", "triton")
 
+def dense_reason(qlen: torch.Tensor, kvlen: torch.Tensor, prompt: torch.Tensor,
+                 params: IndexerParams, min_q_blocks: int, dense_above: float) -> str:
+    """Why a call of these host int64 lengths runs dense attention (one of
+    ``_REASONS``), or "" when the indexer runs: fewer than ``min_q_blocks``
+    query blocks, a budget that keeps every block (``contract.dense_is_exact``)
+    or more than ``dense_above`` of the visible pairs (``contract.budget_pairs``)."""
+    if int(ceil_div(qlen, params.stem_block_size).max()) < min_q_blocks:
+        return "decode"
+    if contract.dense_is_exact(qlen, kvlen, prompt, params):
+        return "budget keeps every block"
+    if dense_above < 1.0:
+        kept, seen = contract.budget_pairs(qlen, kvlen, prompt, params)
+        if seen and kept > dense_above * seen:
+            return "budget keeps most blocks"
+    return ""
+
 def _visible_pairs(qlen, kvlen, params: IndexerParams) -> int:
     """Visible (query block, key block) pairs per query head, over the batch."""
     bs = params.stem_block_size

@@ -72,7 +72,8 @@ from . import contract
 from .api import stem_indexer_metadata
 from .checks import check_call_options, check_triton_device
 from .contract import DEFAULT_EXACT_TAIL, IndexerParams, ceil_div, check_int, fail
-from .dispatch import TailRows, _backend_for, _Call, _run, apply_tail, tail_plan
+from .dispatch import (TailRows, _backend_for, _Call, _run, apply_tail, dense_reason,
+                       tail_plan)
 from .index_cache import IndexCache, page_ids
 from .plan import PlanSettings
 from .prepare import DEFAULT_OAM_LAMBDA, Lengths, check_lens_values, lens_argument, represent
@@ -231,18 +232,10 @@ def _kernels(backend: str, device: torch.device, dtype: torch.dtype, block_size:
 
 def _row_path(kv: int, p: int, window: int, params: IndexerParams,
               min_q_blocks: int, dense_above: float) -> str:
-    """"sparse", or "dense: <reason>", for one row (host ints)."""
-    bs = params.stem_block_size
+    """"sparse", or "dense: <reason>" (``dispatch.dense_reason``), for one row."""
     lens = [torch.tensor([x], dtype=torch.int64) for x in (window, kv, p)]
-    if ceil_div(window, bs) < min_q_blocks:
-        return "dense: decode"
-    if contract.dense_is_exact(*lens, params):
-        return "dense: budget keeps every block"
-    if dense_above < 1.0:
-        kept, seen = contract.budget_pairs(*lens, params)
-        if seen and kept > dense_above * seen:
-            return "dense: budget keeps most blocks"
-    return "sparse"
+    reason = dense_reason(*lens, params, min_q_blocks, dense_above)
+    return f"dense: {reason}" if reason else "sparse"
 
 
 def _build(qlen, kvlen, prompt, params: IndexerParams, *, device, dtype, heads, kv_heads,

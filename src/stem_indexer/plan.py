@@ -35,7 +35,7 @@ from .checks import _check_inference, check_call_options
 from .contract import DEFAULT_EXACT_TAIL, IndexerParams, ceil_div, check_bool, fail
 from .dense import _dense
 from .dispatch import (StemInfo, TailRows, _backend_for, _dense_lists, _visible_pairs,
-                       apply_tail, check_triton_lengths, tail_plan)
+                       apply_tail, check_triton_lengths, dense_reason, tail_plan)
 from .prepare import (DEFAULT_OAM_LAMBDA, Lengths, check_lens_values, indexer_inputs,
                       lens_argument, valid_tokens)
 
@@ -219,15 +219,7 @@ def build_plan(shape: Shape, qlen: torch.Tensor, kvlen: torch.Tensor, prompt: to
     bs, stride = params.stem_block_size, params.stem_stride
     visible = _visible_pairs(qlen, kvlen, params) * s.heads
     kernel = _backend_for(backend, device, s.dtype)
-    reason = ""
-    if int(ceil_div(qlen, bs).max()) < min_q_blocks:
-        reason = "decode"
-    elif contract.dense_is_exact(qlen, kvlen, prompt, params):
-        reason = "budget keeps every block"
-    elif dense_above < 1.0:
-        kept, seen = contract.budget_pairs(qlen, kvlen, prompt, params)
-        if seen and kept > dense_above * seen:
-            reason = "budget keeps most blocks"
+    reason = dense_reason(qlen, kvlen, prompt, params, min_q_blocks, dense_above)
     common = dict(batch=s.batch, num_heads=s.heads, num_kv_heads=s.kv_heads, q_len=s.q_len,
                   kv_len=s.kv_len, head_dim=s.head_dim, device=device, dtype=s.dtype,
                   params=params, scale=scale, softcap=softcap,
