@@ -167,3 +167,60 @@ def test_one_write_plan_serves_every_layer_of_a_step_and_no_other():
     assert int(other.filled[6]) == -1
     slots = _slots(pages, page, 0, 10)
     assert not plan.fits(layers[0], slots)
+
+
+@pytest.mark.parametrize("offsets", [[0, 1, 2, 5], [0, 1, 1, 2], [0, 1, 1, 3], [4, 5, 5, 7]],
+                         ids=["gap", "duplicate", "duplicate-and-gap", "continued-with-a-gap"])
+def test_a_write_with_a_gap_or_a_repeated_slot_leaves_its_page_unusable(offsets):
+    """Offsets within one write are counted: a gap (0, 1, 2, 5) or a slot
+    written twice (0, 1, 1, 2; or both, 0, 1, 1, 3, which spans as many offsets
+    as it has tokens) never passes for the tokens the page should hold; the
+    other pages of the write are unaffected."""
+    page, ts, hkv, dim = 8, 4, 1, 4
+    k, v = _tokens(12, hkv, dim, torch.float32, 12)
+    cache = IndexCache.allocate(6, page, ts, hkv, dim)
+    if offsets[0]:  # the page already holds offsets 0 .. 3
+        cache.write(k[:4], v[:4], torch.arange(4) + 3 * page)
+    slots = torch.cat([torch.tensor(offsets) + 3 * page, torch.arange(5) + 1 * page])
+    cache.write(k[:slots.shape[0]], v[:slots.shape[0]], slots)
+    assert int(cache.filled[3]) == -1
+    assert int(cache.filled[1]) == 5  # the well-formed page of the same write
+    assert not cache.complete(torch.tensor([3]), torch.tensor([max(offsets) + 1],
+                                                              dtype=torch.int32))
+
+
+def test_a_page_is_complete_only_for_the_tokens_that_wrote_it():
+    """Tags say which prefix wrote a page: a page holding the right count of
+    another sequence's tokens (a page some other writer filled, as a KV
+    connector would) is not complete for this one; the same tokens are, on a
+    page another request wrote (a prefix hit)."""
+    from stem_indexer.index_cache import token_tags
+
+    page, ts, hkv, dim = 8, 4, 1, 4
+    ids_a = torch.tensor([5, 9, 2, 7, 1, 1, 4, 3, 8, 6, 2, 0])
+    ids_b = ids_a.clone()
+    ids_b[2] = 11  # differs at position 2 only
+    k, v = _tokens(12, hkv, dim, torch.float32, 13)
+    cache = IndexCache.allocate(4, page, ts, hkv, dim)
+    pages = torch.tensor([2, 0])
+    tags_a, tags_b = token_tags(ids_a), token_tags(ids_b)
+    assert not torch.equal(tags_a[2:], tags_b[2:]) and torch.equal(tags_a[:2], tags_b[:2])
+    cache.write(k, v, _slots(pages, page, 0, 12), tags=tags_a)
+    fill = cache.expected_fill(12)
+    last = torch.tensor([7, 11])  # each page's last token
+    assert cache.complete(pages, fill, tags_a[last])
+    assert not cache.complete(pages, fill, tags_b[last])
+    assert cache.usable(pages, fill, tags_b[last]).tolist() == [False, False]
+    # Tags continue across chunks: a chunk's tags from its own start position.
+    assert torch.equal(token_tags(ids_a[5:], 5, int(tags_a[4])), tags_a[5:])
+    # Without tags only the counts are checked.
+    assert cache.complete(pages, fill)
+
+
+def test_a_failed_write_invalidates_only_its_own_pages():
+    page, ts, hkv, dim = 8, 4, 1, 4
+    k, v = _tokens(24, hkv, dim, torch.float32, 14)
+    cache = IndexCache.allocate(5, page, ts, hkv, dim)
+    cache.write(k, v, torch.arange(24))  # pages 0, 1, 2
+    cache.invalidate(torch.tensor([-1, 9, 10]))
+    assert cache.filled.tolist() == [8, -1, 8, 0, 0]

@@ -24,16 +24,23 @@ its cache writer receives (``write``):
   page size is a multiple of ``Ts``);
 * ``vmax [num_pages, page / Ts, Hkv]`` float32: the largest value norm of
   each run of ``Ts`` tokens;
-* ``filled [num_pages]`` int32: tokens accumulated from offset 0, or -1.
+* ``filled [num_pages]`` int32: tokens accumulated from offset 0, or -1;
+* ``tag [num_pages]`` int64: who wrote the page, as the writer says (the
+  vLLM backend gives each token the hash of the token ids up to it,
+  ``token_tags``): the tag of the page's last token written.
 
 A page's entry accumulates as its tokens arrive, across steps: a chunk that
 ends inside a page leaves it partial and the next chunk completes it. A write
 at offset 0 starts the page afresh (zeroes it first), so a page freed and
-reused, or rewritten after preemption, never carries old sums. A write that
-neither starts the page nor continues it exactly where it stopped (a slot
-written twice, a gap) marks the page unusable (``filled = -1``) until it
-starts again; ``complete`` tells whether a row's pages hold exactly its
-tokens (a vLLM row whose pages do not runs vLLM's kernel instead).
+reused, or rewritten after preemption, never carries old sums. Each write
+counts every page's tokens: one that neither starts the page nor continues
+it exactly where it stopped, or whose offsets skip one (a gap) or repeat one
+(a slot written twice), marks the page unusable (``filled = -1``) until it
+starts again. ``complete`` tells whether a row's pages hold exactly its
+tokens: the count each page must have, and where the row gives them, the
+tags its tokens must have left (so that a page some other writer filled, or
+whose sums belong to another sequence, is never taken for the row's). A
+vLLM row whose pages are not complete runs vLLM's kernel instead.
 
 Prefix-cache hits share pages, so they find their entries written. With
 ``Bs`` equal to the page size (vLLM's CPU default, 128) a block's group sums
@@ -46,9 +53,10 @@ the Triton pass of ``ops/triton/paged_index.py`` add them alike). On CUDA
 then ``stem_inputs``'s up to summation order. The run maxima are exact
 whatever the order, so ``vbias`` is ``stem_inputs``'s bit for bit.
 
-Memory, per page and KV head: ``(Ts * D + page / Ts) * 4`` bytes, against
-``2 * page * D * itemsize`` for K and V: 1/8 of a bfloat16 KV cache with
-``Ts`` 16 and 128-token pages (``IndexCache.nbytes``, logged once at start).
+Memory, per page and KV head: ``(Ts * D + page / Ts) * 4`` bytes (and 12
+bytes per page for ``filled`` and ``tag``), against ``2 * page * D * itemsize``
+for K and V: 1/8 of a bfloat16 KV cache with ``Ts`` 16 and 128-token pages
+(``index_cache_bytes``; the vLLM backend takes it out of the KV-cache budget).
 """
 
 from __future__ import annotations
@@ -60,13 +68,33 @@ import torch
 from .contract import ceil_div
 from .prepare import bias_from_run_max
 
-__all__ = ["IndexCache", "WritePlan", "index_cache_bytes", "page_ids"]
+__all__ = ["IndexCache", "WritePlan", "index_cache_bytes", "page_ids", "token_tags"]
 
 
 def index_cache_bytes(num_pages: int, page: int, stride: int, kv_heads: int,
                       head_size: int) -> int:
     """Bytes of an ``IndexCache`` with these dimensions."""
-    return num_pages * (kv_heads * (stride * head_size + page // stride) * 4 + 4)
+    return num_pages * (kv_heads * (stride * head_size + page // stride) * 4 + 4 + 8)
+
+
+# Odd 64-bit constants of a splitmix-style mixer, as signed int64.
+_MIX = tuple(c - (1 << 64) if c >= 1 << 63 else c for c in
+             (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0xBF58476D1CE4E5B9))
+
+
+def token_tags(token_ids: torch.Tensor, start: int = 0, carry: int = 0) -> torch.Tensor:
+    """[n] int64: for each token of a sequence (``token_ids`` at positions
+    ``start ..``; ``carry`` the tag of the token before, 0 at position 0), a
+    hash of every token id and position up to it: the running sum of a
+    mixed (id, position). Two sequences' tags at a position agree only where
+    their tokens up to it agree (up to a 2**-64 collision): a page's tag says
+    which prefix wrote it. Integer arithmetic wraps, the same on every
+    machine."""
+    ids = token_ids.to(torch.int64)
+    pos = torch.arange(start, start + ids.shape[0], dtype=torch.int64, device=ids.device)
+    x = ids * _MIX[0] + (pos + 1) * _MIX[1]
+    x = (x ^ ((x >> 31) & 0x1FFFFFFFF)) * _MIX[2]
+    return torch.cumsum(x ^ ((x >> 29) & 0x7FFFFFFFF), 0) + carry
 
 
 def page_ids(block_table: torch.Tensor, slot: torch.Tensor, num_pages: int) -> torch.Tensor:
@@ -91,6 +119,7 @@ class WritePlan:
     after: torch.Tensor  #: ``filled`` of the touched pages after the write
     k_index: torch.Tensor  #: [T] rows of ``ksum`` viewed as [pages * Ts, Hkv, D]
     v_index: torch.Tensor  #: [T] rows of ``vmax`` viewed as [pages * runs, Hkv]
+    last: torch.Tensor  #: [T] bool, each page's last token of the write (its tag)
 
     def fits(self, cache: "IndexCache", slots: torch.Tensor) -> bool:
         """Whether this plan is the one ``cache.plan(slots)`` would make."""
@@ -114,6 +143,7 @@ class IndexCache:
     vmax: torch.Tensor  #: [num_pages, page / Ts, Hkv] float32
     filled: torch.Tensor  #: [num_pages] int32
     page: int
+    tag: torch.Tensor | None = None  #: [num_pages] int64 (None: not kept)
 
     @classmethod
     def allocate(cls, num_pages: int, page: int, stride: int, kv_heads: int,
@@ -124,7 +154,8 @@ class IndexCache:
         f32 = dict(dtype=torch.float32, device=device)
         return cls(torch.zeros(num_pages, stride, kv_heads, head_size, **f32),
                    torch.zeros(num_pages, page // stride, kv_heads, **f32),
-                   torch.zeros(num_pages, dtype=torch.int32, device=device), page)
+                   torch.zeros(num_pages, dtype=torch.int32, device=device), page,
+                   torch.zeros(num_pages, dtype=torch.int64, device=device))
 
     @property
     def stride(self) -> int:
@@ -132,13 +163,19 @@ class IndexCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.ksum, self.vmax, self.filled))
+        return sum(t.numel() * t.element_size()
+                   for t in (self.ksum, self.vmax, self.filled, self.tag) if t is not None)
 
     def plan(self, slots: torch.Tensor) -> "WritePlan":
         """What a write at ``slots`` does to this cache's pages (``write``):
         which pages start afresh, what ``filled`` becomes, and where each
         token's sums and maxima go. Every layer of a step writes the same
-        slots into caches in the same state, so one plan serves them all."""
+        slots into caches in the same state, so one plan serves them all.
+
+        A page's write is good when its offsets are exactly ``start ..
+        end - 1``, each once (counted, so that no gap or repeated slot passes),
+        and ``start`` is 0 or where the page stopped; otherwise the page
+        becomes unusable (``filled = -1``)."""
         slots = slots.to(torch.int64)
         keep = None
         if bool((slots < 0).any()):
@@ -152,33 +189,44 @@ class IndexCache:
         last.scatter_reduce_(0, pages, offsets, "amax")
         touched = (last >= 0).nonzero().squeeze(1)
         start, end = first[touched], last[touched] + 1
+        count = torch.bincount(pages, minlength=num_pages)[touched]
+        distinct = torch.bincount(torch.unique(slots) // self.page, minlength=num_pages)[touched]
         before = self.filled[touched]
         fresh = start == 0
         # A page starting afresh is zeroed before its tokens are added; one
-        # neither starting nor continuing where it stopped is unusable.
-        ok = fresh | ((before >= 0) & (start == before))
+        # neither starting nor continuing where it stopped, or with a gap or
+        # a repeated slot, is unusable.
+        ok = (fresh | ((before >= 0) & (start == before))) & (count == end - start) \
+            & (distinct == count)
         return WritePlan(num_pages, slots.clone(), keep, touched, touched[fresh], before,
                          torch.where(ok, end, -1).to(torch.int32),
-                         pages * stride + offsets % stride, pages * runs + offsets // stride)
+                         pages * stride + offsets % stride, pages * runs + offsets // stride,
+                         offsets == last[pages])
 
     def write(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
-              plan: "WritePlan | None" = None) -> "WritePlan":
+              plan: "WritePlan | None" = None, *,
+              tags: torch.Tensor | None = None) -> "WritePlan":
         """Accumulate a step's new tokens: ``key``, ``value [T, Hkv, D]`` (any
         float dtype; tokens in position order within each request) at
         ``slots [T]`` (page id x page size + offset; negative: no slot, skipped).
         ``plan``: another layer's plan of the same step, used where it fits
         (the same slots, this cache's pages in the state it assumed); returns
-        the plan used."""
+        the plan used. ``tags [T]`` int64: who wrote each token (``token_tags``);
+        each page written keeps its last token's (0 without ``tags``)."""
         if plan is None or not plan.fits(self, slots):
             plan = self.plan(slots)
         if plan.keep is not None:
             key, value = key[plan.keep], value[plan.keep]
+            tags = None if tags is None else tags[:plan.keep.shape[0]][plan.keep]
         if plan.k_index.numel() == 0:
             return plan
         if plan.restart.numel():
             self.ksum.index_fill_(0, plan.restart, 0.0)
             self.vmax.index_fill_(0, plan.restart, 0.0)
         self.filled[plan.touched] = plan.after
+        if self.tag is not None:
+            pages = plan.slots[plan.last] // self.page
+            self.tag[pages] = 0 if tags is None else tags[plan.last].to(self.tag.device)
         num_pages, stride, runs = self.ksum.shape[0], self.stride, self.vmax.shape[1]
         self.ksum.view(num_pages * stride, *self.ksum.shape[2:]).index_add_(
             0, plan.k_index, key.float())
@@ -195,10 +243,28 @@ class IndexCache:
         fill[-1] = seq_len - (n - 1) * self.page
         return fill
 
-    def complete(self, pages: torch.Tensor, expected: torch.Tensor) -> bool:
-        """Whether ``filled`` on ``pages`` equals ``expected`` (``expected_fill``
-        of each row, concatenated)."""
-        return torch.equal(self.filled[pages.to(torch.int64)], expected)
+    def usable(self, pages: torch.Tensor, expected: torch.Tensor,
+               tags: torch.Tensor | None = None) -> torch.Tensor:
+        """[len(pages)] bool, on the cache's device (no host read): whether
+        each page holds exactly what ``expected`` says (``expected_fill`` of
+        each row, concatenated) and, with ``tags``, was last written by a
+        token with that tag (``token_tags`` at the page's last token)."""
+        pages = pages.to(device=self.filled.device, dtype=torch.int64)
+        ok = self.filled[pages] == expected.to(self.filled.device)
+        if tags is not None and self.tag is not None:
+            ok &= self.tag[pages] == tags.to(self.tag.device)
+        return ok
+
+    def complete(self, pages: torch.Tensor, expected: torch.Tensor,
+                 tags: torch.Tensor | None = None) -> bool:
+        """Whether every page is ``usable`` (one host read)."""
+        return bool(self.usable(pages, expected, tags).all())
+
+    def invalidate(self, slots: torch.Tensor) -> None:
+        """Mark the pages of ``slots`` unusable (negative slots skipped): a
+        write that failed leaves only its own pages in doubt."""
+        slots = slots.to(device=self.filled.device, dtype=torch.int64)
+        self.filled[slots[slots >= 0] // self.page] = -1
 
     def inputs(self, pages: torch.Tensor, seq_len: int, block_size: int, oam: bool,
                oam_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
