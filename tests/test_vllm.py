@@ -285,6 +285,44 @@ def test_a_quantised_kv_cache_runs_vllms_kernel_and_says_so(model):
     assert run["log"].count("Stem: kv cache dtype fp8 is not supported") == 1, run["log"][-3000:]
 
 
+def test_a_kv_connector_keeps_stem_off_and_says_so(model, tmp_path):
+    """A KV connector loads pages into the KV cache without the backend's
+    cache writer (here vLLM's ExampleConnector, which stores every prompt's
+    KV on disk and loads it back for a later prompt sharing it), so the
+    indexer cache could not vouch for them: Stem refuses the engine with one
+    start-up line, every row runs vLLM's kernel and is counted so."""
+    engine = {"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                                     "kv_connector_extra_config": {
+                                         "shared_storage_path": str(tmp_path / "a")}}}
+    want = run_engine(model, None, engine=engine)
+    engine["kv_transfer_config"]["kv_connector_extra_config"]["shared_storage_path"] = \
+        str(tmp_path / "b")
+    run = run_engine(model, {**SPARSE, "dense_above": 1.0}, engine=engine)
+    assert run["outputs"] == want["outputs"]
+    rows = run["stats"]["rows"]
+    assert rows.get("dense:kv connector", 0) > 0, rows
+    assert not any(k.startswith("sparse") for k in rows), rows
+    assert run["log"].count("Stem: kv connector is configured") == 1, run["log"][-3000:]
+    assert run["stats"]["memory"] == {}  # no indexer cache kept back or allocated
+
+
+def test_the_indexer_cache_is_allocated_at_start_inside_the_kv_budget(model):
+    """The Stem layers' indexer caches exist before the first request and,
+    with the KV cache beside them, fit the budget vLLM was given (1 GiB:
+    ``VLLM_CPU_KVCACHE_SPACE`` in tests/vllm_engine.py); start-up says how
+    much of it they took."""
+    run = cached(model, "sparse", SPARSE, check_rows=True)
+    memory = run["stats_at_start"]["memory"]
+    index, kv = memory["index_cache_bytes"], memory["kv_cache_bytes"]
+    # Per KV page of 32 tokens and 2 KV heads of 32: float32 sums of 8 groups
+    # and 4 run maxima per head, a count and a tag; K and V in float32.
+    per_page_index, per_page_kv = 2 * (8 * 32 + 32 // 8) * 4 + 12, 2 * 32 * 2 * 32 * 4
+    assert index * per_page_kv == kv * per_page_index, memory
+    assert 2**30 - 2 * (per_page_index + per_page_kv) < index + kv <= 2**30, memory
+    assert "MiB of the 1024.0 MiB KV-cache budget go to the indexer cache" in run["log"]
+    assert run["stats"]["memory"] == memory  # nothing allocated later
+
+
 # --------------------------------------------------------------------------- #
 # Stem's path with a budget that keeps every block: vLLM's results
 # --------------------------------------------------------------------------- #
@@ -424,23 +462,39 @@ def assert_close_tokens(run: dict, want: dict) -> bool:
 # --------------------------------------------------------------------------- #
 
 
-@pytest.mark.parametrize("where, counted", [("select", "dense:error:RuntimeError"),
-                                            ("write", "dense:indexer cache incomplete")])
+@pytest.mark.parametrize("where, counted", [
+    ("select", "dense:error:RuntimeError"),
+    ("write", "dense:indexer cache incomplete"),
+    ("hook", "dense:error:RuntimeError"),
+    ("plan", "dense:error:RuntimeError"),
+    ("reason", "dense:error:RuntimeError"),
+    ("complete", "dense:error:RuntimeError"),
+    ("allocate", "dense:error:RuntimeError"),
+    ("count", None),
+])
 def test_a_stem_failure_runs_vllms_kernel_and_is_counted(model, where, counted):
-    """Stem raises in every row's selection, or in every indexer-cache write:
-    the engine answers exactly as vLLM's own backend, counts the rows, and
-    logs the failure once with its traceback."""
+    """Stem raises, from the engine's start on, at one place of the plugin:
+    a row's selection, the indexer-cache write, the step hook, the metadata
+    builder's plan, the checks atop ``forward`` and the cache write, the
+    indexer cache's check, its allocation (never retried), or the counting
+    of a layer's rows. The engine answers exactly as vLLM's own backend,
+    counts the rows (where counting itself works), and logs each failure
+    once with its traceback."""
     run = run_engine(model, {**SPARSE, "dense_above": 1.0}, fail=(where, 0))
     assert run["outputs"] == plain(model)["outputs"]
     rows = run["stats"]["rows"]
-    assert rows.get(counted, 0) > 0, rows
-    assert not any(k.startswith("sparse") for k in rows), rows
+    if counted:
+        assert rows.get(counted, 0) > 0, rows
+        assert not any(k.startswith("sparse") for k in rows), rows
     if where == "write":
         assert rows.get("dense:error:RuntimeError", 0) > 0, rows
-    failed = [x for x in run["log"].splitlines() if "Stem failed in layer" in x
-              or "writing the indexer cache failed" in x]
-    assert len(failed) == 1, failed
-    assert "Traceback" in run["log"] and f"injected {where} failure" in run["log"]
+    warnings = [x for x in run["log"].splitlines()
+                if "Stem" in x and f"(injected {where} failure)" in x]
+    assert warnings and len(warnings) == len(set(x.split("(injected")[0] for x in warnings)), \
+        warnings  # each place says so once
+    assert "Traceback" in run["log"] and f"RuntimeError: injected {where} failure" in run["log"]
+    if where == "allocate":  # tried once per layer at start-up, then never again
+        assert run["failure_calls"] == 2, run["failure_calls"]
 
 
 # --------------------------------------------------------------------------- #
@@ -513,22 +567,85 @@ def fresh_registration(monkeypatch):
     before = custom.get_path() if custom.is_overridden() else None
     custom.clear_override()
     monkeypatch.setattr(stem_vllm, "_WARNED", set())
+    stem_vllm.patches = sys.modules["stem_indexer.integrations.vllm.patches"]
     yield stem_vllm
     custom.clear_override()
     if before:
         register_backend(custom, before)
 
 
-def test_an_untested_vllm_release_gets_one_warning(fresh_registration, monkeypatch, caplog):
+def test_an_untested_vllm_release_is_left_alone_unless_asked(fresh_registration, monkeypatch,
+                                                              caplog):
+    """On a vLLM release it was not tested with, ``register()`` warns once and
+    patches nothing (the platform's methods stay vLLM's); with
+    ``STEM_VLLM_ALLOW_UNTESTED=1`` it registers."""
     import vllm
+    from vllm.platforms.cpu import CpuPlatform
 
     monkeypatch.setattr(vllm, "__version__", "9.9.9")
+    monkeypatch.delenv(fresh_registration.patches.UNTESTED_ENV, raising=False)
+    methods = {name: CpuPlatform.__dict__[name] for name in
+               ("get_attn_backend_cls", "check_and_update_config")}
+    for name, method in methods.items():  # vLLM's own, whatever earlier tests did
+        original = getattr(method.__func__, "__wrapped__", method.__func__)
+        monkeypatch.setattr(CpuPlatform, name, classmethod(original))
     with caplog.at_level("WARNING", logger="vllm.stem_indexer"):
         fresh_registration.register()
         fresh_registration.register()
     warned = [r for r in caplog.records if "not 9.9.9" in r.getMessage()]
     assert len(warned) == 1 and fresh_registration.TESTED_VLLM in warned[0].getMessage()
-    assert _registered_by_stem()  # CUSTOM still reaches Stem when asked for
+    assert "is not registered" in warned[0].getMessage()
+    assert not _registered_by_stem()
+    assert not getattr(CpuPlatform.get_attn_backend_cls.__func__, "_stem", False)
+
+    monkeypatch.setenv(fresh_registration.patches.UNTESTED_ENV, "1")
+    monkeypatch.setattr(fresh_registration, "_WARNED", set())
+    fresh_registration.register()
+    assert _registered_by_stem()  # CUSTOM reaches Stem when asked for
+
+
+def test_patches_fall_back_to_vllm_on_changed_signatures(monkeypatch, caplog):
+    """A vLLM whose platform methods take other arguments, or whose
+    configuration renamed a field: the wrappers pass every argument through,
+    and where Stem's part fails they warn once and return vLLM's own
+    result; nothing raises."""
+    from types import SimpleNamespace
+
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    import stem_indexer.integrations.vllm as stem_vllm
+    from stem_indexer.integrations.vllm import patches
+
+    seen = []
+
+    def select(cls, selected_backend, attn_selector_config, num_heads=None, *, new_arg=0):
+        seen.append(("select", new_arg))
+        return "vllm.own.Backend"
+
+    def check(cls, vllm_config, new_arg=0):
+        seen.append(("check", new_arg))
+
+    monkeypatch.setattr(CpuPlatform, "get_attn_backend_cls", classmethod(select))
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(check))
+    monkeypatch.setattr(patches, "_WARNED", set())
+    patches.patch_platform(lambda chosen: chosen == "ours", stem_vllm.BACKEND_PATH)
+    config = SimpleNamespace(use_mla=False, use_sparse=False)
+    with caplog.at_level("WARNING", logger="vllm.stem_indexer"):
+        assert CpuPlatform.get_attn_backend_cls("ours", config, 4, new_arg=1) \
+            == stem_vllm.BACKEND_PATH
+        assert CpuPlatform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, config,
+                                                new_arg=2) == "vllm.own.Backend"
+        # A selector config without the fields Stem reads: vLLM's choice.
+        assert CpuPlatform.get_attn_backend_cls("ours", object(), new_arg=3) \
+            == "vllm.own.Backend"
+        # A configuration whose attention settings moved: checked by vLLM only.
+        CpuPlatform.check_and_update_config(SimpleNamespace(), new_arg=4)
+        CpuPlatform.check_and_update_config(vllm_config=SimpleNamespace(), new_arg=5)
+    assert seen == [("select", 2), ("select", 3), ("check", 4), ("check", 5)]
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("could not read vLLM's backend selection" in m for m in messages) == 1
+    assert sum("could not read vLLM's configuration" in m for m in messages) == 1
 
 
 def test_on_another_platform_nothing_is_registered(fresh_registration, monkeypatch, caplog):

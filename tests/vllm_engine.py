@@ -128,27 +128,42 @@ def _checker(settings, record: dict, shadow: _Shadow):
     return check
 
 
-def _inject_failure(kind: str, after: int) -> None:
-    """Make Stem fail in the worker (this process): ``select`` raises in a
-    row's selection, ``write`` in the indexer cache's writer, each from its
-    ``after``-th call on."""
-    from stem_indexer.integrations.vllm import backend
+# Where a failure can be injected: (object, attribute) of the function that
+# raises, in the worker (this process).
+def _failure_points():
     from stem_indexer.index_cache import IndexCache
+    from stem_indexer.integrations.vllm import backend
 
-    calls = [0]
+    return {
+        "select": (backend, "select_blocks"),  # a row's selection (forward)
+        "write": (IndexCache, "write"),  # the indexer-cache write
+        "hook": (backend._KINDS, "kind"),  # the step hook (_record_step)
+        "plan": (backend, "plan_stem_row"),  # the metadata builder's plan
+        "reason": (backend.StemAttentionImpl, "_reason"),  # checks atop forward and write
+        "complete": (IndexCache, "complete"),  # the indexer cache's check (forward)
+        "count": (backend.STATS, "row"),  # counting a layer's rows (forward)
+        "allocate": (IndexCache, "allocate"),  # the indexer cache's allocation
+    }
 
-    def wrap(fn):
-        def failing(*args, **kwargs):
-            calls[0] += 1
-            if calls[0] > after:
-                raise RuntimeError(f"injected {kind} failure")
-            return fn(*args, **kwargs)
-        return failing
 
-    if kind == "select":
-        backend.select_blocks = wrap(backend.select_blocks)
-    else:
-        IndexCache.write = wrap(IndexCache.write)
+_FAILURE_CALLS = [0]
+
+
+def _inject_failure(kind: str, after: int) -> None:
+    """Make Stem fail in the worker (this process) at ``kind``
+    (``_failure_points``), from its ``after``-th call on; ``_FAILURE_CALLS``
+    counts the calls."""
+    owner, name = _failure_points()[kind]
+    fn = getattr(owner, name)
+    calls = _FAILURE_CALLS
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] > after:
+            raise RuntimeError(f"injected {kind} failure")
+        return fn(*args, **kwargs)
+
+    setattr(owner, name, failing)
 
 
 def main() -> None:
@@ -162,7 +177,10 @@ def main() -> None:
         kwargs.update(attention_backend="CUSTOM", additional_config={"stem": spec["stem"]})
     if spec.get("fail") or spec.get("check_rows"):
         assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0", "needs the worker here"
+    if spec.get("fail"):  # from the start: the engine's start-up runs these paths too
+        _inject_failure(*spec["fail"])
     llm = LLM(model=spec["model"], seed=0, **kwargs)
+    at_start = stem_vllm.stats(llm) if spec.get("stem") is not None else None
     record = {"rows": 0, "max_error": 0.0, "selection_mismatches": 0, "tail_rows": 0,
               "kinds": {}, "unaligned": 0, "beside_other_rows": 0, "cache_mismatches": 0,
               "sparse_rows": 0}
@@ -173,8 +191,6 @@ def main() -> None:
         shadow = _Shadow()
         backend.observe_writes(shadow.write)
         backend.observe(_checker(StemSettings.from_mapping(spec["stem"]), record, shadow))
-    if spec.get("fail"):
-        _inject_failure(*spec["fail"])
     results = []
     for batch in spec["batches"]:
         prompts = [{"prompt_token_ids": r["prompt"]} for r in batch]
@@ -186,9 +202,10 @@ def main() -> None:
                             "logprobs": [d[t].logprob for d, t in zip(o.logprobs, o.token_ids)]})
     if spec.get("check_rows"):
         record["writes_left_out"] = shadow.left_out
-    result = {"outputs": results, "record": record}
+    result = {"outputs": results, "record": record, "failure_calls": _FAILURE_CALLS[0]}
     if spec.get("stem") is not None:
         result["stats"] = stem_vllm.stats(llm)
+        result["stats_at_start"] = at_start
     print("RESULT " + json.dumps(result), flush=True)
     del llm
     gc.collect()

@@ -26,16 +26,17 @@ vLLM's kernel on the kept pages only, in every CPU cache layout that has
 one (``amx``, ``vec``, ``vec16``). ``stats(llm)`` says what ran; each
 request's prefill ends with one log line giving its rows and density.
 
-This release serves the CPU platform: elsewhere ``register()`` warns once
-and leaves vLLM as it is. Every patch it makes to vLLM is listed in
+This release serves the CPU platform of vLLM ``TESTED_VLLM``: elsewhere, and
+on another vLLM release, ``register()`` warns once and leaves vLLM as it is. Every patch it makes to vLLM is listed in
 ``patches.py``, with the release it was written against.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
-from .patches import RESET_METHOD, STATS_METHOD, TESTED_VLLM
+from .patches import RESET_METHOD, STATS_METHOD, TESTED_VLLM, UNTESTED_ENV
 from .settings import StemSettings
 from .stats import merge
 
@@ -59,10 +60,11 @@ def register() -> None:
     leaves a ``CUSTOM`` backend registered by another package in place and
     logs a warning instead. It never raises: on a platform other than CPU it
     warns once and changes nothing; on a vLLM release other than
-    ``TESTED_VLLM`` it warns once and registers; if registering fails, it
-    warns once with the traceback and vLLM runs as without the plugin. The
-    patches it makes (``patches.py``) change nothing unless ``CUSTOM`` is
-    asked for.
+    ``TESTED_VLLM`` it warns once and changes nothing, unless the environment
+    sets ``STEM_VLLM_ALLOW_UNTESTED=1``; if registering fails, it warns once
+    with the traceback and vLLM runs as without the plugin. The patches it
+    makes (``patches.py``) change nothing unless ``CUSTOM`` is asked for, and
+    fall back to vLLM's own methods where their part fails.
     """
     try:
         import vllm
@@ -76,17 +78,23 @@ def register() -> None:
             return
         version = getattr(vllm, "__version__", "unknown")
         if version != TESTED_VLLM:
+            if os.environ.get(UNTESTED_ENV) != "1":
+                _warn_once("version", "Stem's vLLM backend was tested with vLLM %s, not %s; "
+                           "it is not registered and vLLM runs without it (set %s=1 to "
+                           "register it anyway)", TESTED_VLLM, version, UNTESTED_ENV)
+                return
             _warn_once("version", "Stem's vLLM backend was tested with vLLM %s, not %s; it "
-                       "registers, and runs only where --attention-backend CUSTOM is asked for",
-                       TESTED_VLLM, version)
+                       "registers because %s=1, and runs only where --attention-backend "
+                       "CUSTOM is asked for", TESTED_VLLM, version, UNTESTED_ENV)
         custom = AttentionBackendEnum.CUSTOM
         if custom.is_overridden() and custom.get_path() != BACKEND_PATH:
             _LOG.warning("Stem: the CUSTOM attention backend is already registered by another "
                          "package (%s); Stem's backend is not registered", custom.get_path())
             return
-        from .patches import add_worker_methods, patch_platform
+        from .patches import add_worker_methods, patch_platform, reserve_index_cache
 
         patch_platform(_ours, BACKEND_PATH)
+        reserve_index_cache(_ours)
         add_worker_methods()
         if not custom.is_overridden():
             register_backend(custom, BACKEND_PATH)
@@ -106,7 +114,8 @@ def stats(llm) -> dict:
     """What the Stem backend ran, summed over ``llm``'s workers.
 
     Returns ``{"rows": {path: count}, "layers": {name: {"kept", "visible",
-    "density"}}, "density": float | None, "layouts": {layout: count}}``:
+    "density"}}, "density": float | None, "layouts": {layout: count},
+    "memory": {"index_cache_bytes", "kv_cache_bytes"}}``:
     ``rows`` counts (layer, row) pairs by ``"sparse:fresh"``,
     ``"sparse:continuation"``, ``"sparse:prefix hit"`` or
     ``"dense:<reason>"`` (``"dense:error:<type>"``: Stem failed there and
@@ -114,7 +123,9 @@ def stats(llm) -> dict:
     (query block, key block) pairs the Stem rows kept and could see, all heads;
     ``density`` is kept over visible for all of them (None before any Stem
     row); ``layouts`` counts the sparse rows by the KV-cache layout they ran
-    on (``"amx"``, ``"vec"``, ``"vec16"``).
+    on (``"amx"``, ``"vec"``, ``"vec16"``); ``memory`` the bytes of the Stem
+    layers' indexer caches, allocated when the KV cache is bound and taken
+    out of vLLM's KV-cache budget, and of their KV caches.
     """
     return merge(llm.collective_rpc(STATS_METHOD))
 

@@ -61,8 +61,8 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from ...index_cache import IndexCache
-from .patches import install_step_hook
+from ...index_cache import IndexCache, index_cache_bytes, token_tags
+from .patches import engine_reason, install_step_hook
 from .rows import (Row, RowKinds, StemRow, decode_tokens_left_out, plan_row, plan_stem_row,
                    select_blocks, virtual_rows)
 from .settings import StemSettings
@@ -127,11 +127,15 @@ class StepPlan:
     bulk: tuple[tuple[str, int], ...] = ()
     #: the non-Stem rows as a batch, where Stem rows run beside them
     batch: DenseRows | None = None
-    #: every Stem row's pages, and what a complete indexer cache holds on them
+    #: every Stem row's pages, and what a complete indexer cache holds on
+    #: them: each page's token count and its last token's tag
     pages: torch.Tensor | None = None
     fill: torch.Tensor | None = None
+    page_tags: torch.Tensor | None = None
     #: the step's tokens the indexer cache takes ([tokens] bool; None: all)
     write: torch.Tensor | None = None
+    #: [tokens] int64, who wrote each of the step's tokens (``token_tags``)
+    tags: torch.Tensor | None = None
     #: no token of the step goes into the indexer cache
     write_nothing: bool = False
 
@@ -153,29 +157,68 @@ class _Step(threading.local):
     prompts: list[int] | None = None
     requests: list[str] | None = None
     kinds: dict[int, str] | None = None
+    tokens: torch.Tensor | None = None  #: [requests, max_model_len] token ids (no copy)
+    error: str = ""  #: why the step could not be recorded ("" when it was)
 
 
 _STEP = _Step()
 _KINDS = RowKinds()
+# Per request, the position after its last written token and that token's tag.
+_TAGS: collections.OrderedDict = collections.OrderedDict()
+_MAX_TAGGED = 4096
 
 
 def _record_step(batch, scheduled) -> None:
     """The model runner's step, before its attention metadata is built (None
     after): its requests' prompt lengths, and the kinds of the rows still in
-    their prompt (``patches.install_step_hook``)."""
+    their prompt (``patches.install_step_hook``). Never raises: a failure
+    leaves the step to vLLM's kernel, counted as ``dense:error:<type>``."""
+    _STEP.prompts = _STEP.requests = _STEP.kinds = _STEP.tokens = None
+    _STEP.error = ""
     if batch is None:
-        _STEP.prompts = _STEP.requests = _STEP.kinds = None
         return
-    n = batch.num_reqs
-    prompts = batch.num_prompt_tokens_cpu_tensor[:n]
-    computed = batch.num_computed_tokens_cpu_tensor[:n]
-    requests = list(batch.req_ids[:n])
-    _STEP.prompts, _STEP.requests = prompts.tolist(), requests
-    # Only requests still in their prompt have a kind worth tracking.
-    open_ = computed < prompts
-    _STEP.kinds = {r: _KINDS.kind(requests[r], c, p, scheduled.get(requests[r], 1))
-                   for r, c, p in zip(open_.nonzero().flatten().tolist(),
-                                      computed[open_].tolist(), prompts[open_].tolist())}
+    try:
+        n = batch.num_reqs
+        prompts = batch.num_prompt_tokens_cpu_tensor[:n]
+        computed = batch.num_computed_tokens_cpu_tensor[:n]
+        requests = list(batch.req_ids[:n])
+        # Only requests still in their prompt have a kind worth tracking.
+        open_ = computed < prompts
+        kinds = {r: _KINDS.kind(requests[r], c, p, scheduled.get(requests[r], 1))
+                 for r, c, p in zip(open_.nonzero().flatten().tolist(),
+                                    computed[open_].tolist(), prompts[open_].tolist())}
+        _STEP.tokens = batch.token_ids_cpu_tensor
+        _STEP.prompts, _STEP.requests, _STEP.kinds = prompts.tolist(), requests, kinds
+    except Exception as exc:
+        _STEP.error = f"error:{type(exc).__name__}"
+        _report_once(f"hook:{_STEP.error}", "Stem could not read the step's requests (%s); "
+                     "such steps run vLLM's kernel (counted as dense:%s)", exc, _STEP.error,
+                     exc=exc)
+
+
+def _step_tags(rows: list[tuple[int, int, int]], full: dict[int, torch.Tensor]) -> torch.Tensor:
+    """[tokens] int64: ``token_tags`` of the step's tokens, row after row
+    (``rows``: (row, context, q_len)); ``full[row]`` the tags of a row's whole
+    sequence where the plan made them. Each request's last tag is kept, so
+    that its next row (a decode, the next chunk) hashes its own tokens only."""
+    tokens, requests = _STEP.tokens, _STEP.requests
+    parts = []
+    for r, context, q_len in rows:
+        req = requests[r]
+        if r in full:
+            tags = full[r][context:context + q_len]
+        else:
+            at, carry = _TAGS.get(req, (-1, 0))
+            if at != context:
+                carry = int(token_tags(tokens[r, :context])[-1]) if context else 0
+            tags = token_tags(tokens[r, context:context + q_len], context, carry)
+        if q_len:
+            _TAGS[req] = (context + q_len, int(tags[-1]))
+            _TAGS.move_to_end(req)
+        parts.append(tags)
+    while len(_TAGS) > _MAX_TAGGED:
+        _TAGS.popitem(last=False)
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
 # --------------------------------------------------------------------------- #
@@ -194,7 +237,8 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
         # Why none of this group's layers can run Stem ("" when some can): their
         # rows are then sorted, not planned.
         self.group_reason = ("sliding window" if self.window_size != -1 else
-                             _layout_reason(self.isa, self.block_size, self.settings)
+                             engine_reason(vllm_config)
+                             or _layout_reason(self.isa, self.block_size, self.settings)
                              or _cache_dtype_reason(self.kv_cache_dtype))
         if self.group_reason and self.window_size == -1:
             _report_once(f"group:{self.group_reason}", "Stem: %s is not supported; these "
@@ -208,7 +252,13 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
                                       for f in dataclasses.fields(base)})
         if not isinstance(md.causal, bool) or not md.causal or md.encoder_cache is not None:
             return md
-        md.step = self._plan(common_attn_metadata, md)
+        try:
+            md.step = self._plan(common_attn_metadata, md)
+        except Exception as exc:  # the engine goes on: vLLM's kernel for this step
+            reason = f"error:{type(exc).__name__}"
+            _report_once(f"plan:{reason}", "Stem could not plan a step (%s); that step runs "
+                         "vLLM's kernel (counted as dense:%s)", exc, reason, exc=exc)
+            md.step = StepPlan(bulk=((reason, common_attn_metadata.num_reqs),))
         return md
 
     def _plan(self, cm, md: StemAttentionMetadata) -> StepPlan:
@@ -216,6 +266,8 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
         starts = cm.query_start_loc_cpu[:n + 1].to(torch.int64)
         seq_lens = cm.seq_lens[:n].to(device="cpu", dtype=torch.int64)
         q_lens = starts[1:] - starts[:-1]
+        if _STEP.error:
+            return StepPlan(bulk=((_STEP.error, n),))
         prompts = _STEP.prompts
         if prompts is None or len(prompts) != n:
             return StepPlan(bulk=(("no prompt length", n),))
@@ -242,9 +294,25 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
         if not self.write_decodes:
             plan.write = decode_tokens_left_out(q_lens, decode)
             plan.write_nothing = plan.write is not None and not bool(plan.write.any())
+        if self.group_reason:
+            return plan  # no layer of the group keeps an indexer cache
+        # Who writes each token (the rows the indexer cache takes), and who
+        # must have written each page a Stem row reads.
+        full = {s.row.index: token_tags(_STEP.tokens[s.row.index, :s.row.seq_len])
+                for s in stem}
+        writes = decode.logical_not() if plan.write is not None else torch.ones(n, dtype=bool)
+        rows = [(r, int(context[r]), int(q_lens[r])) for r in writes.nonzero().flatten().tolist()]
+        if not plan.write_nothing:
+            tags = _step_tags(rows, full)
+            if plan.write is not None:  # the tokens left out get no tag
+                plan.tags = torch.zeros(plan.write.shape[0], dtype=torch.int64)
+                plan.tags[plan.write] = tags
+            else:
+                plan.tags = tags
         if stem:
             plan.pages = torch.cat([s.pages for s in stem])
             plan.fill = torch.cat([s.fill for s in stem])
+            plan.page_tags = torch.cat([_page_tags(full[s.row.index], s.page) for s in stem])
             others = sorted(set(range(n)) - {s.row.index for s in stem})
             if others:
                 plan.batch = self._dense_batch(md, others, starts, q_lens)
@@ -287,6 +355,14 @@ def _step_of(layer) -> StepPlan | None:
     if isinstance(md, dict):
         md = md.get(getattr(layer, "layer_name", ""))
     return getattr(md, "step", None)
+
+
+def _page_tags(tags: torch.Tensor, page: int) -> torch.Tensor:
+    """The tag each page of a sequence keeps when every token was written:
+    its last token's (``tags`` of the whole sequence)."""
+    n = tags.shape[0]
+    last = torch.clamp(torch.arange(page, n + page, page), max=n) - 1
+    return tags[last]
 
 
 def _cache_dtype_reason(kv_cache_dtype: str) -> str:
@@ -380,8 +456,9 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes,
                          sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
                          kv_sharing_target_layer_name, sinks)
-        self.settings = StemSettings.from_config(get_current_vllm_config().additional_config)
-        self.layer_reason = self._layer_reason()
+        config = get_current_vllm_config()
+        self.settings = StemSettings.from_config(config.additional_config)
+        self.layer_reason = engine_reason(config) or self._layer_reason()
         self.index_cache: IndexCache | None = None
         self.ordinal = _LAYER_COUNT[0]
         _LAYER_COUNT[0] += 1
@@ -414,46 +491,88 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        if self._reason(layer, kv_cache):
-            return
+        written = None
         try:
+            if self._reason(layer, kv_cache):
+                return
             step = _step_of(layer)
-            if step is not None and step.write_nothing and not _WRITE_OBSERVERS:
-                return  # a decode-only step without prefix caching
             n = slot_mapping.shape[0]
-            cache = self._index_cache(kv_cache)
             written = slot_mapping  # the slots the indexer cache takes (-1: none)
-            if step is not None and step.write is not None:
-                written = slot_mapping.clone()
-                keep = step.write[:n]
-                written[:keep.shape[0]].masked_fill_(~keep, -1)
-            if step is None or not step.write_nothing:
+            if step is not None and step.write_nothing:  # a decode-only step, no prefix caching
+                written = torch.full_like(slot_mapping, -1)
+            else:
+                cache = self._index_cache(kv_cache)
+                if step is not None and step.write is not None:
+                    written = slot_mapping.clone()
+                    keep = step.write[:n]
+                    written[:keep.shape[0]].masked_fill_(~keep, -1)
+                tags = None if step is None else step.tags
+                if tags is not None and tags.shape[0] < n:  # padding tokens have no slot
+                    tags = torch.nn.functional.pad(tags, (0, n - tags.shape[0]))
                 # One plan of the step's slots serves every layer (checked to fit).
-                _WRITE_PLAN[0] = cache.write(key[:n], value[:n], written, _WRITE_PLAN[0])
+                _WRITE_PLAN[0] = cache.write(key[:n], value[:n], written, _WRITE_PLAN[0],
+                                             tags=tags)
             for fn in _WRITE_OBSERVERS:
                 fn(getattr(layer, "layer_name", ""), key[:n], value[:n], slot_mapping, written)
-        except Exception as exc:  # the engine goes on; this layer's rows go dense
+        except Exception as exc:  # the engine goes on; the pages written run vLLM's kernel
+            self._write_failed(slot_mapping if written is None else written, exc)
+
+    def _write_failed(self, slots: torch.Tensor, exc: Exception) -> None:
+        """A failed indexer-cache write: its pages become unusable (only
+        those), counted and logged once."""
+        try:
             if self.index_cache is not None:
-                self.index_cache.filled.fill_(-1)
-            STATS.count(f"dense:error:{type(exc).__name__}")
-            _report_once(f"write:{type(exc).__name__}", "Stem: writing the indexer cache "
-                         "failed (%s); the pages it left unwritten run vLLM's kernel",
-                         exc, exc=exc)
+                self.index_cache.invalidate(slots)
+        except Exception:  # the pages cannot be told apart: none is usable
+            self.index_cache.filled.fill_(-1)
+        STATS.count(f"dense:error:{type(exc).__name__}")
+        _report_once(f"write:{type(exc).__name__}", "Stem: writing the indexer cache "
+                     "failed (%s); the pages it left unwritten run vLLM's kernel",
+                     exc, exc=exc)
+
+    def bind_index_cache(self, kv_cache: torch.Tensor) -> None:
+        """Allocate this layer's indexer cache for its KV cache (when vLLM
+        binds the KV cache, inside its budget: ``patches.reserve_index_cache``).
+        A failure is logged once and never retried: the layer's rows run
+        vLLM's kernel, counted as ``dense:error:<type>``."""
+        if self.layer_reason or self.index_cache is not None:
+            return
+        num_pages, _, page, _ = kv_cache.shape
+        try:
+            self.index_cache = IndexCache.allocate(num_pages, page, self.settings.stride,
+                                                   self.num_kv_heads, self.head_size)
+        except Exception as exc:
+            self.layer_reason = f"error:{type(exc).__name__}"
+            _report_once(f"allocate:{self.layer_reason}", "Stem could not allocate its "
+                         "indexer cache (%s); the layers without one run vLLM's kernel "
+                         "(counted as dense:%s)", exc, self.layer_reason, exc=exc)
+            return
+        kv_bytes = kv_cache.numel() * kv_cache.element_size()
+        STATS.bound(self.index_cache.nbytes, kv_bytes)
+        key = "cache size"
+        if key not in _REPORTED:
+            _REPORTED.add(key)
+            _LOG.info("Stem indexer cache: %.1f MiB per full-attention layer beside its "
+                      "%.1f MiB of KV cache (%.1f%%), inside the KV-cache budget",
+                      self.index_cache.nbytes / 2**20, kv_bytes / 2**20,
+                      100 * self.index_cache.nbytes / kv_bytes)
 
     def _index_cache(self, kv_cache: torch.Tensor) -> IndexCache:
-        num_pages, _, page, _ = kv_cache.shape
         cache = self.index_cache
-        if cache is None or cache.ksum.shape[0] != num_pages:
-            cache = self.index_cache = IndexCache.allocate(
-                num_pages, page, self.settings.stride, self.num_kv_heads, self.head_size)
-            kv_bytes = kv_cache.numel() * kv_cache.element_size()
-            key = "cache size"
-            if key not in _REPORTED:
-                _REPORTED.add(key)
-                _LOG.info("Stem indexer cache: %.1f MiB per full-attention layer beside its "
-                          "%.1f MiB of KV cache (%.1f%%)", cache.nbytes / 2**20,
-                          kv_bytes / 2**20, 100 * cache.nbytes / kv_bytes)
-        return cache
+        if cache is None or cache.ksum.shape[0] != kv_cache.shape[0]:
+            self.index_cache = None
+            self.bind_index_cache(kv_cache)
+            if self.index_cache is None:
+                raise RuntimeError(f"no indexer cache ({self.layer_reason})")
+        return self.index_cache
+
+    def index_cache_bytes(self, num_pages: int, page: int) -> int:
+        """Bytes of this layer's indexer cache for ``num_pages`` KV pages (0
+        where the layer never runs Stem)."""
+        if self.layer_reason:
+            return 0
+        return index_cache_bytes(num_pages, page, self.settings.stride, self.num_kv_heads,
+                                 self.head_size)
 
     # Attention --------------------------------------------------------------
 
@@ -463,27 +582,34 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         if step is None or output_scale is not None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
-        reason = self._reason(layer, kv_cache) if step.stem else ""
-        if not reason and step.stem:
-            cache = self.index_cache
-            if cache is None or not cache.complete(step.pages, step.fill):
-                reason = "indexer cache incomplete"
-        if reason or not step.stem:
-            self._count(layer, step, reason)
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                                   output_scale, output_block_scale)
         try:
-            rows = self._forward_stem(layer, query, kv_cache, step, output)
+            reason = self._stem_reason(layer, kv_cache, step) if step.stem else ""
+            if not reason and step.stem:
+                rows = self._forward_stem(layer, query, kv_cache, step, output)
+                self._count(layer, step, "", rows)
+                return output
         except Exception as exc:  # the engine goes on: vLLM's kernel for this step
             reason = f"error:{type(exc).__name__}"
             _report_once(reason, "Stem failed in layer %s (%s); that layer's step runs "
                          "vLLM's kernel (counted as dense:%s)",
                          getattr(layer, "layer_name", "?"), exc, reason, exc=exc)
+        try:
             self._count(layer, step, reason)
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                                   output_scale, output_block_scale)
-        self._count(layer, step, "", rows)
-        return output
+        except Exception as exc:
+            _report_once(f"count:{type(exc).__name__}", "Stem could not count a step's rows "
+                         "(%s)", exc, exc=exc)
+        return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                               output_scale, output_block_scale)
+
+    def _stem_reason(self, layer, kv_cache: torch.Tensor, step: StepPlan) -> str:
+        """Why the step's Stem rows run vLLM's kernel in this layer ("" when
+        they run Stem)."""
+        reason = self._reason(layer, kv_cache)
+        if not reason:
+            cache = self.index_cache
+            if cache is None or not cache.complete(step.pages, step.fill, step.page_tags):
+                reason = "indexer cache incomplete"
+        return reason
 
     def _count(self, layer, step: StepPlan, reason: str, sparse=()) -> None:
         """One layer's rows into the stats: the bulk rows at once, the prefill

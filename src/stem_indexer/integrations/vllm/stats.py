@@ -43,6 +43,8 @@ class WorkerStats:
     pairs: dict = field(default_factory=dict)
     layouts: collections.Counter = field(default_factory=collections.Counter)
     requests: dict = field(default_factory=dict)
+    #: bytes of the indexer caches and of the KV caches beside them (bound at start-up)
+    memory: collections.Counter = field(default_factory=collections.Counter)
     layers: int = 0
     log_requests: bool = True
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -57,7 +59,8 @@ class WorkerStats:
     def snapshot(self) -> dict:
         with self.lock:
             return {"rows": dict(self.rows), "layouts": dict(self.layouts),
-                    "pairs": {name: list(p) for name, p in self.pairs.items()}}
+                    "pairs": {name: list(p) for name, p in self.pairs.items()},
+                    "memory": dict(self.memory)}
 
     # Called by the backend --------------------------------------------------
 
@@ -68,6 +71,12 @@ class WorkerStats:
             with self.lock:
                 for reason, n in counts:
                     self.rows[f"dense:{reason}"] += n
+
+    def bound(self, index_bytes: int, kv_bytes: int) -> None:
+        """A layer's indexer cache, allocated beside its KV cache."""
+        with self.lock:
+            self.memory["index_cache_bytes"] += index_bytes
+            self.memory["kv_cache_bytes"] += kv_bytes
 
     def count(self, path: str, n: int = 1) -> None:
         """``n`` more of ``path`` (a failure outside any row, say)."""
@@ -136,13 +145,16 @@ def request_line(request: str, prompt: int, chunks: int, rows: dict, kept: int,
 def merge(snapshots: list[dict]) -> dict:
     """Sum workers' snapshots: rows by path, and per layer the kept and visible
     pairs with their density; ``density`` over all layers' Stem rows;
-    ``layouts``: the sparse rows by the KV-cache layout they ran on."""
+    ``layouts``: the sparse rows by the KV-cache layout they ran on;
+    ``memory``: the bytes of the Stem layers' indexer caches and KV caches."""
     rows: collections.Counter = collections.Counter()
     layouts: collections.Counter = collections.Counter()
+    memory: collections.Counter = collections.Counter()
     pairs: dict[str, list[int]] = {}
     for snap in snapshots:
         rows.update(snap["rows"])
         layouts.update(snap.get("layouts", {}))
+        memory.update(snap.get("memory", {}))
         for name, (kept, visible) in snap["pairs"].items():
             acc = pairs.setdefault(name, [0, 0])
             acc[0] += kept
@@ -153,4 +165,4 @@ def merge(snapshots: list[dict]) -> dict:
     visible = sum(v for _, v in pairs.values())
     return {"rows": dict(sorted(rows.items())), "layers": layers,
             "density": kept / visible if visible else None,
-            "layouts": dict(sorted(layouts.items()))}
+            "layouts": dict(sorted(layouts.items())), "memory": dict(sorted(memory.items()))}
