@@ -19,6 +19,31 @@ from stem_indexer import stem_inputs
 from stem_indexer.index_cache import IndexCache, index_cache_bytes
 
 
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def writer(request, monkeypatch):
+    """Every test with each writer: the native kernel (``ops/csrc/index_cache.c``,
+    where a C compiler is at hand) and the torch operations it replaces, each
+    held to the same independent truth (``stem_inputs``)."""
+    from stem_indexer import index_cache
+    from stem_indexer.ops import native
+
+    if request.param == "torch":
+        monkeypatch.setattr(index_cache, "_native_write", lambda *args: False)
+        yield request.param
+        return
+    if native.load(native.INDEX_CACHE) is None:
+        pytest.skip(f"the native writer is not built here: {native.status(native.INDEX_CACHE)}")
+    ran, real = [], index_cache._native_write
+
+    def counted(*args):
+        ran.append(real(*args))
+        return ran[-1]
+
+    monkeypatch.setattr(index_cache, "_native_write", counted)
+    yield request.param
+    assert all(ran), "a CPU write fell back to torch operations"
+
+
 def _tokens(seq: int, hkv: int, dim: int, dtype, seed: int):
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(seq, hkv, dim, generator=gen).to(dtype),
@@ -224,3 +249,21 @@ def test_a_failed_write_invalidates_only_its_own_pages():
     cache.write(k, v, torch.arange(24))  # pages 0, 1, 2
     cache.invalidate(torch.tensor([-1, 9, 10]))
     assert cache.filled.tolist() == [8, -1, 8, 0, 0]
+
+
+def test_row_tags_are_each_rows_token_tags():
+    """Several rows at once (a step's decodes and chunks) give what each row's
+    own ``token_tags`` gives: rows of 0, 1 and several tokens, from position
+    0 or continuing a sequence."""
+    from stem_indexer.index_cache import row_tags, token_tags
+
+    gen = torch.Generator().manual_seed(15)
+    seqs = [torch.randint(0, 50000, (n,), generator=gen) for n in (9, 30, 4, 17)]
+    spans = [(0, 9), (12, 13), (0, 0), (5, 17)]  # (first position, end) of each row
+    ids = torch.cat([s[a:b] for s, (a, b) in zip(seqs, spans)])
+    positions = torch.cat([torch.arange(a, b) for a, b in spans])
+    lengths = torch.tensor([b - a for a, b in spans])
+    carries = torch.tensor([int(token_tags(s[:a])[-1]) if a else 0 for s, (a, _) in
+                            zip(seqs, spans)])
+    want = torch.cat([token_tags(s)[a:b] for s, (a, b) in zip(seqs, spans)])
+    assert torch.equal(row_tags(ids, positions, lengths, carries), want)

@@ -136,7 +136,8 @@ def status() -> str:
     passes = " (its linear passes on AVX-512)" if native.select_vector() else ""
     lines += [f"native selection: {native.status(native.SELECT_ROWS)}{passes}",
               f"native attention: {_native_status()}",
-              f"bfloat16 scores: {native.bf16_scores_status()}"]
+              f"bfloat16 scores: {native.bf16_scores_status()}",
+              f"native indexer-cache write: {native.status(native.INDEX_CACHE)}"]
     return "\n".join(lines)
 
 

@@ -68,7 +68,8 @@ import torch
 from .contract import ceil_div
 from .prepare import bias_from_run_max
 
-__all__ = ["IndexCache", "WritePlan", "index_cache_bytes", "page_ids", "token_tags"]
+__all__ = ["IndexCache", "WritePlan", "index_cache_bytes", "page_ids", "token_tags",
+           "row_tags"]
 
 
 def index_cache_bytes(num_pages: int, page: int, stride: int, kv_heads: int,
@@ -82,6 +83,12 @@ _MIX = tuple(c - (1 << 64) if c >= 1 << 63 else c for c in
              (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0xBF58476D1CE4E5B9))
 
 
+def _mixed(token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    x = token_ids.to(torch.int64) * _MIX[0] + (positions + 1) * _MIX[1]
+    x = (x ^ ((x >> 31) & 0x1FFFFFFFF)) * _MIX[2]
+    return x ^ ((x >> 29) & 0x7FFFFFFFF)
+
+
 def token_tags(token_ids: torch.Tensor, start: int = 0, carry: int = 0) -> torch.Tensor:
     """[n] int64: for each token of a sequence (``token_ids`` at positions
     ``start ..``; ``carry`` the tag of the token before, 0 at position 0), a
@@ -90,11 +97,20 @@ def token_tags(token_ids: torch.Tensor, start: int = 0, carry: int = 0) -> torch
     their tokens up to it agree (up to a 2**-64 collision): a page's tag says
     which prefix wrote it. Integer arithmetic wraps, the same on every
     machine."""
-    ids = token_ids.to(torch.int64)
-    pos = torch.arange(start, start + ids.shape[0], dtype=torch.int64, device=ids.device)
-    x = ids * _MIX[0] + (pos + 1) * _MIX[1]
-    x = (x ^ ((x >> 31) & 0x1FFFFFFFF)) * _MIX[2]
-    return torch.cumsum(x ^ ((x >> 29) & 0x7FFFFFFFF), 0) + carry
+    pos = torch.arange(start, start + token_ids.shape[0], device=token_ids.device)
+    return torch.cumsum(_mixed(token_ids, pos), 0) + carry
+
+
+def row_tags(token_ids: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
+             carries: torch.Tensor) -> torch.Tensor:
+    """``token_tags`` of several rows at once: row ``i`` is ``lengths[i]``
+    tokens of ``token_ids`` at ``positions`` (rows concatenated), continuing
+    from ``carries[i]``. Tensor work only, whatever the number of rows."""
+    sums = torch.cumsum(_mixed(token_ids, positions.to(torch.int64)), 0)
+    lengths = lengths.to(torch.int64)
+    starts = torch.cumsum(lengths, 0) - lengths
+    before = torch.where(starts > 0, sums[(starts - 1).clamp(min=0)] if sums.numel() else 0, 0)
+    return sums + (carries.to(torch.int64) - before).repeat_interleave(lengths)
 
 
 def page_ids(block_table: torch.Tensor, slot: torch.Tensor, num_pages: int) -> torch.Tensor:
@@ -119,7 +135,9 @@ class WritePlan:
     after: torch.Tensor  #: ``filled`` of the touched pages after the write
     k_index: torch.Tensor  #: [T] rows of ``ksum`` viewed as [pages * Ts, Hkv, D]
     v_index: torch.Tensor  #: [T] rows of ``vmax`` viewed as [pages * runs, Hkv]
-    last: torch.Tensor  #: [T] bool, each page's last token of the write (its tag)
+    sources: torch.Tensor | None  #: [T] int64, each token's row of the write's input
+    tag_pages: torch.Tensor  #: the pages written ...
+    tag_rows: torch.Tensor  #: ... and the input row of each one's last token (its tag)
 
     def fits(self, cache: "IndexCache", slots: torch.Tensor) -> bool:
         """Whether this plan is the one ``cache.plan(slots)`` would make."""
@@ -198,10 +216,13 @@ class IndexCache:
         # a repeated slot, is unusable.
         ok = (fresh | ((before >= 0) & (start == before))) & (count == end - start) \
             & (distinct == count)
+        sources = None if keep is None else keep.nonzero().squeeze(1)
+        is_last = (offsets == last[pages]).nonzero().squeeze(1)
         return WritePlan(num_pages, slots.clone(), keep, touched, touched[fresh], before,
                          torch.where(ok, end, -1).to(torch.int32),
                          pages * stride + offsets % stride, pages * runs + offsets // stride,
-                         offsets == last[pages])
+                         sources, pages[is_last],
+                         is_last if sources is None else sources[is_last])
 
     def write(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
               plan: "WritePlan | None" = None, *,
@@ -215,22 +236,23 @@ class IndexCache:
         each page written keeps its last token's (0 without ``tags``)."""
         if plan is None or not plan.fits(self, slots):
             plan = self.plan(slots)
-        if plan.keep is not None:
-            key, value = key[plan.keep], value[plan.keep]
-            tags = None if tags is None else tags[:plan.keep.shape[0]][plan.keep]
         if plan.k_index.numel() == 0:
             return plan
+        norms = torch.linalg.vector_norm(value.float(), dim=-1)  # [T0, Hkv]
+        if _native_write(self, key, norms, plan, tags):
+            return plan
+        if plan.sources is not None:
+            key, norms = key[plan.sources], norms[plan.sources]
         if plan.restart.numel():
             self.ksum.index_fill_(0, plan.restart, 0.0)
             self.vmax.index_fill_(0, plan.restart, 0.0)
         self.filled[plan.touched] = plan.after
         if self.tag is not None:
-            pages = plan.slots[plan.last] // self.page
-            self.tag[pages] = 0 if tags is None else tags[plan.last].to(self.tag.device)
+            self.tag[plan.tag_pages] = 0 if tags is None else \
+                tags[plan.tag_rows].to(self.tag.device)
         num_pages, stride, runs = self.ksum.shape[0], self.stride, self.vmax.shape[1]
         self.ksum.view(num_pages * stride, *self.ksum.shape[2:]).index_add_(
             0, plan.k_index, key.float())
-        norms = torch.linalg.vector_norm(value.float(), dim=-1)  # [T, Hkv]
         self.vmax.view(num_pages * runs, self.vmax.shape[2]).scatter_reduce_(
             0, plan.v_index[:, None].expand_as(norms), norms, "amax")
         return plan
@@ -321,3 +343,39 @@ class IndexCache:
         slot = torch.arange(slots, device=device)
         used = slot < ceil_div(seq_lens.to(device=device, dtype=torch.int64), self.page)[:, None]
         return page_ids(block_table, slot, self.ksum.shape[0]), used
+
+
+_KEY_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _native_write(cache: IndexCache, key: torch.Tensor, norms: torch.Tensor, plan: WritePlan,
+                  tags: torch.Tensor | None) -> bool:
+    """``IndexCache.write``'s work in one native call (``ops/csrc/index_cache.c``)
+    where it can run: CPU tensors, a key of a float dtype with unit stride
+    along the head dimension. Returns whether it ran (else the torch path
+    runs, with the same bits; reported once)."""
+    from .ops import native
+
+    if key.device.type != "cpu" or key.dtype not in _KEY_DTYPES or key.stride(-1) != 1 \
+            or cache.ksum.device.type != "cpu" or key.dim() != 3:
+        return False
+    lib = native.load(native.INDEX_CACHE)
+    if lib is None:
+        native.report_fallback("indexer-cache write", native.status(native.INDEX_CACHE))
+        return False
+    tensors = [cache.ksum, cache.vmax, cache.filled]
+    if not all(t.is_contiguous() for t in tensors):
+        return False
+    norms = norms.contiguous()
+    if tags is not None:
+        tags = tags.to(torch.int64).contiguous()
+    ptr = native.pointer
+    lib.stem_index_write(
+        ptr(key), _KEY_DTYPES[key.dtype], key.stride(0), key.stride(1), ptr(norms),
+        ptr(plan.sources), plan.k_index.shape[0], key.shape[1], key.shape[2],
+        ptr(plan.k_index), ptr(plan.v_index), ptr(plan.restart), plan.restart.shape[0],
+        cache.stride, cache.vmax.shape[1], ptr(plan.touched), ptr(plan.after),
+        plan.touched.shape[0], ptr(plan.tag_pages), ptr(plan.tag_rows), ptr(tags),
+        plan.tag_pages.shape[0], ptr(cache.ksum), ptr(cache.vmax), ptr(cache.filled),
+        ptr(cache.tag))
+    return True

@@ -96,6 +96,19 @@ SELECT_ROWS = Library("select_rows", {
     "stem_select_vector": (ctypes.c_int, [ctypes.c_int]),
 }, cflags=("-ffp-contract=off",))  # the scores' two roundings: never one fused multiply-add
 
+# The indexer cache's write (stem_indexer/index_cache.py).
+INDEX_CACHE = Library("index_cache", {
+    "stem_index_write": (ctypes.c_int, [_ptr, ctypes.c_int, _i64, _i64, _ptr, _ptr, _i64, _i64,
+                                        _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr,
+                                        _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr]),
+})
+
+
+def pointer(tensor: torch.Tensor | None) -> int | None:
+    """A tensor's data address for a C call (None: NULL)."""
+    return None if tensor is None else tensor.data_ptr()
+
+
 _lock = threading.Lock()
 _loaded: dict[str, tuple[ctypes.CDLL | None, str]] = {}
 _warned: set[str] = set()  # kernels whose fallback was reported in this process

@@ -61,7 +61,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from ...index_cache import IndexCache, index_cache_bytes, token_tags
+from ...index_cache import IndexCache, index_cache_bytes, row_tags, token_tags
 from .patches import engine_reason, install_step_hook
 from .rows import (Row, RowKinds, StemRow, decode_tokens_left_out, plan_row, plan_stem_row,
                    select_blocks, virtual_rows)
@@ -196,29 +196,37 @@ def _record_step(batch, scheduled) -> None:
                      exc=exc)
 
 
-def _step_tags(rows: list[tuple[int, int, int]], full: dict[int, torch.Tensor]) -> torch.Tensor:
-    """[tokens] int64: ``token_tags`` of the step's tokens, row after row
-    (``rows``: (row, context, q_len)); ``full[row]`` the tags of a row's whole
-    sequence where the plan made them. Each request's last tag is kept, so
-    that its next row (a decode, the next chunk) hashes its own tokens only."""
-    tokens, requests = _STEP.tokens, _STEP.requests
-    parts = []
-    for r, context, q_len in rows:
-        req = requests[r]
+def _step_tags(rows: torch.Tensor, context: torch.Tensor, q_lens: torch.Tensor,
+               full: dict[int, torch.Tensor]) -> torch.Tensor:
+    """[tokens] int64: ``token_tags`` of the tokens of ``rows`` (in order;
+    ``context`` and ``q_lens`` per row of the step), ``full[row]`` the tags
+    of a row's whole sequence where the plan made them. Each request's last
+    tag is kept, so that its next row (a decode, the next chunk) hashes its
+    own tokens only: tensor work for the step, a dictionary lookup per row."""
+    requests = _STEP.requests
+    ctx, lens = context[rows], q_lens[rows]
+    carries = []
+    for r, c in zip(rows.tolist(), ctx.tolist()):
         if r in full:
-            tags = full[r][context:context + q_len]
-        else:
-            at, carry = _TAGS.get(req, (-1, 0))
-            if at != context:
-                carry = int(token_tags(tokens[r, :context])[-1]) if context else 0
-            tags = token_tags(tokens[r, context:context + q_len], context, carry)
-        if q_len:
-            _TAGS[req] = (context + q_len, int(tags[-1]))
-            _TAGS.move_to_end(req)
-        parts.append(tags)
+            carries.append(int(full[r][c - 1]) if c else 0)
+            continue
+        at, carry = _TAGS.get(requests[r], (-1, 0))
+        if at != c:
+            carry = int(token_tags(_STEP.tokens[r, :c])[-1]) if c else 0
+        carries.append(carry)
+    offset = torch.arange(int(lens.sum())) - (torch.cumsum(lens, 0) - lens).repeat_interleave(lens)
+    positions = ctx.repeat_interleave(lens) + offset
+    ids = _STEP.tokens[rows.repeat_interleave(lens), positions]
+    tags = row_tags(ids, positions, lens, torch.tensor(carries, dtype=torch.int64))
+    last = (torch.cumsum(lens, 0) - 1).clamp(min=0)
+    for r, end, tag, n in zip(rows.tolist(), (ctx + lens).tolist(), tags[last].tolist(),
+                              lens.tolist()):
+        if n:
+            _TAGS[requests[r]] = (end, tag)
+            _TAGS.move_to_end(requests[r])
     while len(_TAGS) > _MAX_TAGGED:
         _TAGS.popitem(last=False)
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+    return tags
 
 
 # --------------------------------------------------------------------------- #
@@ -301,9 +309,8 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
         full = {s.row.index: token_tags(_STEP.tokens[s.row.index, :s.row.seq_len])
                 for s in stem}
         writes = decode.logical_not() if plan.write is not None else torch.ones(n, dtype=bool)
-        rows = [(r, int(context[r]), int(q_lens[r])) for r in writes.nonzero().flatten().tolist()]
         if not plan.write_nothing:
-            tags = _step_tags(rows, full)
+            tags = _step_tags(writes.nonzero().flatten(), context, q_lens, full)
             if plan.write is not None:  # the tokens left out get no tag
                 plan.tags = torch.zeros(plan.write.shape[0], dtype=torch.int64)
                 plan.tags[plan.write] = tags
