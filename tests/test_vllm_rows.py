@@ -288,6 +288,24 @@ def _chunked_and_one_shot(oam: bool, seed: int):
             for i, got, n, whole, last in rows if (i + 1) * bs <= prompt or whole]
 
 
+# The statistical bounds below hold on every seed (each draws other data and
+# other chunk boundaries; about 0.3 s each). With the Output-Aware Metric, over
+# every (head, query block) row of the prompt, per seed 0-4:
+# - rows keeping exactly the one-shot blocks: 0.74, 0.79, 0.77, 0.81, 0.82
+#   measured; at least SAME_AT_LEAST = 0.60 asserted (0.14 below the worst
+#   seed);
+# - mean Jaccard overlap of the kept sets: 0.941, 0.947, 0.949, 0.961, 0.966
+#   measured; at least JACCARD_AT_LEAST = 0.90 asserted (0.041 below the
+#   worst seed).
+# A broken selection in the chunks falls below both, on every seed: without
+# their value bias 0.25-0.29 and 0.80-0.84, their scores' scale halved
+# 0.27-0.29 and 0.82-0.87, random picks of the same counts 0.24-0.31 and
+# 0.46-0.53.
+SEEDS = range(5)
+SAME_AT_LEAST = 0.60
+JACCARD_AT_LEAST = 0.90
+
+
 def test_chunked_rows_within_a_chunk_select_exactly_the_one_shot_blocks():
     """Without the value bias, a query block that lies within one chunk has
     the one-shot block's scores, visible range, sink, window and budget (the
@@ -299,19 +317,21 @@ def test_chunked_rows_within_a_chunk_select_exactly_the_one_shot_blocks():
         assert torch.equal(n, want_n) and torch.equal(got, want), f"query block {i}"
 
 
-def test_chunked_rows_agree_with_one_shot_within_the_contracts_bounds():
+@pytest.mark.parametrize("seed", SEEDS)
+def test_chunked_rows_agree_with_one_shot_within_the_contracts_bounds(seed):
     """With the Output-Aware Metric, a chunk standardises value norms over the
     tokens so far, and a block cut by a chunk boundary scores its missing
     queries as zeros: selections may differ there (docs/CONTRACT.md section
     8). What remains, asserted: the chunk that ends the prompt sees the
     prompt's statistics, so its whole blocks keep exactly the one-shot
     blocks; over every (head, query block) row of the prompt, here with value
-    norms that vary a lot from token to token, at least 70% keep exactly the
-    one-shot blocks and the mean Jaccard overlap of the kept sets is at least
-    0.93 (0.74 and 0.94 measured)."""
-    rows = _chunked_and_one_shot(oam=True, seed=0)
+    norms that vary a lot from token to token, at least ``SAME_AT_LEAST`` of
+    the rows keep exactly the one-shot blocks and the mean Jaccard overlap of
+    the kept sets is at least ``JACCARD_AT_LEAST`` (the measured values and
+    the margins are above them)."""
+    rows = _chunked_and_one_shot(oam=True, seed=seed)
     last = [r for r in rows if r[5] and r[6]]
-    assert len(last) > 3
+    assert last  # the last chunk holds a whole block
     for i, got, n, want, want_n, _, _ in last:
         assert torch.equal(n, want_n) and torch.equal(got, want), f"query block {i}"
     same, jaccard = 0, []
@@ -319,5 +339,10 @@ def test_chunked_rows_agree_with_one_shot_within_the_contracts_bounds():
         for g, w in zip(got.tolist(), want.tolist()):
             same += g == w
             jaccard.append(len(set(g) & set(w)) / len(set(g) | set(w)))
-    assert same / len(jaccard) >= 0.7, same / len(jaccard)
-    assert sum(jaccard) / len(jaccard) >= 0.93, sum(jaccard) / len(jaccard)
+    same, mean = same / len(jaccard), sum(jaccard) / len(jaccard)
+    assert same >= SAME_AT_LEAST, (
+        f"seed {seed}: {same:.3f} of the rows keep exactly the one-shot blocks, below "
+        f"{SAME_AT_LEAST} (0.74 to 0.82 measured over seeds 0-4)")
+    assert mean >= JACCARD_AT_LEAST, (
+        f"seed {seed}: mean Jaccard overlap {mean:.3f}, below {JACCARD_AT_LEAST} "
+        f"(0.941 to 0.966 measured over seeds 0-4)")
