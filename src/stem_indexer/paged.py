@@ -78,7 +78,8 @@ from .index_cache import IndexCache, page_ids
 from .plan import PlanSettings
 from .prepare import DEFAULT_OAM_LAMBDA, Lengths, check_lens_values, lens_argument, represent
 
-__all__ = ["PagedPlan", "stem_paged_plan", "stem_paged_run", "stem_paged_select"]
+__all__ = ["PagedPlan", "stem_paged_plan", "stem_paged_run", "stem_paged_select",
+           "stem_paged_valid"]
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -291,16 +292,21 @@ def _build(qlen, kvlen, prompt, params: IndexerParams, *, device, dtype, heads, 
 
 def stem_paged_run(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    index_cache: IndexCache, block_table: torch.Tensor,
-                   plan: PagedPlan) -> torch.Tensor:
+                   plan: PagedPlan, *, page_tags: torch.Tensor | None = None) -> torch.Tensor:
     """Stem attention of one layer for the step ``plan`` was made for:
     ``out [T, Hq, D]`` in the query's dtype. ``query [T, Hq, D]`` the rows'
     new queries, packed; ``key_cache``, ``value_cache`` [num_pages, page,
     Hkv, D] (any strides) hold every row's keys and values, the new ones
     included; ``index_cache`` the layer's indexer cache, written from the
     same keys and values; ``block_table [B, W]`` the rows' pages. Tensor work
-    and kernels only."""
+    and kernels only.
+
+    A row whose pages the indexer cache does not hold exactly (``stem_paged_valid``:
+    each page's token count and, with ``page_tags [B, W]`` int64, the tag its
+    last token left, ``IndexCache.write``'s ``tags``) attends every block it
+    can see instead, decided on the device: no host read."""
     _check_run(query, key_cache, value_cache, index_cache, block_table, plan)
-    idx, lengths = _select(query, index_cache, block_table, plan)
+    idx, lengths = _select(query, index_cache, block_table, plan, page_tags)
     p = plan.params
     return torch.ops.stem_indexer.paged_attention(
         query, key_cache, value_cache, block_table, idx, lengths, plan.rows, plan.q_map,
@@ -309,18 +315,57 @@ def stem_paged_run(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
 
 
 def stem_paged_select(query: torch.Tensor, index_cache: IndexCache, block_table: torch.Tensor,
-                      plan: PagedPlan) -> tuple[torch.Tensor, torch.Tensor]:
+                      plan: PagedPlan, *,
+                      page_tags: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The key blocks ``stem_paged_run`` attends, for an engine that runs
     its own block-sparse kernel: ``(indices [B, Hq, qmax, kmax] int32,
     lengths [B, Hq, qmax] int32)``. Row ``b``'s query block ``i`` is the
     absolute block ``rows[b, 3] + i`` (``plan.rows``: its window starts
     there); its first ``lengths`` entries are absolute key blocks,
-    ascending, then -1. Dense and tail rows list every block they can see."""
+    ascending, then -1. Dense and tail rows, and rows whose pages the
+    indexer cache does not hold exactly, list every block they can see."""
     _check_run(query, None, None, index_cache, block_table, plan)
-    return _select(query, index_cache, block_table, plan)
+    return _select(query, index_cache, block_table, plan, page_tags)
 
 
-def _select(query, index_cache, block_table, plan: PagedPlan):
+def stem_paged_valid(index_cache: IndexCache, block_table: torch.Tensor, plan: PagedPlan,
+                     page_tags: torch.Tensor | None = None) -> torch.Tensor:
+    """[B] bool on the plan's device: whether the indexer cache holds exactly
+    each row's ``seq_lens[b]`` tokens on its pages (``block_table``): every
+    page's count, and with ``page_tags [B, >= pages]`` int64 the tag of each
+    page's last token (``IndexCache.usable``, for many rows). Tensor work
+    only."""
+    page = index_cache.page
+    seq = plan.kv_seq_lens.to(torch.int64)
+    slot = torch.arange(max(plan.pages, 1), device=seq.device)
+    expected = (seq[:, None] - slot * page).clamp(0, page)
+    used = expected > 0
+    ids = page_ids(block_table, slot, index_cache.filled.shape[0])
+    ok = index_cache.filled[ids] == expected
+    if page_tags is not None and index_cache.tag is not None:
+        ok &= index_cache.tag[ids] == page_tags[:, :slot.shape[0]].to(index_cache.tag.device)
+    return (ok | ~used).all(dim=1)
+
+
+def _dense_unless(valid: torch.Tensor, idx: torch.Tensor, lengths: torch.Tensor,
+                  plan: PagedPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lists of the rows ``valid`` marks False replaced by every block
+    their query blocks can see (dense): tensor work only."""
+    bs = plan.params.stem_block_size
+    j = torch.arange(idx.shape[2], device=idx.device)
+    first = plan.rows[:, 3].to(torch.int64)
+    reach = torch.minimum(first[:, None] + j + 1,
+                          ceil_div(plan.kv_seq_lens.to(torch.int64), bs)[:, None])
+    windows = ceil_div(plan.window_lens_device.to(torch.int64), bs)
+    reach = torch.where(j < windows[:, None], reach, 0)  # [B, qmax]
+    blocks = torch.arange(idx.shape[3], device=idx.device)
+    dense = torch.where(blocks < reach[..., None], blocks, -1).to(idx.dtype)[:, None]
+    bad = ~valid.to(device=idx.device, dtype=torch.bool)[:, None, None]
+    return (torch.where(bad[..., None], dense, idx),
+            torch.where(bad, reach[:, None].to(lengths.dtype), lengths))
+
+
+def _select(query, index_cache, block_table, plan: PagedPlan, page_tags=None):
     p = plan.params
     if plan.lists is not None:
         return plan.lists
@@ -331,7 +376,9 @@ def _select(query, index_cache, block_table, plan: PagedPlan):
         plan.kernel, p.stem_block_size, p.stem_stride, p.alpha, p.initial_blocks,
         p.window_size, p.k_block_num_rate_medium, p.k_block_num_bias_medium,
         p.k_block_num_rate_large, p.k_block_num_bias_large, p.topk_score_precision)
-    return apply_tail(idx, lengths, plan.tail, plan.kmax)
+    idx, lengths = apply_tail(idx, lengths, plan.tail, plan.kmax)
+    return _dense_unless(stem_paged_valid(index_cache, block_table, plan, page_tags), idx,
+                         lengths, plan)
 
 
 def _check_run(query, key_cache, value_cache, index_cache, block_table, plan) -> None:
