@@ -1,8 +1,14 @@
 """Plan once, run without the host (``stem_indexer.plan``).
 
-* ``stem_run`` on a ``stem_plan`` is ``stem_attention``, to the bit, on
-  every path: sparse (padded batches, GQA, the exact tail), dense by the
-  budget, dense through the block kernels (the log-sum-exp), decode.
+* ``stem_run`` on a ``stem_plan`` is float64 attention (``reference_attention``)
+  on every path: over every visible block where the plan is dense (by the
+  budget, by ``dense_above``, through the block kernels for the log-sum-exp),
+  over the indexer's blocks where it is sparse (padded batches, GQA, the
+  exact tail's rows widened, the value bias on or off), one plan serving
+  several layers. The blocks come from the public ops (``stem_inputs``,
+  ``stem_indexer``); on CUDA they are first held to the CPU path's
+  (docs/CONTRACT.md section 5), and a CUDA graph of the run replays it on new
+  inputs.
 * The run compiled with ``fullgraph=True, dynamic=True`` equals eager over
   several lengths (fullgraph: a graph break would raise).
 * The run reads nothing on the host outside its kernels: a spy on every way
@@ -21,22 +27,68 @@ from _helpers import cpu_dense_above, host_reads, qkv
 
 import stem_indexer
 from stem_indexer import StemIndexerInputError, plan as plan_module
+from stem_indexer.contract import DEFAULT_EXACT_TAIL, PRESETS, IndexerParams
 from stem_indexer.plan import stem_plan, stem_run
+from stem_indexer.testing import compare, reference_attention, token_mask
 
-SMALL = dict(stem_block_size=16, stem_stride=4, preset="tight")
+BS, STRIDE = 16, 4
+SMALL = dict(stem_block_size=BS, stem_stride=STRIDE, preset="tight")
 
 
-def _both(q, k, v, lens, **kw):
-    """stem_attention's (out, lse?, info) and stem_run's on one plan."""
+def _plan_for(q, k, lens, **kw):
     batch, hq, sq, dim = q.shape
-    with torch.inference_mode():
-        want = stem_indexer.stem_attention(q, k, v, q_lens=lens, kv_lens=lens, return_info=True,
-                                           **kw)
-        plan = stem_plan(lens or [sq] * batch, lens or [sq] * batch, num_heads=hq,
-                         num_kv_heads=k.shape[1], head_dim=dim, device=q.device, dtype=q.dtype,
-                         q_len=sq, kv_len=k.shape[2], **kw)
-        got = stem_run(q, k, v, plan)
-    return want, got, plan
+    return stem_plan(lens or [sq] * batch, lens or [sq] * batch, num_heads=hq,
+                     num_kv_heads=k.shape[1], head_dim=dim, device=q.device, dtype=q.dtype,
+                     q_len=sq, kv_len=k.shape[2], **kw)
+
+
+def _picks(q, k, v, lens, kw):
+    """The indexer's blocks for ``kw`` through the public ops (``stem_inputs``
+    with the scale folded, ``stem_indexer`` with the preset's budget) on q's
+    device, on the host. Off the CPU they must be the CPU path's, up to
+    rounding of a row's threshold (docs/CONTRACT.md section 5)."""
+    oam = {name: kw[name] for name in ("oam", "oam_lambda") if name in kw}
+    params = dict(PRESETS["tight"], stem_block_size=BS, stem_stride=STRIDE)
+    scale = q.shape[-1] ** -0.5 / STRIDE
+
+    def pick(q, k, v):
+        inputs = stem_indexer.stem_inputs(q, k, v, q_lens=lens, kv_lens=lens, scale=scale,
+                                          stem_block_size=BS, stem_stride=STRIDE, **oam)
+        return inputs, tuple(t.cpu() for t in stem_indexer.stem_indexer(*inputs, **params))
+
+    inputs, picks = pick(q, k, v)
+    if q.device.type != "cpu":
+        host_inputs, want = pick(q.cpu(), k.cpu(), v.cpu())
+        result = compare.compare(picks, want, host_inputs._asdict(), IndexerParams(**params))
+        assert result.ok, result.summary()
+    return picks
+
+
+def reference(q, k, v, lens, kw, path):
+    """float64 attention (``reference_attention``) of what a run with ``kw``
+    attends: every block its queries see where the plan is dense; the
+    indexer's blocks (``_picks``) where it is sparse, with the rows holding
+    the prompt's last ``exact_tail`` tokens widened to every block they see."""
+    batch, hq, seq, _ = q.shape
+    nb = -(-seq // BS)
+    every = torch.arange(nb, dtype=torch.int32).expand(batch, hq, nb, nb).clone()
+    if path == "dense":
+        idx, seq_len = every, torch.full((batch, hq, nb), nb, dtype=torch.int32)
+    else:
+        idx, seq_len = _picks(q, k, v, lens, kw)
+        tail = kw.get("exact_tail", DEFAULT_EXACT_TAIL)
+        for b, n in enumerate(lens or [seq] * batch):  # q_len = kv_len = prompt here
+            for i in range(-(-n // BS)):
+                if (i + 1) * BS - 1 >= n - tail:  # block i holds one of the last tokens
+                    idx[b, :, i], seq_len[b, :, i] = every[b, :, i], i + 1
+    mask = token_mask(idx, seq_len, BS, seq, seq, lens, lens, True)
+    return reference_attention(q, k, v, mask, return_lse=kw.get("return_lse", False))
+
+
+def assert_matches(got, want, lse: bool) -> None:
+    got, want = ((got, want) if lse else ((got,), (want,)))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.cpu().double(), b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("seq,lens,extra,path", [
@@ -52,28 +104,59 @@ def _both(q, k, v, lens, **kw):
     # the lengths FlexAttention takes on the device (inductor's compile on CPU: slow)
     pytest.param(1000, [1000, 700], {"backend": "flex"}, "sparse", marks=pytest.mark.slow),
 ])
-def test_the_run_is_stem_attention(seq, lens, extra, path, device):
+def test_the_run_is_attention_on_its_blocks(seq, lens, extra, path, device):
+    """The run against float64 attention: dense attention where the plan is
+    dense, else attention on the indexer's blocks (the exact tail's rows on
+    every block they see)."""
     q, k, v = qkv(2, 4, 2, seq, seq, 32, seed=seq, device=device)
     kw = {**SMALL, **cpu_dense_above(device), **extra}
-    want, got, plan = _both(q, k, v, lens, **kw)
-    info = want[-1]
-    assert info.path == plan.path == path, (info, plan.info)
-    if extra.get("return_lse"):
-        assert torch.equal(want[0], got[0])
-        assert torch.equal(want[1], got[1])
-    else:
-        assert torch.equal(want[0], got)
-
-
-def test_one_plan_serves_many_layers():
-    q, k, v = qkv(1, 4, 2, 1024, 1024, 32, seed=1)
     with torch.inference_mode():
-        plan = stem_plan([1024], [1024], num_heads=4, num_kv_heads=2, head_dim=32,
-                         dtype=torch.float32, **SMALL)
+        plan = _plan_for(q, k, lens, **kw)
+        got = stem_run(q, k, v, plan)
+    assert plan.path == path, plan.info
+    assert_matches(got, reference(q, k, v, lens, kw, path), bool(extra.get("return_lse")))
+
+
+def test_one_plan_serves_many_layers(device):
+    q, k, v = qkv(1, 4, 2, 1024, 1024, 32, seed=1, device=device)
+    kw = {**SMALL, **cpu_dense_above(device)}
+    with torch.inference_mode():
+        plan = _plan_for(q, k, None, **kw)
+        assert plan.path == "sparse"
         for layer in range(3):
             q2, k2, v2 = q * (layer + 1), k.roll(layer, 2), v + layer
-            want = stem_indexer.stem_attention(q2, k2, v2, **SMALL)
-            assert torch.equal(stem_run(q2, k2, v2, plan), want)
+            assert_matches(stem_run(q2, k2, v2, plan), reference(q2, k2, v2, None, kw, "sparse"),
+                           False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_replays_the_run():
+    """A CUDA graph captures the run (warmed up on a side stream) and replays
+    it on new inputs: float64 attention on the new inputs' blocks, and the
+    eager run's bits."""
+    q, k, v = qkv(2, 4, 2, 1000, 1000, 32, seed=2, device="cuda")
+    lens = [1000, 700]
+    kw = {**SMALL, **cpu_dense_above("cuda")}
+    with torch.inference_mode():
+        plan = _plan_for(q, k, lens, **kw)
+        assert plan.path == "sparse"
+        static = [x.clone() for x in (q, k, v)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                stem_run(*static, plan)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = stem_run(*static, plan)
+        fresh = qkv(2, 4, 2, 1000, 1000, 32, seed=3, device="cuda")
+        for x, new in zip(static, fresh):
+            x.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, stem_run(*fresh, plan))
+    assert_matches(out, reference(*fresh, lens, kw, "sparse"), False)
 
 
 def test_the_run_compiles_with_fullgraph_and_dynamic_shapes():
