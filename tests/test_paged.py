@@ -15,9 +15,10 @@ new queries packed, a block table per row.
 * Layouts: an HND cache viewed as NHD, table entries past a row's pages
   holding garbage: the same result.
 * The Triton kernels (interpreted, ``tests/_interpreter.py``) pick exactly
-  the torch path's blocks, their kflat pass writes its bits, and their run
-  attends as the torch run; on a GPU (``-k cuda``) the compiled ones do the
-  same and a CUDA graph replays the run.
+  the CPU path's blocks, their kflat pass writes its bits, and their run
+  attends as the torch run; on a GPU (``-k cuda``) the compiled ones pick
+  the CPU path's blocks on a host copy of the step (exact scores) and attend
+  as its run does, and a CUDA graph replays the run.
 * The run reads nothing on the host, compiles with ``fullgraph=True,
   dynamic=True`` to eager's result; bad arguments name themselves.
 """
@@ -262,16 +263,27 @@ def _tiny_sparse_step(hnd=False):
                      hkv=1, dim=16, seed=5, hnd=hnd, chunk=100)
 
 
-@interpreted
-def test_triton_picks_the_torch_blocks():
-    step = _tiny_sparse_step()
+def triton_picks_the_cpu_blocks(step: Step, host_step: Step, **kw):
+    """The Triton path's picks on ``step`` (CUDA tensors, or CPU tensors
+    interpreted) are the CPU path's (backend "torch" on the CPU: its own
+    indexer kernel) on ``host_step``, the same step on the host. Returns the
+    two plans (Triton's, the CPU's)."""
     with torch.inference_mode():
-        torch_plan = plan_for(step, backend="torch", **TINY_SPARSE)
-        triton_plan = plan_for(step, backend="triton", **TINY_SPARSE)
-        assert torch_plan.paths == triton_plan.paths == ("sparse", "sparse", "dense: decode")
-        want = stem_paged_select(step.query, step.index_cache, step.table, torch_plan)
-        got = stem_paged_select(step.query, step.index_cache, step.table, triton_plan)
-    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+        host_plan = plan_for(host_step, backend="torch", **kw)
+        plan = plan_for(step, backend="triton", **kw)
+        assert plan.paths == host_plan.paths
+        want = stem_paged_select(host_step.query, host_step.index_cache, host_step.table,
+                                 host_plan)
+        got = stem_paged_select(step.query, step.index_cache, step.table, plan)
+    assert torch.equal(got[1].cpu(), want[1]) and torch.equal(got[0].cpu(), want[0])
+    return plan, host_plan
+
+
+@interpreted
+def test_triton_picks_the_cpu_blocks():
+    step = _tiny_sparse_step()
+    plan, _ = triton_picks_the_cpu_blocks(step, step, **TINY_SPARSE)
+    assert plan.paths == ("sparse", "sparse", "dense: decode")
 
 
 def _runs_alike(step, **kw):
@@ -304,23 +316,26 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_paged_run_matches_the_torch_path_and_replays_from_a_graph(dtype):
-    """The compiled kernels: the Triton path picks the torch path's blocks
-    and attends alike; a CUDA graph of the run replays it on new queries."""
+def test_cuda_paged_run_matches_the_cpu_path_and_replays_from_a_graph(dtype):
+    """The compiled kernels against the CPU path on a host copy of the step.
+    Integer keys and queries, a power-of-two indexer scale and no value bias
+    make every score exact, so the Triton picks are the CPU indexer's to the
+    block (ties to the lower block on both); the outputs agree within the
+    dtype's rounding; a CUDA graph of the run replays it on new queries
+    (equal to eager, and to the CPU run on them)."""
     prompts, contexts, new = [9000, 5000, 3000], [0, 2100, 2999], [9000, 2900, 1]
-    step = make_step(prompts, contexts, new, page=16, stride=16, hq=8, hkv=2, dim=128,
-                     dtype=dtype, seed=9, chunk=1024).to("cuda")
-    kw = dict(stem_block_size=128, stem_stride=16, dense_above=1.0)
+    host_step = make_step(prompts, contexts, new, page=16, stride=16, hq=8, hkv=2, dim=128,
+                          dtype=dtype, seed=9, chunk=1024, integer=True)
+    step = host_step.to("cuda")
+    kw = dict(stem_block_size=128, stem_stride=16, dense_above=1.0, oam=False,
+              indexer_scale=2.0 ** -6)
+    plan, host_plan = triton_picks_the_cpu_blocks(step, host_step, **kw)
+    assert plan.kernel == "triton" and plan.attention == "triton"
+    assert "sparse" in plan.paths
     with torch.inference_mode():
-        torch_plan = plan_for(step, backend="torch", **kw)
-        plan = plan_for(step, **kw)
-        assert plan.kernel == "triton" and plan.attention == "triton"
-        assert "sparse" in plan.paths
-        want = stem_paged_select(step.query, step.index_cache, step.table, torch_plan)
-        got = stem_paged_select(step.query, step.index_cache, step.table, plan)
-        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
-        out, ref = run(step, plan), run(step, torch_plan)
-        assert torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+        out = run(step, plan)
+        assert torch.allclose(out.float().cpu(), run(host_step, host_plan).float(), atol=2e-2,
+                              rtol=2e-2)
         query = step.query.clone()
         args = (query, step.key_cache, step.value_cache, step.index_cache, step.table, plan)
         side = torch.cuda.Stream()  # warm-up (kernels compiled) off the capture
@@ -334,6 +349,10 @@ def test_cuda_paged_run_matches_the_torch_path_and_replays_from_a_graph(dtype):
         query.copy_(query.flip(0))
         graph.replay()
         assert torch.equal(captured, stem_paged_run(*args))
+        on_cpu = stem_paged_run(host_step.query.flip(0).contiguous(), host_step.key_cache,
+                                host_step.value_cache, host_step.index_cache, host_step.table,
+                                host_plan)
+        assert torch.allclose(captured.float().cpu(), on_cpu.float(), atol=2e-2, rtol=2e-2)
 
 
 # --------------------------------------------------------------------------- #
