@@ -289,19 +289,21 @@ class IndexCache:
         self.filled[slots[slots >= 0] // self.page] = -1
 
     def inputs(self, pages: torch.Tensor, seq_len: int, block_size: int, oam: bool,
-               oam_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
+               oam_lambda: float, *,
+               stat_runs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``kflat [Hkv, Kb, Ts*D]`` bfloat16 (groups reversed) and ``vbias
         [Hkv, Kb]`` float32 of a sequence's first ``seq_len`` tokens, from the
         entries of its ``pages`` (block-table order), as ``stem_inputs``
         computes them from the tokens themselves (``block_inputs`` of one row)."""
         lens = torch.tensor([seq_len], device=self.ksum.device)
         kflat, vbias = self.block_inputs(pages[None], lens, ceil_div(seq_len, block_size),
-                                         block_size, oam, oam_lambda)
+                                         block_size, oam, oam_lambda, stat_runs=stat_runs)
         return kflat[0], vbias[0]
 
     def block_inputs(self, block_table: torch.Tensor, seq_lens: torch.Tensor, kmax: int,
                      block_size: int, oam: bool, oam_lambda: float, *,
-                     kflat: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+                     kflat: bool = True, stat_runs: torch.Tensor | None = None,
+                     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """``kflat [B, Hkv, kmax, Ts*D]`` bfloat16 and ``vbias [B, Hkv, kmax]``
         float32 of B sequences: row ``b`` holds the first ``seq_lens[b]``
         tokens at pages ``block_table[b]`` (in order). Tensor work only (no
@@ -309,10 +311,13 @@ class IndexCache:
         last block's pages past its last token, count as zeros; table entries
         there are never used (ids are clamped into the cache). A block's pages
         are added in page order, then rounded once to bfloat16. ``kflat=False``
-        gives ``(None, vbias)``, for a caller that builds kflat itself."""
+        gives ``(None, vbias)``, for a caller that builds kflat itself.
+        ``stat_runs [B]``: the OAM's statistic over that many first runs of
+        ``stem_stride`` tokens (``bias_from_run_max``; None: every run)."""
         ids, used = self.table_pages(block_table, seq_lens, kmax * (block_size // self.page))
         flat = self._kflat(ids, used, kmax) if kflat else None
-        return flat, self._vbias(ids, used, seq_lens, kmax, block_size, oam, oam_lambda)
+        return flat, self._vbias(ids, used, seq_lens, kmax, block_size, oam, oam_lambda,
+                                 stat_runs)
 
     def _kflat(self, ids: torch.Tensor, used: torch.Tensor, kmax: int) -> torch.Tensor:
         stride, kv_heads, dim = self.ksum.shape[1:]
@@ -325,14 +330,16 @@ class IndexCache:
         return kflat.to(torch.bfloat16)
 
     def _vbias(self, ids: torch.Tensor, used: torch.Tensor, seq_lens: torch.Tensor, kmax: int,
-               block_size: int, oam: bool, oam_lambda: float) -> torch.Tensor:
+               block_size: int, oam: bool, oam_lambda: float,
+               stat_runs: torch.Tensor | None = None) -> torch.Tensor:
         stride, kv_heads = self.ksum.shape[1], self.ksum.shape[2]
         if not oam:
             return self.ksum.new_zeros(ids.shape[0], kv_heads, kmax)
         vmax = torch.where(used[..., None, None], self.vmax[ids], 0.0)  # [B, slots, runs, Hkv]
         run_max = vmax.permute(0, 3, 1, 2).reshape(ids.shape[0], kv_heads, -1)
         valid = ceil_div(seq_lens.to(torch.int64), stride)
-        return bias_from_run_max(run_max, valid, block_size // stride, oam_lambda)
+        return bias_from_run_max(run_max, valid, block_size // stride, oam_lambda,
+                                 stat_runs=stat_runs)
 
     def table_pages(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
                     slots: int) -> tuple[torch.Tensor, torch.Tensor]:

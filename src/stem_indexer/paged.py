@@ -114,6 +114,9 @@ class PagedPlan(PlanSettings):
     metadata: torch.Tensor | None = None
     tail: tuple[TailRows, ...] = ()  #: dense rows and exact-tail rows, widened
     lists: tuple[torch.Tensor, torch.Tensor] | None = None  #: every row dense
+    #: [B] int64: with ``chunk_invariant``, the runs of ``stem_stride`` tokens
+    #: the OAM's statistic is taken over (None: every run present)
+    oam_runs: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
@@ -128,7 +131,7 @@ def stem_paged_plan(
     oam: bool = True, oam_lambda: float = DEFAULT_OAM_LAMBDA,
     indexer_scale: float | None = None, min_q_blocks: int = 2,
     dense_above: float | None = None, exact_tail: int = DEFAULT_EXACT_TAIL,
-    backend: str = "auto", **indexer_params,
+    backend: str = "auto", chunk_invariant: bool = False, **indexer_params,
 ) -> PagedPlan:
     """All host work of one engine step for ``stem_paged_run``.
 
@@ -144,6 +147,15 @@ def stem_paged_plan(
             (default ``seq_lens``); a row past it budgets on ``seq_lens``.
         backend: ``"auto"`` (``"triton"`` on CUDA where Triton is installed,
             else ``"torch"``), ``"triton"`` or ``"torch"``.
+        chunk_invariant: pick, for every query block, what a one-shot
+            prefill of the prompt picks with this option, wherever the
+            engine cuts the prompt into chunks: a query block a row's start
+            or end cuts (some of its queries in another chunk) lists every
+            block it can see, and the Output-Aware Metric standardises over
+            the prompt's first ``W`` blocks, ``W = min(Ks, 256)`` (the
+            budget's ``Ks``: every row before block ``W`` keeps every block,
+            so its statistic never matters, and every row from ``W`` on has
+            those blocks' keys at hand).
         The rest: ``stem_attention``'s keywords (always causal).
     """
     who = "stem_paged_plan"
@@ -172,6 +184,8 @@ def stem_paged_plan(
              num_heads)
     if backend not in BACKENDS:
         fail(who, "backend", f"must be one of {', '.join(map(repr, BACKENDS))}", repr(backend))
+    if not isinstance(chunk_invariant, bool):
+        fail(who, "chunk_invariant", "must be a bool", repr(chunk_invariant))
     params, indexer_scale, scale, softcap, dense_above = check_call_options(
         who, device, dtype, head_dim, scale=scale, softcap=softcap, dense_above=dense_above,
         causal=True, preset=preset, oam=oam, oam_lambda=oam_lambda,
@@ -187,7 +201,8 @@ def stem_paged_plan(
                   softcap=softcap, indexer_scale=scale / stride if indexer_scale is None
                   else indexer_scale, oam=oam, oam_lambda=float(oam_lambda),
                   min_q_blocks=min_q_blocks, dense_above=float(dense_above),
-                  exact_tail=exact_tail, kernel=kernel, attention=attention)
+                  exact_tail=exact_tail, kernel=kernel, attention=attention,
+                  chunk_invariant=chunk_invariant)
 
 
 def _rows(query_lens: Lengths) -> int:
@@ -241,7 +256,7 @@ def _row_path(kv: int, p: int, window: int, params: IndexerParams,
 
 def _build(qlen, kvlen, prompt, params: IndexerParams, *, device, dtype, heads, kv_heads,
            head_dim, page, scale, softcap, indexer_scale, oam, oam_lambda, min_q_blocks,
-           dense_above, exact_tail, kernel, attention) -> PagedPlan:
+           dense_above, exact_tail, kernel, attention, chunk_invariant=False) -> PagedPlan:
     """The plan of checked arguments (host int64 lengths)."""
     bs, batch = params.stem_block_size, qlen.shape[0]
     context = kvlen - qlen
@@ -268,6 +283,11 @@ def _build(qlen, kvlen, prompt, params: IndexerParams, *, device, dtype, heads, 
                for b in range(batch) if not sparse[b] and int(window[b]) > 0]
     indexer_q = torch.where(sparse, window, 0)
     widened += [t for t in tail_plan(indexer_q, kvlen, prompt, exact_tail, bs, True)]
+    oam_runs = None
+    if chunk_invariant:
+        widened += _cut_blocks(sparse, context, kvlen, window, prompt, bs)
+        budget = contract.prompt_budget(ceil_div(prompt, bs), params).clamp(max=256)
+        oam_runs = (budget * (bs // params.stem_stride)).to(device)
     tail = tuple(TailRows(t.batch, t.rows, t.reach.to(device)) for t in widened)
     common = dict(
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, page_size=page,
@@ -287,7 +307,26 @@ def _build(qlen, kvlen, prompt, params: IndexerParams, *, device, dtype, heads, 
         stem_block_size=bs, dim_qkflat=params.stem_stride * head_dim,
         window_size=params.window_size)
     return PagedPlan(**common, indexer_q_lens=indexer_q.to(**i32), prompt=prompt.to(**i32),
-                     metadata=metadata, tail=tail)
+                     metadata=metadata, tail=tail, oam_runs=oam_runs)
+
+
+def _cut_blocks(sparse, context, kvlen, window, prompt, bs: int) -> list[TailRows]:
+    """The query blocks of sparse rows that a chunk boundary cuts: the first
+    when the row starts inside a block, the last when it ends inside one and
+    the prompt goes on. Each lists every block it can see."""
+    cut = []
+    for b in sparse.nonzero().flatten().tolist():
+        blocks = ceil_div(int(window[b]), bs)
+        kb = ceil_div(int(kvlen[b]), bs)
+        rows = set()
+        if int(context[b]) % bs:
+            rows.add(0)
+        if int(kvlen[b]) % bs and int(kvlen[b]) < int(prompt[b]):
+            rows.add(blocks - 1)
+        for j in sorted(rows):
+            cut.append(TailRows(b, range(j, j + 1), torch.tensor([min(
+                int(context[b]) // bs + j + 1, kb)], dtype=torch.int64)))
+    return cut
 
 
 def stem_paged_run(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -375,7 +414,8 @@ def _select(query, index_cache, block_table, plan: PagedPlan, page_tags=None):
         plan.kmax, plan.page_size, plan.indexer_scale, plan.oam, plan.oam_lambda,
         plan.kernel, p.stem_block_size, p.stem_stride, p.alpha, p.initial_blocks,
         p.window_size, p.k_block_num_rate_medium, p.k_block_num_bias_medium,
-        p.k_block_num_rate_large, p.k_block_num_bias_large, p.topk_score_precision)
+        p.k_block_num_rate_large, p.k_block_num_bias_large, p.topk_score_precision,
+        plan.oam_runs)
     idx, lengths = apply_tail(idx, lengths, plan.tail, plan.kmax)
     return _dense_unless(stem_paged_valid(index_cache, block_table, plan, page_tags), idx,
                          lengths, plan)
@@ -439,6 +479,7 @@ def _paged_select_op(
     stem_stride: int, alpha: float, initial_blocks: int, window_size: int,
     k_block_num_rate_medium: float, k_block_num_bias_medium: int,
     k_block_num_rate_large: float, k_block_num_bias_large: int, topk_score_precision: int,
+    oam_runs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The indexer's picks for a paged plan's rows (its checked lengths and
     metadata): qflat from the window queries, kflat and vbias from the
@@ -450,7 +491,7 @@ def _paged_select_op(
     qflat = represent(_window_queries(query, q_map), bs, stride, None, scale=indexer_scale)
     cache = IndexCache(ksum, vmax, ksum.new_empty(0, dtype=torch.int32), page)
     kflat, vbias = cache.block_inputs(block_table, kv_seq_lens, kmax, bs, oam, oam_lambda,
-                                      kflat=kernel != "triton")
+                                      kflat=kernel != "triton", stat_runs=oam_runs)
     if kernel == "triton":
         from .ops.triton import launch
         from .ops.triton.paged_index import paged_kflat
@@ -458,9 +499,36 @@ def _paged_select_op(
         kflat = paged_kflat(ksum, block_table, kv_seq_lens, kmax, bs, page)
         return launch.stem_indexer_triton(qflat, kflat, vbias, q_seq_lens, kv_seq_lens,
                                           prompt, metadata, params)
+    return _indexer(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, prompt, metadata, params)
+
+
+def _indexer(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, prompt, metadata,
+             params: IndexerParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's lists on a plan's checked lengths and metadata (CPU or
+    torch path)."""
     return torch.ops.stem_indexer.planned_indexer(
         qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens=prompt,
         metadata=metadata, **dataclasses.asdict(params))
+
+
+def select_on_inputs(query: torch.Tensor, kflat: torch.Tensor, vbias: torch.Tensor,
+                     plan: PagedPlan, *,
+                     indexer_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``stem_paged_select``'s lists from the key side's inputs where an
+    engine holds them already (``kflat [B, Hkv, kmax, Ts*D]`` bfloat16 and
+    ``vbias [B, Hkv, kmax]`` float32, as ``IndexCache.block_inputs`` gives
+    them): the vLLM CPU backend's rows. ``indexer_scale`` replaces the plan's
+    (a layer's own softmax scale over ``stem_stride``). Tensor work and the
+    indexer; no validity check (the caller has made it)."""
+    if plan.lists is not None:
+        return plan.lists
+    p = plan.params
+    scale = plan.indexer_scale if indexer_scale is None else indexer_scale
+    qflat = represent(_window_queries(query, plan.q_map), p.stem_block_size, p.stem_stride,
+                      None, scale=scale)
+    idx, lengths = _indexer(qflat, kflat, vbias, plan.indexer_q_lens, plan.kv_seq_lens,
+                            plan.prompt, plan.metadata, p)
+    return apply_tail(idx, lengths, plan.tail, plan.kmax)
 
 @_paged_select_op.register_fake
 def _(query, ksum, vmax, block_table, q_map, q_seq_lens, kv_seq_lens, prompt, metadata, qmax,

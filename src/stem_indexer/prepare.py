@@ -265,7 +265,8 @@ def value_bias(v: torch.Tensor, block_size: int, stride: int, valid: torch.Tenso
 
 
 def bias_from_run_max(run_max: torch.Tensor, valid_runs: torch.Tensor, ratio: int,
-                      oam_lambda: float = DEFAULT_OAM_LAMBDA, eps: float = _EPS) -> torch.Tensor:
+                      oam_lambda: float = DEFAULT_OAM_LAMBDA, eps: float = _EPS,
+                      stat_runs: torch.Tensor | None = None) -> torch.Tensor:
     """The Output-Aware Metric from each run's largest value norm.
 
     ``run_max [B, H, nruns]`` float32 (``nruns`` a multiple of ``ratio`` = R,
@@ -273,15 +274,23 @@ def bias_from_run_max(run_max: torch.Tensor, valid_runs: torch.Tensor, ratio: in
     batch. Returns ``vbias [B, H, nruns / R]`` float32, as ``output_aware_bias``
     (which is this on the run maxima of ``v``; the vLLM backend's indexer
     cache keeps the run maxima of the pages it writes and calls this).
+    ``stat_runs [B]`` (at most ``valid_runs``): standardise over the first
+    ``stat_runs`` runs only (a fixed window, so that the statistic does not
+    depend on how many tokens are present); None: over every valid run.
     """
     batch, heads, nruns = run_max.shape
     logs = torch.log(run_max.double() + eps)
     n = valid_runs.to(device=run_max.device, dtype=torch.int64)
-    run_valid = (torch.arange(nruns, device=run_max.device) < n[:, None])[:, None, :]
+    runs = torch.arange(nruns, device=run_max.device)
+    run_valid = (runs < n[:, None])[:, None, :]
+    if stat_runs is not None:
+        n = torch.minimum(stat_runs.to(device=run_max.device, dtype=torch.int64), n)
+    in_stat = (runs < n[:, None])[:, None, :]
     nf = n.to(torch.float64)[:, None, None]
-    mean = torch.where(run_valid, logs, 0.0).sum(-1, keepdim=True) / nf.clamp(min=1)
+    mean = torch.where(in_stat, logs, 0.0).sum(-1, keepdim=True) / nf.clamp(min=1)
     centred = torch.where(run_valid, logs - mean, 0.0)
-    var = centred.square().sum(-1, keepdim=True) / (nf - 1).clamp(min=1)
+    var = torch.where(in_stat, centred, 0.0).square().sum(-1, keepdim=True) \
+        / (nf - 1).clamp(min=1)
     std = torch.where(nf >= 2, var.sqrt(), 0.0)
     z = torch.where(run_valid & (nf >= 2), centred / (std + eps), 0.0)
     per_block = torch.relu(z).view(batch, heads, nruns // ratio, ratio).sum(-1) / ratio

@@ -27,8 +27,9 @@ one (``amx``, ``vec``, ``vec16``). ``stats(llm)`` says what ran; each
 request's prefill ends with one log line giving its rows and density.
 
 This release serves the CPU platform of vLLM ``TESTED_VLLM``: elsewhere, and
-on another vLLM release, ``register()`` warns once and leaves vLLM as it is. Every patch it makes to vLLM is listed in
-``patches.py``, with the release it was written against.
+on another vLLM release, ``register()`` warns once and leaves vLLM as it is.
+Every patch it makes to vLLM is listed in ``patches.py``, with the release
+it was written against.
 """
 
 from __future__ import annotations

@@ -331,7 +331,7 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
             return "short prompt"
         if share >= 1.0 and s.dense_above < 1.0:
             return "budget keeps every block"
-        if share > s.dense_above:
+        if share > s.dense_above and not s.chunk_invariant:
             return "budget keeps most blocks"
         return ""
 
@@ -665,7 +665,7 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
             row = plan.row
             q = query[row.start:row.start + row.q_len]
             kflat, vbias = cache.inputs(plan.pages, row.seq_len, s.block_size, s.oam,
-                                        s.oam_lambda)
+                                        s.oam_lambda, stat_runs=plan.paged.oam_runs)
             idx, lengths = select_blocks(q, kflat, vbias, plan, self.scale, s)
             parts.append(virtual_rows(idx, lengths, plan, s.block_size, page, hkv))
             queries.append(q.transpose(0, 1).reshape(-1, 1, self.head_size))

@@ -25,10 +25,14 @@ What a Stem row computes (docs/CONTRACT.md section 8):
   back. The OAM standardises value norms over those tokens only, where a
   one-shot prefill sees the whole prompt.
 
-The host work of a row (its pages, lengths, the indexer's metadata, the
-tail rows ``exact_tail`` widens, the virtual rows' query counts) is done
-once per step by ``plan_stem_row``, in the metadata builder; each layer then
-runs tensor work only (``select_blocks``, ``virtual_rows``).
+The row itself is the engine-neutral paged pipeline's (``paged.py``): its
+lengths, the indexer's metadata, the tail rows ``exact_tail`` widens and the
+selection are ``stem_paged_plan``'s and ``paged.select_on_inputs``'s, so that
+every engine runs the same code. What is vLLM's stays here: which rows a
+step hands over (``Row``, ``RowKinds``), the budget's accounting
+(``plan_row``), and the virtual rows of vLLM's own paged kernel. The host
+work is done once per step by ``plan_stem_row``, in the metadata builder;
+each layer then runs tensor work only (``select_blocks``, ``virtual_rows``).
 
 The kept blocks then become *virtual rows* of vLLM's own paged kernel: for
 query head ``h`` and query block ``i``, the block's query tokens attend a
@@ -45,10 +49,8 @@ from dataclasses import dataclass
 import torch
 
 from ... import contract
-from ...api import run_indexer, stem_indexer_metadata
-from ...contract import ceil_div
-from ...dispatch import TailRows, apply_tail, tail_plan
-from ...prepare import block_representation
+from ...contract import PARAM_NAMES, ceil_div
+from ...paged import PagedPlan, select_on_inputs, stem_paged_plan
 from .settings import StemSettings
 
 __all__ = ["Row", "RowKinds", "RowPlan", "plan_row", "StemRow", "plan_stem_row",
@@ -133,15 +135,10 @@ class StemRow:
     """The step's plan of one Stem row, shared by every layer (``plan_stem_row``)."""
 
     row: Row
-    lead: int  #: earlier queries of the row's first block, absent: zeros in qflat
     page: int  #: tokens per KV-cache page
     pages: torch.Tensor  #: [ceil(seq_len / page)] int64, the row's pages in order
     fill: torch.Tensor  #: [same] int32, what a complete indexer cache holds on them
-    q_seq_lens: torch.Tensor  #: [1] int32, the block-aligned window's queries
-    kv_seq_lens: torch.Tensor  #: [1] int32, ``seq_len``
-    prompt: torch.Tensor  #: [1] int32, the budget's prompt length
-    metadata: torch.Tensor  #: the indexer's work plan for these lengths
-    tail: tuple[TailRows, ...]  #: the rows ``exact_tail`` widens
+    paged: PagedPlan  #: the row as the engine-neutral paged pipeline plans it
     query_lens: torch.Tensor  #: [Hq * Qb] int32, each virtual row's queries
     block_tokens: torch.Tensor  #: [Qb] int64, keys of each query block's own block
     kept: int  #: block pairs kept per head, by the budget (tail rows not widened)
@@ -150,36 +147,35 @@ class StemRow:
 def plan_stem_row(row: Row, settings: StemSettings, pages: torch.Tensor, page: int,
                   q_heads: int, kv_heads: int, head_size: int) -> StemRow:
     """The host work of a Stem row, done once per step: ``pages`` is the
-    row's block-table entry (vLLM's pages of the sequence, in order)."""
+    row's block-table entry (vLLM's pages of the sequence, in order). The
+    row's lengths, the indexer's metadata and the rows ``exact_tail`` widens
+    are ``stem_paged_plan``'s (``paged.py``): one pipeline for every engine."""
     bs = settings.block_size
     first, qb, kb = _row_blocks(row, bs)
-    lead = row.context - first * bs
     n = ceil_div(row.seq_len, page)
     fill = torch.full((n,), page, dtype=torch.int32)
     fill[-1] = row.seq_len - (n - 1) * page
-    i32 = dict(dtype=torch.int32)
-    q_seq_lens = torch.tensor([lead + row.q_len], **i32)
-    kv_seq_lens = torch.tensor([row.seq_len], **i32)
-    prompt = torch.tensor([max(row.prompt, row.seq_len)], **i32)
-    metadata = stem_indexer_metadata(q_seq_lens, kv_seq_lens, q_heads, kv_heads, causal=True,
-                                     stem_block_size=bs, dim_qkflat=settings.stride * head_size,
-                                     window_size=settings.params.window_size)
-    # The prompt's tail (settings.exact_tail) on the same window: a widened
-    # row lists blocks 0 .. i, so it still ends at its own block.
-    tail = tail_plan(q_seq_lens, kv_seq_lens, prompt, settings.exact_tail, bs, True)
+    params = {name: getattr(settings.params, name) for name in PARAM_NAMES if name != "causal"}
+    # The indexer's scale is the layer's (select_blocks); vLLM's kernel attends.
+    paged = stem_paged_plan([row.q_len], [row.seq_len], num_prompt_tokens=[row.prompt],
+                            num_heads=q_heads, num_kv_heads=kv_heads, head_dim=head_size,
+                            page_size=page, dtype=torch.float32, oam=settings.oam,
+                            oam_lambda=settings.oam_lambda, min_q_blocks=1, dense_above=1.0,
+                            exact_tail=settings.exact_tail, backend="torch",
+                            chunk_invariant=settings.chunk_invariant, **params)
     i = torch.arange(first, first + qb)
     block_start = i * bs
     block_end = torch.clamp((i + 1) * bs, max=row.seq_len)
     q_tokens = block_end - torch.clamp(block_start, min=row.context)
-    return StemRow(row, lead, page, pages[:n].to(torch.int64), fill, q_seq_lens, kv_seq_lens,
-                   prompt, metadata, tail, q_tokens.repeat(q_heads).to(torch.int32),
-                   block_end - block_start, plan_row(row, settings).kept)
+    return StemRow(row, page, pages[:n].to(torch.int64), fill, paged,
+                   q_tokens.repeat(q_heads).to(torch.int32), block_end - block_start,
+                   plan_row(row, settings).kept)
 
 
 def select_blocks(query: torch.Tensor, kflat: torch.Tensor, vbias: torch.Tensor,
                   plan: StemRow, scale: float,
                   settings: StemSettings) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stem's selection for a row: the indexer on the block-aligned window.
+    """Stem's selection for a row: the paged pipeline's (``paged.select_on_inputs``).
 
     ``query [q_len, Hq, D]`` (the row's new queries); ``kflat [Hkv, Kb,
     Ts*D]`` and ``vbias [Hkv, Kb]`` of all its keys (the indexer cache's
@@ -188,15 +184,8 @@ def select_blocks(query: torch.Tensor, kflat: torch.Tensor, vbias: torch.Tensor,
     query blocks ``context // Bs ..``; the blocks holding the prompt's last
     ``settings.exact_tail`` tokens list every block ``0 .. i``.
     """
-    bs, stride = settings.block_size, settings.stride
-    row = plan.row
-    hq, dim = query.shape[1], query.shape[2]
-    q = query.new_zeros(1, hq, plan.lead + row.q_len, dim)
-    q[0, :, plan.lead:] = query.transpose(0, 1)
-    qflat = block_representation(q, bs, stride, scale=scale / stride)
-    idx, lengths = run_indexer(qflat, kflat[None], vbias[None], plan.q_seq_lens,
-                               plan.kv_seq_lens, plan.prompt, plan.metadata, settings.params)
-    idx, lengths = apply_tail(idx, lengths, plan.tail, ceil_div(row.seq_len, bs))
+    idx, lengths = select_on_inputs(query, kflat[None], vbias[None], plan.paged,
+                                    indexer_scale=scale / settings.stride)
     return idx[0], lengths[0]
 
 

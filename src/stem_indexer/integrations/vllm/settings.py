@@ -57,7 +57,13 @@ class StemSettings:
     * ``exact_tail`` (128, ``contract.DEFAULT_EXACT_TAIL``): the prompt's last
       ``exact_tail`` tokens (its question) attend to every key, as
       ``stem_attention``'s option: the blocks holding them, in the chunk that
-      ends the prompt, list every block; 0 keeps the indexer's selection there.
+      ends the prompt, list every block; 0 keeps the indexer's selection there;
+    * ``chunk_invariant`` (false): results that do not depend on where the
+      scheduler cuts a prompt into chunks (``stem_paged_plan``'s option): a
+      query block a chunk boundary cuts attends every block it can see, the
+      Output-Aware Metric's statistic is taken over a fixed window, and
+      ``dense_above`` does not apply (a chunk's share of pairs depends on
+      the cut); every other query block keeps what a one-shot prefill keeps.
     """
 
     params: IndexerParams = IndexerParams()
@@ -67,6 +73,7 @@ class StemSettings:
     min_prompt_tokens: int = 0
     dense_above: float = DEFAULT_DENSE_ABOVE
     exact_tail: int = DEFAULT_EXACT_TAIL
+    chunk_invariant: bool = False
 
     @property
     def block_size(self) -> int:
@@ -92,7 +99,7 @@ class StemSettings:
     @classmethod
     def from_mapping(cls, section: Mapping[str, Any]) -> "StemSettings":
         known = ("preset", "oam", "oam_lambda", "min_prompt_tokens",
-                 "dense_above", "exact_tail") + _INDEXER_KEYS
+                 "dense_above", "exact_tail", "chunk_invariant") + _INDEXER_KEYS
         for key in section:
             if key not in known:
                 fail(_WHO, repr(key), f"is not a Stem setting (those are {', '.join(known)})",
@@ -124,8 +131,11 @@ class StemSettings:
         exact_tail = section.get("exact_tail", DEFAULT_EXACT_TAIL)
         if isinstance(exact_tail, bool) or not isinstance(exact_tail, int) or exact_tail < 0:
             fail(_WHO, "exact_tail", "must be an int >= 0", repr(exact_tail))
+        invariant = section.get("chunk_invariant", False)
+        if not isinstance(invariant, bool):
+            fail(_WHO, "chunk_invariant", "must be true or false", repr(invariant))
         return cls(params, preset, oam, float(oam_lambda), min_prompt, float(dense_above),
-                   exact_tail)
+                   exact_tail, invariant)
 
     def check_kv_block_size(self, kv_block_size: int) -> None:
         """Stem's blocks must be whole KV-cache pages (the kernel reads pages)."""
@@ -141,4 +151,6 @@ class StemSettings:
                    if getattr(self.params, f.name) != getattr(base, f.name)]
         extra = [f"oam={self.oam}", f"min_prompt_tokens={self.min_prompt_tokens}",
                  f"dense_above={self.dense_above}", f"exact_tail={self.exact_tail}"]
+        if self.chunk_invariant:
+            extra.append("chunk_invariant=True")
         return f"preset={self.preset} " + " ".join(changed + extra)
