@@ -1,11 +1,11 @@
-"""GPU timing of Stem attention against dense attention (one H200).
+"""GPU timing of Stem attention against dense attention (one H100 or H200).
 
 For B=1, Hq=32, Hkv=8, D=128, bf16 causal prefill at each of ``--seqs``
-(default 32K, 64K and 128K tokens), five calls in alternating turns:
+(default 32K, 64K and 128K tokens), the calls in alternating turns:
 
 * ``sdpa``: ``scaled_dot_product_attention(is_causal=True)`` (flash);
-* ``flex dense``: compiled FlexAttention with the causal ``BlockMask`` of
-  ``create_block_mask`` and this package's kernel options (the dense
+* ``flex dense``: compiled FlexAttention under the plain causal ``BlockMask``
+  (built from block lists) and this package's kernel options (the dense
   kernel of the library the sparse path runs on);
 * ``indexer``: ``stem_inputs`` + metadata + indexer (default budget);
 * ``sparse``: ``block_sparse_attention`` on the indexer's selection
@@ -17,14 +17,17 @@ For B=1, Hq=32, Hkv=8, D=128, bf16 causal prefill at each of ``--seqs``
 * ``stem``: ``stem_attention`` with every default (preset, ``exact_tail``,
   ``dense_above``: it may step aside to dense, said in the ``path`` column).
 
-Then, at the last length, ``stem_run`` on one ``stem_plan``: equal to
-``stem_attention`` eagerly, compiled with ``fullgraph=True, dynamic=True``,
-and replayed from a CUDA graph on new inputs (CUDA only), each call timed.
-And the paged entry point (``stem_paged_run``) on the same tokens held as an
-engine holds them: 16-token pages, shuffled, with their ``IndexCache``; the
-Triton kernels (reading pages through the table) pick exactly the torch
-path's blocks and attend alike, compiled and replayed from a CUDA graph
-equal to eager, timed against ``stem_run`` on the contiguous tensors.
+Then, at the last length, the paged entry point (``stem_paged_run``) on the
+same tokens held as an engine holds them: 16-token pages, shuffled, with
+their ``IndexCache``. Its Triton kernels' picks against the CPU path's on a
+host copy of the step (identical, or differing only within the rounding of
+a row's threshold, docs/CONTRACT.md section 5), its output against float32
+attention on the picked blocks, compiled and replayed from a CUDA graph equal
+to eager, timed against ``stem_run`` on the contiguous tensors. And
+``stem_run`` on one ``stem_plan``: against float32 attention on the
+indexer's blocks, compiled with ``fullgraph=True, dynamic=True`` and
+replayed from a CUDA graph on new inputs equal to eager, timed against
+``stem_attention``, which plans on every call.
 
 Correctness first: 8 sampled query blocks of the sparse output are compared
 with float32 attention restricted to the same blocks, and ``stem``'s output
@@ -38,13 +41,19 @@ against SDPA at one length with the budget fixed to each of ``--budgets``
 blocks per row (rates 0, alpha 1): the density where the two cost the same
 is the measured ``dense_above`` for CUDA bf16 (``contract.DENSE_ABOVE``).
 
-Tables go to stdout and ``$OUT/gpu_attention.md`` (``$OUT`` defaults to
-./out). ``--dry-run`` runs tiny shapes on CPU so that the script is checked
-anywhere (its timings then mean nothing).
+Each length, each check and each budget runs in its own try, and so does
+each timed call: one that raises fails the run and loses its own cells
+(``error``), the rest are measured. Every line is appended to
+``$OUT/gpu_attention.md`` (or ``gpu_break_even.md``; ``$OUT`` defaults to
+./out) as it is produced, with the machine and the commit (``STEM_GIT_SHA``,
+``gpu_report.run_sha``), so a run stopped at its time limit keeps what it
+measured. ``--dry-run`` runs tiny shapes on CPU, the Triton kernels
+interpreted, so that the script is checked anywhere (its timings then mean
+nothing).
 
-    python benchmarks/gpu_attention.py                       # about 90 s on an H200
-    python benchmarks/gpu_attention.py --break-even 32768    # about 40 s
-    python benchmarks/gpu_attention.py --dry-run   # the paged kernels interpreted
+    python benchmarks/gpu_attention.py --reps 3
+    python benchmarks/gpu_attention.py --break-even 32768 --budgets 32,64,128,192 --reps 3
+    python benchmarks/gpu_attention.py --dry-run
 """
 
 from __future__ import annotations
@@ -64,10 +73,18 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import stem_indexer  # noqa: E402
-from common import git_sha, interleaved_runs, machine, write_atomic  # noqa: E402
+from common import machine  # noqa: E402
+from gpu_report import (Report, attempt, error_text, errors_line, guarded_runs,  # noqa: E402
+                        median_cell, run_sha, spread_cell)
 from stem_indexer import contract  # noqa: E402
 from stem_indexer.attention import block_sparse_attention  # noqa: E402
 from stem_indexer.ops import flex_attention as flex  # noqa: E402
+from stem_indexer.testing import compare  # noqa: E402
+
+TOLERANCE = 2e-2  # bf16 outputs against float32 attention on the same blocks
+HEADER = ("| tokens | density | sdpa | flex dense | indexer | sparse attn | stem_attention | "
+          "path | sdpa / sparse | E | sdpa / stem | flex dense / stem | "
+          "max err sparse / stem | triton sparse | E triton | max err triton | check |")
 
 
 def _shape(device: str):
@@ -100,6 +117,20 @@ def _masked_reference(q, k, v, idx, lens, rows, bs, scale):
     return out
 
 
+def _sample_rows(heads: int, blocks: int, seed: int = 1, n: int = 8) -> list[tuple[int, int]]:
+    """``n`` random (query head, query block) pairs, blocks below ``blocks``."""
+    gen = torch.Generator().manual_seed(seed)
+    return [(int(torch.randint(heads, (1,), generator=gen)),
+             int(torch.randint(max(blocks, 1), (1,), generator=gen))) for _ in range(n)]
+
+
+def _sampled_error(block_rows, q, k, v, idx, lens, rows, bs, scale) -> float:
+    """Max error of ``block_rows(h, i)`` (query block i of head h, [bs, D])
+    against float32 attention on its listed blocks, over ``rows``."""
+    ref = _masked_reference(q, k, v, idx.cpu(), lens.cpu(), rows, bs, scale)
+    return max(float((block_rows(h, i).float() - r).abs().max()) for (h, i), r in ref.items())
+
+
 def _flex_dense(q, k, v, scale):
     """Compiled FlexAttention under the plain causal BlockMask: every block
     up to the diagonal listed (built from the lists: ``create_block_mask``
@@ -113,12 +144,8 @@ def _flex_dense(q, k, v, scale):
     return lambda: flex.flex_attention_forward(q, k, v, mask, scale)[0]
 
 
-def _spread(runs: dict, name: str) -> str:
-    turns = [d / x for d, x in zip(runs["sdpa"], runs[name])]
-    return f"{statistics.median(turns):.2f}x [{min(turns):.2f}, {max(turns):.2f}]"
-
-
-def run(seq: int, device: str, reps: int, lines: list[str]) -> bool:
+def run(seq: int, device: str, reps: int, report: Report) -> bool:
+    """One length's row of the table (its timed calls each guarded)."""
     q, k, v = _qkv(seq, device)
     _, _, d, bs, stride = _shape(device)
     scale = d ** -0.5
@@ -145,12 +172,9 @@ def run(seq: int, device: str, reps: int, lines: list[str]) -> bool:
         return stem_indexer.stem_attention(q, k, v, scale=scale, **params)
 
     got = sparse()
-    gen = torch.Generator().manual_seed(1)
-    rows = [(int(torch.randint(q.shape[1], (1,), generator=gen)),
-             int(torch.randint(nb, (1,), generator=gen))) for _ in range(8)]
-    ref = _masked_reference(q, k, v, idx.cpu(), lens.cpu(), rows, bs, scale)
-    err = max(float((got[0, h, i * bs:(i + 1) * bs].float() - r).abs().max())
-              for (h, i), r in ref.items())
+    rows = _sample_rows(q.shape[1], nb)
+    err = _sampled_error(lambda h, i: got[0, h, i * bs:(i + 1) * bs], q, k, v, idx, lens,
+                         rows, bs, scale)
     info = stem_indexer.stem_attention(q, k, v, scale=scale, return_info=True, **params)[1]
     # stem with defaults equals the sparse path outside the exact tail's rows
     # (or SDPA, where it steps aside): checked on the rows before the tail.
@@ -158,195 +182,270 @@ def run(seq: int, device: str, reps: int, lines: list[str]) -> bool:
     want = got if info.path == "sparse" else sdpa()
     stem_err = float((stem()[:, :, :tail_start].float()
                       - want[:, :, :tail_start].float()).abs().max())
-    ok = err < 2e-2 and stem_err < 2e-2
+    ok = err < TOLERANCE and stem_err < TOLERANCE
+    del want
     fns = {"sdpa": sdpa, "flex dense": _flex_dense(q, k, v, scale), "indexer": indexer,
            "sparse": sparse, "stem": stem}
-    triton_err = None
+    triton_err, triton_cell = None, "-"
     if device == "cuda":
         fns["triton sparse"] = lambda: block_sparse_attention(
             q, k, v, idx, lens, stem_block_size=bs, scale=scale, backend="triton")
-        triton_err = float((fns["triton sparse"]().float() - got.float()).abs().max())
-        ok &= triton_err < 2e-2
-    runs = interleaved_runs(fns, device=device, reps=reps)
-    t = {name: statistics.median(ms) for name, ms in runs.items()}
-    eff = t["sdpa"] * density / t["sparse"]
-    triton = "- | - | -" if triton_err is None else (
-        f"{t['triton sparse']:.2f} | {t['sdpa'] * density / t['triton sparse']:.2f} | "
-        f"{triton_err:.1e}")
-    lines.append(
-        f"| {seq} | {density:.1%} | {t['sdpa']:.2f} | {t['flex dense']:.2f} | "
-        f"{t['indexer']:.2f} | {t['sparse']:.2f} | {t['stem']:.2f} | {info.path} | "
-        f"{_spread(runs, 'sparse')} | {eff:.2f} | {_spread(runs, 'stem')} | "
-        f"{t['flex dense'] / t['stem']:.2f}x | {err:.1e} / {stem_err:.1e} | {triton} | "
-        f"{'ok' if ok else 'FAIL'} |")
-    print(lines[-1], flush=True)
+        out, why = attempt(fns["triton sparse"], device)
+        if why is None:
+            triton_err = _sampled_error(lambda h, i: out[0, h, i * bs:(i + 1) * bs], q, k, v,
+                                        idx, lens, rows, bs, scale)
+            ok &= triton_err < TOLERANCE
+            triton_cell = f"{triton_err:.1e}"
+        else:
+            ok, triton_cell = False, "error"
+            print(f"triton sparse at {seq}: {why}", flush=True)
+        del out
+    times, errors = guarded_runs(fns, device=device, reps=reps)
+    ok &= not errors
+    t = {name: statistics.median(ms) for name, ms in times.items()}
+
+    def ratio(a: str, b: str, factor: float = 1.0, unit: str = "") -> str:
+        return f"{factor * t[a] / t[b]:.2f}{unit}" if a in t and b in t else "-"
+
+    triton = "- | -" if "triton sparse" not in fns else (
+        f"{median_cell(times, 'triton sparse')} | {ratio('sdpa', 'triton sparse', density)}")
+    timed = (median_cell(times, n) for n in ("sdpa", "flex dense", "indexer", "sparse", "stem"))
+    cells = [str(seq), f"{density:.1%}", *timed, info.path, spread_cell(times, "sdpa", "sparse"),
+             ratio("sdpa", "sparse", density), spread_cell(times, "sdpa", "stem"),
+             ratio("flex dense", "stem", unit="x"), f"{err:.1e} / {stem_err:.1e}", triton,
+             triton_cell, "ok" if ok else "FAIL"]
+    report.add("| " + " | ".join(cells) + " |")
+    if errors:
+        print(errors_line(errors, f"at {seq} tokens"), flush=True)
     return ok
 
 
-def planned(seq: int, device: str, reps: int, lines: list[str]) -> bool:
-    """``stem_run`` on one ``stem_plan``: the same output as ``stem_attention``
-    eagerly, compiled (``fullgraph=True, dynamic=True``) and replayed from a
-    CUDA graph on new inputs; timed against ``stem_attention``, which plans
-    on every call."""
+def _said(checks: dict) -> str:
+    return "; ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks.items())
+
+
+def _timing_table(report: Report, times: dict, errors: dict, where: str) -> None:
+    report.add("", "| call | ms, median [min, max] |", "|---|---|")
+    for name, ms in times.items():
+        report.add(f"| {name} | {statistics.median(ms):.2f} [{min(ms):.2f}, {max(ms):.2f}] |")
+    for name, text in errors.items():
+        report.add(f"| {name} | error: {text} |")
+
+
+def _capture(fn, static: list, fresh: list):
+    """``fn`` captured in a CUDA graph on the tensors ``static`` (warmed up on
+    a side stream), then replayed on ``fresh`` copied in: ``(graph, replayed
+    output, eager output on the fresh tensors)``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm-up off the capture: kernels compiled, caches filled
+            fn(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*static)
+    for x, new in zip(static, fresh):
+        x.copy_(new)
+    graph.replay()
+    return graph, out, fn(*static)
+
+
+def planned(seq: int, device: str, reps: int, report: Report) -> bool:
+    """``stem_run`` on one ``stem_plan``: against float32 attention on the
+    indexer's blocks (sampled query blocks before the exact tail), compiled
+    (``fullgraph=True, dynamic=True``) and replayed from a CUDA graph on new
+    inputs equal to eager; timed against ``stem_attention``, which plans on
+    every call."""
     q, k, v = _qkv(seq, device)
     _, _, d, bs, stride = _shape(device)
+    scale = d ** -0.5
     params = dict(stem_block_size=bs, stem_stride=stride)
     plan = stem_indexer.stem_plan([seq], [seq], num_heads=q.shape[1], num_kv_heads=k.shape[1],
                                   head_dim=d, device=q.device, dtype=q.dtype, **params)
-    want = stem_indexer.stem_attention(q, k, v, **params)
-    checks = {"eager": torch.equal(stem_indexer.stem_run(q, k, v, plan), want)}
+    eager = stem_indexer.stem_run(q, k, v, plan)
+    checks = {}
+    tail_blocks = (seq - contract.DEFAULT_EXACT_TAIL) // bs
+    if plan.path == "sparse":
+        inp = stem_indexer.stem_inputs(q, k, v, scale=scale / stride, **params)
+        idx, lens = stem_indexer.stem_indexer(*inp, **params)
+        rows = _sample_rows(q.shape[1], tail_blocks, seed=2)
+        err = _sampled_error(lambda h, i: eager[0, h, i * bs:(i + 1) * bs], q, k, v, idx, lens,
+                             rows, bs, scale)
+    else:
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        err = float((eager.float() - want.float()).abs().max())
+    checks[f"eager within {TOLERANCE} of float32 attention on its blocks (max {err:.1e})"] = \
+        err < TOLERANCE
     compiled = torch.compile(stem_indexer.stem_run, fullgraph=True, dynamic=True)
-    checks["compiled"] = torch.equal(compiled(q, k, v, plan), want)
+    same, why = attempt(lambda: torch.equal(compiled(q, k, v, plan), eager), device)
+    checks["compiled = eager" + (f" ({why})" if why else "")] = bool(same)
     fns = {"stem_attention": lambda: stem_indexer.stem_attention(q, k, v, **params),
            "stem_run": lambda: stem_indexer.stem_run(q, k, v, plan)}
     if device == "cuda":
-        try:
-            static = [x.clone() for x in (q, k, v)]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):  # warm-up off the capture: kernels compiled, caches filled
-                    stem_indexer.stem_run(*static, plan)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = stem_indexer.stem_run(*static, plan)
-            for x, new in zip(static, (q.flip(2), k.flip(2), v.flip(2))):
-                x.copy_(new)
-            graph.replay()
-            checks["CUDA graph replay"] = torch.equal(out, stem_indexer.stem_run(*static, plan))
+        captured, why = attempt(lambda: _capture(
+            lambda *x: stem_indexer.stem_run(*x, plan), [x.clone() for x in (q, k, v)],
+            [q.flip(2), k.flip(2), v.flip(2)]), device)
+        if captured is not None:
+            graph, replayed, again = captured
             fns["graph replay"] = graph.replay
-        except Exception as exc:  # reported, and the check fails
-            checks[f"CUDA graph capture ({type(exc).__name__}: {exc})"] = False
-    runs = interleaved_runs(fns, device=device, reps=reps)
-    said = "; ".join(f"{name} {'equal' if ok else 'DIFFERENT'}" for name, ok in checks.items())
-    lines += ["", f"stem_run on one plan at {seq} tokens ({plan.path}): {said}",
-              "", "| call | ms, median [min, max] |", "|---|---|"]
-    lines += [f"| {name} | {statistics.median(ms):.2f} [{min(ms):.2f}, {max(ms):.2f}] |"
-              for name, ms in runs.items()]
-    print("\n".join(lines[-len(runs) - 4:]), flush=True)
-    return all(checks.values())
+        checks["CUDA graph replay on new inputs = eager" + (f" ({why})" if why else "")] = \
+            captured is not None and torch.equal(replayed, again)
+    times, errors = guarded_runs(fns, device=device, reps=reps)
+    report.add("", f"stem_run on one plan at {seq} tokens ({plan.path}): {_said(checks)}")
+    _timing_table(report, times, errors, f"stem_run at {seq}")
+    return all(checks.values()) and not errors
 
 
 PAGE = 16  # vLLM's default page size on CUDA
 
 
-def _paged_step(q, k, v, stride: int, seed: int = 0):
-    """The tokens of one prompt as an engine holds them: K and V on shuffled
-    pages of ``PAGE`` tokens, the ``IndexCache`` written beside them, the
-    queries packed, the block table."""
+def _paged_step(q, k, v, stride: int, device, seed: int = 0):
+    """The tokens of one prompt as an engine holds them, on ``device``: K and
+    V on shuffled pages of ``PAGE`` tokens, the ``IndexCache`` written beside
+    them (on that device), the queries packed, the block table."""
     seq, hkv, d = k.shape[2], k.shape[1], k.shape[3]
+    q, k, v = (x.to(device) for x in (q, k, v))
     pages = -(-seq // PAGE)
     gen = torch.Generator().manual_seed(seed)
-    table = torch.randperm(pages + 8, generator=gen)[:pages].to(q.device, torch.int32)[None]
+    table = torch.randperm(pages + 8, generator=gen)[:pages].to(device, torch.int32)[None]
     key_cache = k.new_zeros(pages + 8, PAGE, hkv, d)
     value_cache = torch.zeros_like(key_cache)
-    pos = torch.arange(seq, device=q.device)
+    pos = torch.arange(seq, device=device)
     page_ids, offsets = table[0, pos // PAGE].long(), pos % PAGE
     key_cache[page_ids, offsets] = k[0].transpose(0, 1)
     value_cache[page_ids, offsets] = v[0].transpose(0, 1)
-    cache = stem_indexer.IndexCache.allocate(pages + 8, PAGE, stride, hkv, d, device=q.device)
+    cache = stem_indexer.IndexCache.allocate(pages + 8, PAGE, stride, hkv, d, device=device)
     cache.write(k[0].transpose(0, 1), v[0].transpose(0, 1), page_ids * PAGE + offsets)
     return q[0].transpose(0, 1).contiguous(), key_cache, value_cache, cache, table
 
 
-def paged(seq: int, device: str, reps: int, lines: list[str]) -> bool:
+def _picks_check(picks, want, q, k, v, scale: float, params: dict) -> tuple[bool, str]:
+    """The device's picks against the CPU path's: identical, or differing
+    only within rounding of a row's threshold (docs/CONTRACT.md section 5,
+    scores from ``stem_inputs`` on the host)."""
+    picks = tuple(t.cpu() for t in picks)
+    if all(torch.equal(a, b) for a, b in zip(picks, want)):
+        return True, "identical"
+    inp = stem_indexer.stem_inputs(q.cpu(), k.cpu(), v.cpu(), scale=scale / params["stem_stride"],
+                                   **params)
+    result = compare.compare(picks, want, inp._asdict(),
+                             contract.IndexerParams(**params), allowance=0.0)
+    return result.ok, result.summary()
+
+
+def paged(seq: int, device: str, reps: int, report: Report) -> bool:
     """``stem_paged_run`` on ``_paged_step``: the Triton path (CUDA, or the
-    interpreter in a dry run) against the torch path, compiled and replayed
-    from a CUDA graph; timed against ``stem_run`` on the contiguous tensors."""
+    interpreter in a dry run) against the CPU path on a host copy of the step
+    (picks) and float32 attention on the picked blocks (output), compiled and
+    replayed from a CUDA graph equal to eager; timed against ``stem_run`` on
+    the contiguous tensors."""
     from stem_indexer.ops.triton import launch
     from stem_indexer.paged import stem_paged_select
 
     q, k, v = _qkv(seq, device)
     hq, hkv, d, bs, stride = _shape(device)
+    scale = d ** -0.5
     params = dict(stem_block_size=bs, stem_stride=stride)
-    step = _paged_step(q, k, v, stride)
-    kw = dict(num_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=PAGE, device=q.device,
-              dtype=q.dtype, **params)
-    plans = {"torch": stem_indexer.stem_paged_plan([seq], [seq], backend="torch", **kw)}
-    if device == "cuda" or launch.INTERPRETED:
-        plans["triton"] = stem_indexer.stem_paged_plan([seq], [seq], backend="triton", **kw)
+    step = _paged_step(q, k, v, stride, device)
+    host_step = _paged_step(q, k, v, stride, "cpu")
+    kw = dict(num_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=PAGE, dtype=q.dtype,
+              **params)
+    backend = "triton" if device == "cuda" or launch.INTERPRETED else "torch"
+    plan = stem_indexer.stem_paged_plan([seq], [seq], backend=backend, device=q.device, **kw)
+    host_plan = stem_indexer.stem_paged_plan([seq], [seq], backend="torch", device="cpu", **kw)
     query, key_cache, value_cache, cache, table = step
-    picks = {name: stem_paged_select(query, cache, table, p) for name, p in plans.items()}
-    outs = {name: stem_indexer.stem_paged_run(*step, p) for name, p in plans.items()}
-    plan = plans.get("triton", plans["torch"])
-    checks = {f"{name} picks = torch picks": all(torch.equal(a, b) for a, b in
-                                                 zip(picks[name], picks["torch"]))
-              for name in plans if name != "torch"}
-    err = max(float((outs[name].float() - outs["torch"].float()).abs().max()) for name in outs)
-    checks[f"outputs within 2e-2 of the torch path's (max {err:.1e})"] = err < 2e-2
+    picks = stem_paged_select(query, cache, table, plan)
+    want = stem_paged_select(host_step[0], host_step[3], host_step[4], host_plan)
+    same, said = _picks_check(picks, want, q, k, v, scale, params)
+    checks = {f"{plan.kernel} picks = the CPU path's ({said})": same}
+    out = stem_indexer.stem_paged_run(*step, plan)
+    rows = _sample_rows(hq, -(-seq // bs), seed=3)
+    err = _sampled_error(lambda h, i: out[i * bs:(i + 1) * bs, h], q, k, v, *picks, rows, bs,
+                         scale)
+    checks[f"output within {TOLERANCE} of float32 attention on its picks (max {err:.1e})"] = \
+        err < TOLERANCE
     compiled = torch.compile(stem_indexer.stem_paged_run, fullgraph=True, dynamic=True)
-    checks["compiled = eager"] = torch.equal(compiled(*step, plan), outs[plan.kernel])
+    equal, why = attempt(lambda: torch.equal(compiled(*step, plan), out), device)
+    checks["compiled = eager" + (f" ({why})" if why else "")] = bool(equal)
     contiguous = stem_indexer.stem_plan([seq], [seq], num_heads=hq, num_kv_heads=hkv,
                                         head_dim=d, device=q.device, dtype=q.dtype, **params)
     fns = {"stem_run (contiguous)": lambda: stem_indexer.stem_run(q, k, v, contiguous),
            f"stem_paged_run ({plan.kernel})": lambda: stem_indexer.stem_paged_run(*step, plan)}
     if device == "cuda":
-        checks["CUDA graph replay = eager"] = _graph_check(step, plan, fns)
-    runs = interleaved_runs(fns, device=device, reps=reps)
-    said = "; ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks.items())
-    lines += ["", f"stem_paged_run at {seq} tokens, {PAGE}-token pages shuffled "
-              f"({plan.paths[0]}; attention: {plan.attention}): {said}", "",
-              "| call | ms, median [min, max] |", "|---|---|"]
-    lines += [f"| {name} | {statistics.median(ms):.2f} [{min(ms):.2f}, {max(ms):.2f}] |"
-              for name, ms in runs.items()]
-    print("\n".join(lines[-len(runs) - 4:]), flush=True)
-    return all(checks.values())
+        captured, why = attempt(lambda: _capture(
+            lambda x: stem_indexer.stem_paged_run(x, *step[1:], plan), [query.clone()],
+            [query.flip(0)]), device)
+        if captured is not None:
+            graph, replayed, again = captured
+            fns["stem_paged_run graph replay"] = graph.replay
+        checks["CUDA graph replay on new queries = eager" + (f" ({why})" if why else "")] = \
+            captured is not None and torch.equal(replayed, again)
+    times, errors = guarded_runs(fns, device=device, reps=reps)
+    report.add("", f"stem_paged_run at {seq} tokens, {PAGE}-token pages shuffled "
+               f"({plan.paths[0]}; attention: {plan.attention}): {_said(checks)}")
+    _timing_table(report, times, errors, f"stem_paged_run at {seq}")
+    return all(checks.values()) and not errors
 
 
-def _graph_check(step, plan, fns: dict) -> bool:
-    """Capture ``stem_paged_run`` in a CUDA graph, replay it on new queries:
-    equal to eager (adds the replay to ``fns``)."""
-    query, rest = step[0].clone(), step[1:]
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                stem_indexer.stem_paged_run(query, *rest, plan)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = stem_indexer.stem_paged_run(query, *rest, plan)
-        query.copy_(query.flip(0))
-        graph.replay()
-        fns["stem_paged_run graph replay"] = graph.replay
-        return torch.equal(out, stem_indexer.stem_paged_run(query, *rest, plan))
-    except Exception as exc:  # reported, and the check fails
-        print(f"CUDA graph capture of stem_paged_run failed: {type(exc).__name__}: {exc}")
-        return False
-
-
-def break_even(seq: int, budgets: list[int], device: str, reps: int, lines: list[str]) -> None:
+def break_even(seq: int, budgets: list[int], device: str, reps: int, report: Report) -> bool:
     q, k, v = _qkv(seq, device)
     _, _, _, bs, stride = _shape(device)
-    lines += ["", f"## Break-even at {seq} tokens: stem_attention(dense_above=1.0, exact_tail=0)"
-              " with a fixed budget against SDPA", "",
-              "| budget Ks | density | sdpa ms | stem ms | sdpa / stem, median [min, max] |",
-              "|---|---|---|---|---|"]
-    print("\n".join(lines[-5:]), flush=True)
-    points = []
+    report.add("", f"## Break-even at {seq} tokens: stem_attention(dense_above=1.0, "
+               "exact_tail=0) with a fixed budget against SDPA", "",
+               "| budget Ks | density | sdpa ms | stem ms | sdpa / stem, median [min, max] |",
+               "|---|---|---|---|---|")
+    points, ok = [], True
     for budget in budgets:
         kw = dict(stem_block_size=bs, stem_stride=stride, k_block_num_rate_medium=0.0,
                   k_block_num_bias_medium=budget, k_block_num_rate_large=0.0,
                   k_block_num_bias_large=budget, dense_above=1.0, exact_tail=0)
-        info = stem_indexer.stem_attention(q, k, v, return_info=True, **kw)[1]
-        runs = interleaved_runs(
-            {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                            enable_gqa=True),
-             "stem": lambda: stem_indexer.stem_attention(q, k, v, **kw)},
-            device=device, reps=reps)
-        ratio = statistics.median(a / b for a, b in zip(runs["sdpa"], runs["stem"]))
-        points.append((info.density, ratio))
-        lines.append(f"| {budget} | {info.density:.1%} | {statistics.median(runs['sdpa']):.2f} "
-                     f"| {statistics.median(runs['stem']):.2f} | {_spread(runs, 'stem')} |")
-        print(lines[-1], flush=True)
+        try:
+            info = stem_indexer.stem_attention(q, k, v, return_info=True, **kw)[1]
+            times, errors = guarded_runs(
+                {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                enable_gqa=True),
+                 "stem": lambda: stem_indexer.stem_attention(q, k, v, **kw)},
+                device=device, reps=reps)
+        except Exception as exc:  # this budget's line says so; the sweep goes on
+            report.add(f"| {budget} | error: {error_text(exc)} | | | |")
+            ok = False
+            continue
+        if not errors:
+            points.append((info.density, statistics.median(
+                a / b for a, b in zip(times["sdpa"], times["stem"]))))
+        report.add(f"| {budget} | {info.density:.1%} | {median_cell(times, 'sdpa')} "
+                   f"| {median_cell(times, 'stem')} | {spread_cell(times, 'sdpa', 'stem')} |")
+        if errors:
+            print(errors_line(errors, f"budget {budget}"), flush=True)
+            ok = False
     points.sort()
     cross = [d0 + (d1 - d0) * (r0 - 1) / (r0 - r1)
              for (d0, r0), (d1, r1) in zip(points, points[1:]) if r0 >= 1 > r1]
-    lines += ["", "break-even density (linear between the budgets around sdpa / stem = 1): "
-              + (f"{cross[0]:.1%}" if cross else "not crossed in this sweep")]
-    print(lines[-1], flush=True)
+    report.add("", "break-even density (linear between the budgets around sdpa / stem = 1): "
+               + (f"{cross[0]:.1%}" if cross else "not crossed in this sweep"))
+    return ok
+
+
+def guarded(report: Report, what: str, fn, device: str) -> bool:
+    """``fn()``'s verdict, or a line saying what it raised (and False)."""
+    verdict, why = attempt(fn, device)
+    if why is not None:
+        report.add("", f"{what}: ERROR {why}")
+        return False
+    return bool(verdict)
+
+
+def lengths(report: Report, seqs: list[int], device: str, reps: int) -> bool:
+    """The table: one row per length, each in its own try."""
+    report.add("", HEADER, "|---" * HEADER.count(" | ") + "|---|")
+    ok = True
+    for seq in seqs:
+        verdict, why = attempt(lambda: run(seq, device, reps, report), device)
+        if why is not None:
+            report.add(f"| {seq} | error: {why} |")
+        ok &= bool(verdict)
+    return ok
 
 
 def main(argv=None) -> int:
@@ -366,31 +465,33 @@ def main(argv=None) -> int:
         return 2
     reps = args.reps if device == "cuda" else 1
     hq, hkv, d, bs, stride = _shape(device)
-    lines = [f"# Stem attention against dense attention ({machine(device)})", "",
-             f"git {git_sha()}, bf16, B=1, Hq={hq}, Hkv={hkv}, D={d}, causal, blocks of {bs}, "
-             f"stride {stride}; times in ms, medians of {reps} turns with the calls "
-             "alternating; speed-ups are sdpa / x per turn, median [min, max]"]
-    ok = True
-    with torch.inference_mode():
-        if args.break_even:
-            budgets = [int(b) for b in args.budgets.split(",")]
-            break_even(args.break_even if device == "cuda" else 2048,
-                       budgets if device == "cuda" else [8, 24, 40], device, reps, lines)
-        else:
-            lines += ["", "| tokens | density | sdpa | flex dense | indexer | sparse attn | "
-                      "stem_attention | path | sdpa / sparse | E | sdpa / stem | "
-                      "flex dense / stem | max err sparse / stem | triton sparse | E triton | "
-                      "triton - flex | check |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-            print("\n".join(lines), flush=True)
-            default = "32768,65536,131072" if device == "cuda" else "1024,2048"
-            seqs = [int(s) for s in (args.seqs or default).split(",")]
-            ok = all([run(seq, device, reps, lines) for seq in seqs])
-            ok &= planned(seqs[-1], device, reps, lines)
-            ok &= paged(seqs[-1] if device == "cuda" else 128, device, reps, lines)
     name = "gpu_break_even.md" if args.break_even else "gpu_attention.md"
-    write_atomic(Path(os.environ.get("OUT", "./out")) / name, "\n".join(lines) + "\n")
-    print("checks passed" if ok else "CHECK FAILED")
+    report = Report(Path(os.environ.get("OUT", "./out")) / name)
+    report.add(f"# Stem attention against dense attention ({machine(device)})", "",
+               f"git {run_sha()}, bf16, B=1, Hq={hq}, Hkv={hkv}, D={d}, causal, blocks of {bs}, "
+               f"stride {stride}; times in ms, medians of {reps} turns with the calls "
+               "alternating; speed-ups are sdpa / x per turn, median [min, max]")
+    ok = True
+    try:
+        with torch.inference_mode():
+            if args.break_even:
+                budgets = [int(b) for b in args.budgets.split(",")]
+                ok = break_even(args.break_even if device == "cuda" else 2048,
+                                budgets if device == "cuda" else [8, 24, 40], device, reps,
+                                report)
+            else:
+                default = "32768,65536,131072" if device == "cuda" else "1024,2048"
+                seqs = [int(s) for s in (args.seqs or default).split(",")]
+                ok = lengths(report, seqs, device, reps)
+                last = seqs[-1] if device == "cuda" else 128
+                ok &= guarded(report, f"stem_paged_run at {last} tokens",
+                              lambda: paged(last, device, reps, report), device)
+                ok &= guarded(report, f"stem_run at {seqs[-1]} tokens",
+                              lambda: planned(seqs[-1], device, reps, report), device)
+    except KeyboardInterrupt:  # the step's time limit: what was measured is in the file
+        report.add("", "CUT SHORT (interrupted): the lines above are what was measured")
+        return 130
+    report.add("", "checks passed" if ok else "CHECK FAILED")
     return 0 if ok else 1
 
 

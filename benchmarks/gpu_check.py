@@ -1,11 +1,12 @@
 """GPU check of the Triton path: correctness, speed against a torch composite
-and the roofline, CUDA-graph capture. One H200, under four minutes.
+and the roofline, CUDA-graph capture, on one H100 or H200 (``gpu_check.sh
+--all`` gives it 80 s).
 
 1. Correctness: a subset of the case table (128K and 1M-token kv included)
    on the GPU against the op's CPU path on the same inputs, judged like the
    runner (docs/CONTRACT.md section 5; integer-data cases must be identical).
 2. CUDA graphs: ``torch.compile(mode="reduce-overhead")`` of the op replays
-   with results identical to eager.
+   with results identical to the CPU path's (integer data: exact scores).
 3. Speed, each the median of CUDA-event measurements after warm-up: the op
    replayed from a CUDA graph (no host checks), the eager op (with its
    host-side value checks), its two kernels alone (score, select), and a
@@ -15,17 +16,28 @@ and the roofline, CUDA-graph capture. One H200, under four minutes.
    fit memory) on
    * B=8, Nq=64, Nk=8, Df=2048, Bs=128, causal q = kv = 128K tokens;
    * B=1, Nq=32, Nk=8, Df=2048, Bs=128, q = 8K tokens at the end of kv = 1M.
-   The roofline is max(GEMM FLOPs of the visible pairs at 790 TFLOP/s,
-   bytes of the inputs read once and the outputs written once at 4.3 TB/s).
+   The roofline is max(GEMM FLOPs of the visible pairs at the GPU's peak,
+   bytes of the inputs read once and the outputs written once at its
+   bandwidth), the peaks chosen by ``torch.cuda.get_device_name()``
+   (``gpu_report.peaks_for``: 790 TFLOP/s on an H100 SXM and an H200, 3.0
+   and 4.3 TB/s); on another GPU the roofline is not guessed: its cells say
+   ``unknown`` and its target is not judged.
    Targets: >= 5x the composite, <= 2x the roofline.
 4. ``--variants``: the two kernels under other launch configurations
    (pointer loads instead of TMA, deeper pipeline, the radix selection for
    every row, ...) on the first shape, to choose defaults.
 
+Each case, check, shape and variant runs in its own try, and so does each
+timing of a shape: one that raises fails the check and loses its own cells,
+the rest are measured. Every line goes to stdout and is appended to
+``$OUT/gpu_check.md`` (``$OUT`` defaults to ./out) as it is produced, after
+the machine, its peaks, the versions and the commit (``STEM_GIT_SHA``,
+``gpu_report.run_sha``): a run stopped at its time limit keeps what it
+measured.
+
 ``--dry-run`` runs the same logic on CPU tensors with tiny shapes under the
 Triton interpreter (no GPU needed), so the script itself can be checked
-anywhere. The table goes to stdout and to ``$OUT/gpu_check.md`` (``$OUT``
-defaults to ./out), with the machine, versions and git sha.
+anywhere.
 """
 
 from __future__ import annotations
@@ -46,14 +58,13 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from common import git_sha, machine, median_ms, write_atomic  # noqa: E402
+from common import machine, median_ms  # noqa: E402
+from gpu_report import Peaks, Report, attempt, device_peaks, error_text, run_sha  # noqa: E402
 from stem_indexer import contract  # noqa: E402
 from stem_indexer.contract import IndexerParams, ceil_div  # noqa: E402
 from stem_indexer.ops.triton import launch  # noqa: E402
 from stem_indexer.testing import cases, compare  # noqa: E402
 
-PEAK_FLOPS = 790e12
-PEAK_BYTES = 4.3e12
 CORRECTNESS_CASES = ("SI_WB_001", "SI_WB_003", "SI_WB_103", "SI_WB_013", "SI_WB_024",
                      "SI_WB_045", "SI_WB_059", "SI_WB_061", "SI_WB_161", "SI_WB_062",
                      "SI_WB_077", "SI_WB_094", "SI_WB_097", "SI_WB_098")
@@ -95,10 +106,13 @@ VARIANTS = {
 }
 
 
-def _versions(device: str) -> str:
+def _versions(device: str, peaks: Peaks | None) -> str:
     import triton
-    return (f"machine: {machine(device)}; triton {triton.__version__}; git {git_sha()}; "
-            f"python {platform.python_version()}")
+    name = device_peaks(device)[0]
+    roof = (f"roofline peaks {peaks}" if peaks is not None
+            else f"roofline peaks unknown for {name}: no roofline ratio")
+    return (f"machine: {machine(device)}; {roof}; triton {triton.__version__}; "
+            f"git {run_sha()}; python {platform.python_version()}")
 
 
 def _metadata(inputs: dict, q_heads: int, kv_heads: int, params: IndexerParams, dim: int):
@@ -240,18 +254,18 @@ def _config(bench: Bench, device: str, **changes):
 # --------------------------------------------------------------------------- #
 
 
-def check_correctness(device: str, case_ids, lines: list[str]) -> bool:
+def check_correctness(device: str, case_ids, report: Report) -> bool:
     ok_all = True
-    lines += ["", "## Correctness (GPU vs the CPU path, docs/CONTRACT.md section 5)", "",
-              "| case | result | seconds |", "|---|---|---|"]
+    report.add("", "## Correctness (GPU vs the CPU path, docs/CONTRACT.md section 5)", "",
+               "| case | result | seconds |", "|---|---|---|")
     for cid in case_ids:
         case = cases.get_case(cid)
-        raw = case.make_inputs()
-        md = _metadata(raw, case.q_heads, case.kv_heads, case.params, case.dim)
-        expected = run_cpu_path(raw, md, case.params)
-        dev = {k: (v.to(device) if v is not None else None) for k, v in raw.items()}
         t0 = time.perf_counter()
         try:
+            raw = case.make_inputs()
+            md = _metadata(raw, case.q_heads, case.kv_heads, case.params, case.dim)
+            expected = run_cpu_path(raw, md, case.params)
+            dev = {k: (v.to(device) if v is not None else None) for k, v in raw.items()}
             out = tuple(t.cpu() for t in run_op(dev, md.to(device), case.params))
             # Our own backend: no pick may differ beyond rounding (allowance 0).
             result = compare.compare(out, expected, raw, case.params, allowance=0.0)
@@ -259,17 +273,16 @@ def check_correctness(device: str, case_ids, lines: list[str]) -> bool:
             if case.data == "integer" and not all(torch.equal(a, e) for a, e in zip(out, expected)):
                 ok, text = False, text + "; FAIL: integer data must be identical"
         except Exception as exc:  # reported, the check goes on
-            ok, text = False, f"ERROR {type(exc).__name__}: {exc}"
+            ok, text = False, f"ERROR {error_text(exc)}"
         ok_all &= ok
-        lines.append(f"| {case.label} | {text[:160]} | {time.perf_counter() - t0:.2f} |")
-        print(lines[-1], flush=True)
+        report.add(f"| {case.label} | {text[:160]} | {time.perf_counter() - t0:.2f} |")
     return ok_all
 
 
-def check_graph_capture(device: str, lines: list[str]) -> bool:
-    lines += ["", "## CUDA graph capture", ""]
+def check_graph_capture(device: str, report: Report) -> bool:
+    report.add("", "## CUDA graph capture", "")
     if device != "cuda":
-        lines.append("skipped: no CUDA device (dry run)")
+        report.add("skipped: no CUDA device (dry run)")
         return True
     case = cases.get_case("SI_WB_079")  # integer data, GQA, mixed batch of 7
     raw = case.make_inputs("cuda")
@@ -281,15 +294,14 @@ def check_graph_capture(device: str, lines: list[str]) -> bool:
                                                  metadata=metadata, **attrs)
 
     args = (*_args(raw), md)
-    eager = call(*args)
+    expected = run_cpu_path(raw, md, case.params)  # integer data: the same bits
     compiled = torch.compile(call, mode="reduce-overhead")
     same = True
     for _ in range(4):
         got = compiled(*args)
-        same &= all(torch.equal(a, e) for a, e in zip(got, eager))
-    lines.append(f"torch.compile(mode='reduce-overhead'), 4 calls (warm-up, record, replays): "
-                 f"{'identical to eager' if same else 'DIFFERENT from eager'}")
-    print(lines[-1], flush=True)
+        same &= all(torch.equal(a.cpu(), e) for a, e in zip(got, expected))
+    report.add("torch.compile(mode='reduce-overhead'), 4 calls (warm-up, record, replays): "
+               + ("identical to the CPU path" if same else "DIFFERENT from the CPU path"))
     return same
 
 
@@ -308,82 +320,120 @@ def bench_inputs(bench: Bench, device: str) -> dict:
     }
 
 
-def roofline_ms(bench: Bench, inputs: dict, out) -> float:
+def roofline_ms(bench: Bench, inputs: dict, out, peaks: Peaks) -> float:
     qb, kb = bench.q_tokens // bench.block, bench.kv_tokens // bench.block
     s2 = torch.arange(qb, dtype=torch.float64) + (kb - qb + 1)  # causal, right-down
     pairs = float(s2.clamp(0, kb).sum()) * bench.batch * bench.q_heads
     flops = 2.0 * bench.dim * pairs
     moved = sum(t.numel() * t.element_size() for t in (*_args(inputs), *out))
-    return max(flops / PEAK_FLOPS, moved / PEAK_BYTES) * 1e3
+    return max(flops / peaks.flops, moved / peaks.bytes) * 1e3
 
 
-def run_benches(device: str, benches, lines: list[str], reps: int) -> bool:
+def _graph_ms(inputs: dict, md, params: IndexerParams, device: str, reps: int) -> float:
+    """The op replayed from a CUDA graph (no host checks); eager on CPU."""
+    if device != "cuda":
+        return median_ms(lambda: run_op(inputs, md, params), device=device, reps=reps)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_op(inputs, md, params)
+    try:
+        return median_ms(graph.replay, device=device, reps=reps)
+    finally:
+        del graph
+
+
+def _judged(inputs: dict, out, composite_out, bench: Bench, params: IndexerParams):
+    """The op's picks on batch 0 and the query heads of KV head 0 against the
+    composite's and the CPU path's on that part alone (recomputing the scores
+    of differing rows of the whole output would take minutes): two summaries
+    and whether the CPU path's comparison passed."""
+    g = bench.q_heads // bench.kv_heads
+    part = {"qflat": inputs["qflat"][:1, :g], "kflat": inputs["kflat"][:1, :1],
+            "vbias": inputs["vbias"][:1, :1], "q_seq_lens": inputs["q_seq_lens"][:1],
+            "kv_seq_lens": inputs["kv_seq_lens"][:1]}
+    mine = tuple(t[:1, :g].cpu() for t in out)
+    equal = compare.compare(mine, tuple(t[:1, :g].cpu() for t in composite_out), part, params)
+    part_cpu = {k: v.cpu() for k, v in part.items()}
+    part_md = _metadata(part_cpu, g, 1, params, bench.dim)
+    cpu_path = run_cpu_path({**part_cpu, "num_prompt_tokens": None}, part_md, params)
+    versus_cpu = compare.compare(mine, cpu_path, part_cpu, params, allowance=0.0)
+    return equal.summary(), versus_cpu.summary(), versus_cpu.ok
+
+
+def _cell(value, error: str | None, fmt: str = ".3f") -> str:
+    return "error" if error is not None else format(value, fmt)
+
+
+def bench_row(bench: Bench, device: str, reps: int, peaks: Peaks | None) -> tuple[str, bool]:
+    """One shape's line of the speed table, each timing in its own try: a
+    part that raises says ``error`` in its cell (and fails the shape)."""
+    params = IndexerParams(stem_block_size=bench.block, stem_stride=bench.stride)
+    inputs = bench_inputs(bench, device)
+    md = _metadata(inputs, bench.q_heads, bench.kv_heads, params, bench.dim)
+    out = run_op(inputs, md, params)
+    judged, judge_error = attempt(lambda: _judged(inputs, out, run_composite(inputs, params),
+                                                  bench, params), device)
+    equal, versus_cpu, cpu_ok = judged or ("error", "error", False)
+    eager, eager_error = attempt(lambda: median_ms(lambda: run_op(inputs, md, params),
+                                                   device=device, reps=reps), device)
+    replay, replay_error = attempt(lambda: _graph_ms(inputs, md, params, device, reps), device)
+    kernels, kernels_error = attempt(lambda: kernel_times(
+        inputs, md, params, _config(bench, device), device, reps), device)
+    composite, composite_error = attempt(lambda: median_ms(
+        lambda: run_composite(inputs, params), device=device, reps=2, warmup=0), device)
+    errors = [e for e in (judge_error, eager_error, replay_error, kernels_error,
+                          composite_error) if e is not None]
+    speedup = None if composite is None or replay is None else composite / replay
+    roof = None if peaks is None else roofline_ms(bench, inputs, out, peaks)
+    ratio = None if roof is None or replay is None else replay / roof
+    ok = not errors and cpu_ok and speedup is not None and speedup >= 5 \
+        and (ratio is None or ratio <= 2)
+    cells = [f"{bench.name}: B={bench.batch} Nq={bench.q_heads} Nk={bench.kv_heads} "
+             f"Df={bench.dim} q={bench.q_tokens} kv={bench.kv_tokens}",
+             _cell(replay, replay_error), _cell(eager, eager_error),
+             "error" if kernels is None else " + ".join(f"{t:.3f}" for t in kernels),
+             _cell(composite, composite_error),
+             "-" if speedup is None else f"{speedup:.1f}x",
+             "unknown" if roof is None else f"{roof:.3f}",
+             "-" if ratio is None else f"{ratio:.2f}x", equal, versus_cpu]
+    for text in errors:
+        print(f"{bench.name}: {text}", flush=True)
+    return "| " + " | ".join(cells) + " |", ok
+
+
+def run_benches(device: str, benches, report: Report, reps: int, peaks: Peaks | None) -> bool:
     ok_all = True
-    lines += ["", "## Speed (median ms)", "",
-              "| shape | op (graph) | op (eager) | score + select kernels | composite | "
-              "speed-up (>= 5) | roofline | op / roofline (<= 2) | vs composite | "
-              "vs CPU path (batch 0, KV head 0) |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    report.add("", "## Speed (median ms)", "",
+               "| shape | op (graph) | op (eager) | score + select kernels | composite | "
+               "speed-up (>= 5) | roofline | op / roofline (<= 2) | vs composite | "
+               "vs CPU path (batch 0, KV head 0) |",
+               "|---|---|---|---|---|---|---|---|---|---|")
     for bench in benches:
-        params = IndexerParams(stem_block_size=bench.block, stem_stride=bench.stride)
-        inputs = bench_inputs(bench, device)
-        md = _metadata(inputs, bench.q_heads, bench.kv_heads, params, bench.dim)
-        out = run_op(inputs, md, params)
-        composite_out = run_composite(inputs, params)
-        # Judged on batch 0 and the query heads of KV head 0 (recomputing the
-        # scores of differing rows of the whole output would take minutes).
-        g = bench.q_heads // bench.kv_heads
-        part = {"qflat": inputs["qflat"][:1, :g], "kflat": inputs["kflat"][:1, :1],
-                "vbias": inputs["vbias"][:1, :1], "q_seq_lens": inputs["q_seq_lens"][:1],
-                "kv_seq_lens": inputs["kv_seq_lens"][:1]}
-        mine = tuple(t[:1, :g].cpu() for t in out)
-        equal = compare.compare(mine, tuple(t[:1, :g].cpu() for t in composite_out), part,
-                                params)
-        del composite_out
-        # The same rows from the op's CPU path on that part alone: the judge
-        # when the composite (another summation order) disagrees.
-        part_cpu = {k: v.cpu() for k, v in part.items()}
-        part_md = _metadata(part_cpu, g, 1, params, bench.dim)
-        cpu_path = run_cpu_path({**part_cpu, "num_prompt_tokens": None}, part_md, params)
-        versus_cpu = compare.compare(mine, cpu_path, part_cpu, params, allowance=0.0)
-        eager = median_ms(lambda: run_op(inputs, md, params), device=device, reps=reps)
-        if device == "cuda":
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run_op(inputs, md, params)
-            replay = median_ms(graph.replay, device=device, reps=reps)
-            del graph
-        else:
-            replay = eager
-        kernels = kernel_times(inputs, md, params, _config(bench, device), device, reps)
-        composite = median_ms(lambda: run_composite(inputs, params), device=device, reps=2,
-                              warmup=0)
-        roof = roofline_ms(bench, inputs, out)
-        speedup, ratio = composite / replay, replay / roof
-        ok = speedup >= 5 and ratio <= 2 and versus_cpu.ok
+        row, why = attempt(lambda: bench_row(bench, device, reps, peaks), device)
+        line, ok = row if row is not None else (f"| {bench.name} | error: {why} |", False)
+        report.add(line)
         ok_all &= ok
-        lines.append(f"| {bench.name}: B={bench.batch} Nq={bench.q_heads} Nk={bench.kv_heads} "
-                     f"Df={bench.dim} q={bench.q_tokens} kv={bench.kv_tokens} | {replay:.3f} | "
-                     f"{eager:.3f} | {' + '.join(f'{t:.3f}' for t in kernels)} | "
-                     f"{composite:.3f} | {speedup:.1f}x | {roof:.3f} | {ratio:.2f}x | "
-                     f"{equal.summary()} | {versus_cpu.summary()} |")
-        print(lines[-1], flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
     return ok_all
 
 
-def run_variants(device: str, bench: Bench, lines: list[str], reps: int) -> None:
-    lines += ["", f"## Kernel variants on {bench.name} (median ms of each kernel)", "",
-              "| configuration | score | select |", "|---|---|---|"]
+def run_variants(device: str, bench: Bench, report: Report, reps: int) -> bool:
+    report.add("", f"## Kernel variants on {bench.name} (median ms of each kernel)", "",
+               "| configuration | score | select |", "|---|---|---|")
     inputs = bench_inputs(bench, device)
     params = IndexerParams(stem_block_size=bench.block, stem_stride=bench.stride)
     md = _metadata(inputs, bench.q_heads, bench.kv_heads, params, bench.dim)
+    ok = True
     for name, changes in {"default": {}, **VARIANTS}.items():
-        cfg = _config(bench, device, **changes)
-        score, *select = kernel_times(inputs, md, params, cfg, device, reps)
-        lines.append(f"| {name}: {cfg} | {score:.3f} | {sum(select):.3f} |")
-        print(lines[-1], flush=True)
+        try:
+            cfg = _config(bench, device, **changes)
+            score, *select = kernel_times(inputs, md, params, cfg, device, reps)
+            report.add(f"| {name}: {cfg} | {score:.3f} | {sum(select):.3f} |")
+        except Exception as exc:  # this variant's line says so; the others run
+            report.add(f"| {name} | error: {error_text(exc)} | |")
+            ok = False
+    return ok
 
 
 def main(argv=None) -> int:
@@ -401,17 +451,27 @@ def main(argv=None) -> int:
         return 2
     reps = 2 if args.dry_run else args.reps
     benches = DRY_BENCHES if args.dry_run else BENCHES
-    lines = ["# stem-indexer GPU check", "", _versions(device)]
-    print(lines[-1], flush=True)
-    ok = check_correctness(device, DRY_CASES if args.dry_run else CORRECTNESS_CASES, lines)
-    ok &= check_graph_capture(device, lines)
-    ok &= run_benches(device, benches, lines, reps)
+    peaks = device_peaks(device)[1]
+    report = Report(Path(args.out) / "gpu_check.md")
+    report.add("# stem-indexer GPU check", "", _versions(device, peaks))
+    steps = [lambda: check_correctness(device, DRY_CASES if args.dry_run else CORRECTNESS_CASES,
+                                       report),
+             lambda: check_graph_capture(device, report),
+             lambda: run_benches(device, benches, report, reps, peaks)]
     if args.variants:
-        run_variants(device, benches[0], lines, reps)
-    lines += ["", f"overall: {'PASS' if ok else 'FAIL'}"
-              + (" (dry run: speed targets not meaningful)" if args.dry_run else "")]
-    print(lines[-1])
-    write_atomic(Path(args.out) / "gpu_check.md", "\n".join(lines) + "\n")
+        steps.append(lambda: run_variants(device, benches[0], report, reps))
+    ok = True
+    try:
+        for run in steps:
+            verdict, why = attempt(run, device)
+            if why is not None:
+                report.add("", f"ERROR {why}")
+            ok &= bool(verdict)
+    except KeyboardInterrupt:  # the step's time limit: what was measured is in the file
+        report.add("", "CUT SHORT (interrupted): the lines above are what was measured")
+        return 130
+    report.add("", f"overall: {'PASS' if ok else 'FAIL'}"
+               + (" (dry run: speed targets not meaningful)" if args.dry_run else ""))
     return 0 if ok or args.dry_run else 1
 
 
