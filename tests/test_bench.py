@@ -1,9 +1,15 @@
 """benchmarks/indexer_bench.py: the plain baseline and the GEMM line are right, and one tiny
-shape runs end to end (timings are printed by the benchmark, never asserted)."""
+shape runs end to end (timings are printed by the benchmark, never asserted). The GPU check
+(benchmarks/gpu_check.sh and its scripts): its steps fit one 600-second command, its test
+selection names tests that exist, and a call, a length or a timing that raises loses only
+its own cells."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,3 +129,168 @@ def test_vllm_passkey_trials_are_named_by_their_settings(stem, name):
     import vllm_bench  # no vLLM import at module level
 
     assert vllm_bench.stem_config_name(stem) == name
+
+
+# --------------------------------------------------------------------------- #
+# The GPU check (benchmarks/gpu_check.sh and the scripts it runs), on the CPU
+# --------------------------------------------------------------------------- #
+
+GPU_CHECK = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
+STUB_TIMEOUT = """#!/usr/bin/env bash
+echo "$*" >> "$STUB_CALLS"
+echo "step output: $*"
+case "$*" in *gpu_check.py*) exit 124 ;; esac
+"""
+
+
+def _run_gpu_check(tmp_path, *args):
+    """gpu_check.sh with ``timeout`` stubbed (it records its arguments; the
+    indexer check's step stops "at its limit"): what the script runs, and
+    how, without running it."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "timeout").write_text(STUB_TIMEOUT)
+    (stubs / "timeout").chmod(0o755)
+    out, calls = tmp_path / "out", tmp_path / "calls"
+    env = dict(os.environ, PATH=f"{stubs}:{os.environ['PATH']}", PYTHON="true", OUT=str(out),
+               STUB_CALLS=str(calls), STEM_GIT_SHA="0123abc")
+    proc = subprocess.run(["bash", str(GPU_CHECK), *args], env=env, capture_output=True,
+                          text=True, timeout=60)
+    return proc, [line.split() for line in calls.read_text().splitlines()], out
+
+
+def test_gpu_check_steps_fit_one_600_second_command(tmp_path):
+    """--all: five steps, each under ``timeout -s INT -k 15 LIMIT`` (SIGINT
+    first, so pytest prints its summary and the scripts keep their lines),
+    the limits adding up to at most 420 s, the curated CUDA tests first; a
+    step stopped at its limit is reported and the next ones run; one log
+    holds every step's output."""
+    proc, calls, out = _run_gpu_check(tmp_path, "--all")
+    assert [c[:4] for c in calls] == [["-s", "INT", "-k", "15"]] * 5, calls
+    assert sum(int(c[4]) for c in calls) <= 420
+    scripts = [" ".join(c[6:8]) for c in calls]
+    assert scripts == ["benchmarks/gpu_tests.py curated", "benchmarks/gpu_check.py --reps",
+                       "benchmarks/gpu_attention.py --reps",
+                       "benchmarks/gpu_attention.py --break-even",
+                       "benchmarks/gpu_tests.py rest"], scripts
+    assert proc.returncode == 1 and "indexer check (stopped at its limit (exit 124))" in proc.stdout
+    log = (out / "gpu_check.log").read_text()
+    assert log.count("step output:") == 5 and "git 0123abc" in log
+    assert log.count("=== ") == 10  # each step's start and end
+
+
+def test_gpu_check_dry_run_reaches_every_step(tmp_path):
+    _, calls, _ = _run_gpu_check(tmp_path, "--all", "--dry-run")
+    assert all("--dry-run" in c for c in calls) and len(calls) == 5
+
+
+def test_gpu_test_selection_names_tests_that_exist():
+    """The curated CUDA tests are test functions (or files) of the suite, the
+    case ids are the table's; the run shares tests out (``--dist load``),
+    caps Inductor's compile threads and writes a JUnit XML under $OUT; the
+    rest leaves the curated ones out."""
+    import ast
+
+    import gpu_tests
+
+    root = GPU_CHECK.parents[1]
+    for test in gpu_tests.CURATED:
+        path, _, name = test.partition("::")
+        assert (root / path).is_file(), test
+        if name:
+            tree = ast.parse((root / path).read_text())
+            assert name in {f.name for f in tree.body if isinstance(f, ast.FunctionDef)}, test
+    assert 8 <= len(gpu_tests.CASE_IDS) <= 12
+    for case_id in gpu_tests.CASE_IDS:
+        get_case(case_id)
+    args, env = gpu_tests.command("curated", Path("/o"))
+    assert args[args.index("--dist") + 1] == "load"
+    assert "--junitxml=/o/cuda_tests_curated.xml" in args
+    assert env["STEM_INDEXER_DEVICE"] == "cuda" and env["TORCHINDUCTOR_COMPILE_THREADS"]
+    assert env["STEM_INDEXER_CASE_ID"].split(",") == list(gpu_tests.CASE_IDS)
+    rest, env = gpu_tests.command("rest", Path("/o"))
+    assert {f"--deselect={t}" for t in gpu_tests.CURATED} <= set(rest)
+    assert "STEM_INDEXER_CASE_ID" not in env
+    dry, env = gpu_tests.command("curated", Path("/o"), dry_run=True)
+    assert "--collect-only" in dry and env["STEM_INDEXER_DEVICE"] == "cpu"
+
+
+def test_a_raising_timed_function_loses_only_its_own_cells(tmp_path, monkeypatch):
+    """gpu_attention.py: a timed call that raises (here the FlexAttention
+    baseline) leaves its cells ``error`` and fails the row; every other call
+    of the length is timed and the row is in the file at once."""
+    import gpu_attention
+    from gpu_report import Report, guarded_runs
+
+    times, errors = guarded_runs({"ok": lambda: None, "bad": lambda: 1 / 0, "also": lambda: None},
+                                 device="cpu", reps=3)
+    assert set(times) == {"ok", "also"} and all(len(t) == 3 for t in times.values())
+    assert errors == {"bad": "ZeroDivisionError: division by zero"}
+
+    def broken(*args):
+        def call():
+            raise RuntimeError("planted")
+        return call
+
+    monkeypatch.setattr(gpu_attention, "_flex_dense", broken)
+    report = Report(tmp_path / "gpu_attention.md")
+    with torch.inference_mode():
+        assert gpu_attention.run(256, "cpu", 1, report) is False
+    (row,) = report.path.read_text().splitlines()
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[0] == "256" and cells[3] == "error" and cells[-1] == "FAIL"
+    for cell in cells[2:3] + cells[4:7]:  # sdpa, indexer, sparse, stem: measured
+        float(cell)
+
+
+def test_a_length_that_raises_loses_only_its_row(tmp_path, monkeypatch):
+    """Each length runs in its own try; the rows before it are already in
+    the file when the next one starts."""
+    import gpu_attention
+    from gpu_report import Report
+
+    report = Report(tmp_path / "gpu_attention.md")
+
+    def run(seq, device, reps, report):
+        if seq == 2:
+            raise MemoryError("planted")
+        assert "| 1 | row |" in report.path.read_text()  # appended as produced
+        report.add(f"| {seq} | row |")
+        return True
+
+    monkeypatch.setattr(gpu_attention, "run", run)
+    monkeypatch.setattr(gpu_attention, "HEADER", "| tokens | x |")
+    report.add("| 1 | row |")
+    assert gpu_attention.lengths(report, [2, 3], "cpu", 1) is False
+    lines = report.path.read_text().splitlines()
+    assert lines[-2] == "| 2 | error: MemoryError: planted |" and lines[-1] == "| 3 | row |"
+
+
+def test_gpu_check_rows_lose_only_the_timing_that_raised(monkeypatch):
+    """gpu_check.py: a kernel timing that raises leaves its cell ``error``
+    (and fails the shape); the others are measured. A GPU whose peaks are
+    unknown gets no roofline ratio; the peaks follow the device's name."""
+    import gpu_check
+    from gpu_report import H100_SXM, H200, peaks_for
+
+    monkeypatch.setattr(gpu_check, "run_op", gpu_check.run_cpu_path)  # no Triton here
+    monkeypatch.setattr(gpu_check, "kernel_times", lambda *a: 1 / 0)
+    row, ok = gpu_check.bench_row(gpu_check.DRY_BENCHES[0], "cpu", 1, None)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert not ok and cells[3] == "error" and cells[6] == "unknown" and cells[7] == "-"
+    for cell in cells[1:3] + cells[4:5]:
+        float(cell)
+    assert cells[9].startswith("PASS")
+    row, _ = gpu_check.bench_row(gpu_check.DRY_BENCHES[0], "cpu", 1, H200)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    float(cells[6]), float(cells[7].rstrip("x"))  # a roofline, and the op against it
+    assert peaks_for("NVIDIA H200") is H200 and peaks_for("NVIDIA H100 80GB HBM3") is H100_SXM
+    for name in ("NVIDIA H100 PCIe", "NVIDIA H200 NVL", "NVIDIA A100-SXM4-80GB", "cpu"):
+        assert peaks_for(name) is None, name
+
+
+def test_the_commit_measured_comes_from_the_host(monkeypatch):
+    from gpu_report import run_sha
+
+    monkeypatch.setenv("STEM_GIT_SHA", "feedbeef+dirty")
+    assert run_sha() == "feedbeef+dirty"
