@@ -165,29 +165,24 @@ static float exp_bf16_scalar(const float *s, int c, int n, float a, float m, uin
 }
 
 #ifdef HAVE_X86
-/* 2^x on [-1/2, 1/2] after rounding x: the Cephes exp2f polynomial (degree
- * 6, relative error below 2e-7), or degree 4 (`low`, 3e-6). Lanes with
+/* 2^f for f in [-1/2, 1/2], highest power first: the Cephes exp2f polynomial
+ * (degree 6, relative error below 2e-7), or degree 4 (`low`, 3e-6). Both
+ * vector widths evaluate it with one fused multiply-add per degree. */
+static const float EXP2_POLY[2][7] = {
+    {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+     5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f},
+    {9.570099e-3f, 5.591786e-2f, 2.4024744e-1f, 6.931218e-1f, 9.999993e-1f}};
+#define EXP2_DEGREE(low) ((low) ? 4 : 6)
+
+/* 2^x after rounding x to n + f (EXP2_POLY on f, scaled by 2^n). Lanes with
  * x <= -126 give 0, NaN lanes NaN. */
 AVX512 static inline __m512 exp2_512(__m512 x, int low)
 {
     __mmask16 ok = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GT_OQ);
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(x, n), p;
-    if (low) {
-        p = _mm512_set1_ps(9.570099e-3f);
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.591786e-2f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024744e-1f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931218e-1f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999993e-1f));
-    } else {
-        p = _mm512_set1_ps(1.535336188319500e-4f);
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    }
+    __m512 f = _mm512_sub_ps(x, n), p = _mm512_set1_ps(EXP2_POLY[low][0]);
+    for (int d = 1; d <= EXP2_DEGREE(low); d++)
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_POLY[low][d]));
     __m512 r = _mm512_maskz_scalef_ps(ok, p, n);
     return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
 }
@@ -235,33 +230,41 @@ AVX512 static float max_512(const float *s, int c, float a)
                                               _mm512_max_ps(acc[2], acc[3])));
 }
 
+/* The body of exp_f32 and exp_bf16 for one vector width, given as VEC: its
+ * type, lanes, zero, broadcast, sum, horizontal sum and exp_lanes. Lanes j..
+ * of the exponentials, e, are kept by KEEP (a statement): in s, or rounded
+ * into p; LOW: the degree-4 polynomial. */
+#define EXP_ROW(VEC, LOW, KEEP) EXP_ROW_(VEC, LOW, KEEP)
+#define EXP_ROW_(T, LANES, ZERO, SET1, ADD, HSUM, EXP_LANES, LOW, KEEP)                      \
+    T acc = ZERO(), av = SET1(a), mv = SET1(m);                                               \
+    for (int j = 0; j < n; j += LANES) {                                                      \
+        T e = EXP_LANES(s, j, c, av, mv, LOW);                                                \
+        KEEP;                                                                                 \
+        acc = ADD(acc, e);                                                                    \
+    }                                                                                         \
+    return HSUM(acc)
+#define VEC_512 __m512, 16, _mm512_setzero_ps, _mm512_set1_ps, _mm512_add_ps,                \
+                _mm512_reduce_add_ps, exp_lanes_512
+
+/* e (>= 0, finite or NaN) as bfloat16, nearest even (NaN quiet, as bf16_round). */
+AVX512 static inline __m256i bf16_512(__m512 e)
+{
+    __m512i b = _mm512_castps_si512(e), high = _mm512_srli_epi32(b, 16);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(
+        _mm512_set1_epi32(0x7FFF), _mm512_and_si512(high, _mm512_set1_epi32(1)))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(e, e, _CMP_UNORD_Q),
+                              _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+
 AVX512 static float exp_f32_512(float *s, int c, int n, float a, float m)
 {
-    __m512 acc = _mm512_setzero_ps(), av = _mm512_set1_ps(a), mv = _mm512_set1_ps(m);
-    for (int j = 0; j < n; j += 16) {
-        __m512 e = exp_lanes_512(s, j, c, av, mv, 0);
-        _mm512_storeu_ps(s + j, e);
-        acc = _mm512_add_ps(acc, e);
-    }
-    return _mm512_reduce_add_ps(acc);
+    EXP_ROW(VEC_512, 0, _mm512_storeu_ps(s + j, e));
 }
 
 AVX512 static float exp_bf16_512(const float *s, int c, int n, float a, float m, uint16_t *p)
 {
-    __m512 acc = _mm512_setzero_ps(), av = _mm512_set1_ps(a), mv = _mm512_set1_ps(m);
-    const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
-    const __m512i quiet = _mm512_set1_epi32(0x40);
-    for (int j = 0; j < n; j += 16) {
-        __m512 e = exp_lanes_512(s, j, c, av, mv, 1);
-        __m512i b = _mm512_castps_si512(e); /* nearest even; e >= 0, finite or NaN */
-        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(half, _mm512_and_si512(
-                                                         _mm512_srli_epi32(b, 16), one))), 16);
-        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(e, e, _CMP_UNORD_Q),
-                                  _mm512_or_si512(_mm512_srli_epi32(b, 16), quiet));
-        _mm256_storeu_si256((__m256i *)(p + j), _mm512_cvtepi32_epi16(r));
-        acc = _mm512_add_ps(acc, e);
-    }
-    return _mm512_reduce_add_ps(acc);
+    EXP_ROW(VEC_512, 1, _mm256_storeu_si256((__m256i *)(p + j), bf16_512(e)));
 }
 
 #ifdef HAVE_BF16_ISA
@@ -285,22 +288,9 @@ AVX2 static inline __m256 exp2_256(__m256 x0, int low)
     __m256 ok = _mm256_cmp_ps(x0, _mm256_set1_ps(-126.0f), _CMP_GT_OQ);
     __m256 x = _mm256_max_ps(x0, _mm256_set1_ps(-126.0f)); /* also NaN -> -126 */
     __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 f = _mm256_sub_ps(x, n), p;
-    if (low) {
-        p = _mm256_set1_ps(9.570099e-3f);
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.591786e-2f));
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4024744e-1f));
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931218e-1f));
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.999993e-1f));
-    } else {
-        p = _mm256_set1_ps(1.535336188319500e-4f);
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    }
+    __m256 f = _mm256_sub_ps(x, n), p = _mm256_set1_ps(EXP2_POLY[low][0]);
+    for (int d = 1; d <= EXP2_DEGREE(low); d++)
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_POLY[low][d]));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
                                                    _mm256_set1_epi32(127)), 23);
     __m256 r = _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), ok);
@@ -340,36 +330,28 @@ AVX2 static float max_256(const float *s, int c, float a)
     return m;
 }
 
+#define VEC_256 __m256, 8, _mm256_setzero_ps, _mm256_set1_ps, _mm256_add_ps, hsum_256,      \
+                exp_lanes_256
+
+/* bf16_512 on 8 lanes. */
+AVX2 static inline __m128i bf16_256(__m256 e)
+{
+    __m256i b = _mm256_castps_si256(e), high = _mm256_srli_epi32(b, 16);
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(
+        _mm256_set1_epi32(0x7FFF), _mm256_and_si256(high, _mm256_set1_epi32(1)))), 16);
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(high, _mm256_set1_epi32(0x40)),
+                           _mm256_castps_si256(_mm256_cmp_ps(e, e, _CMP_UNORD_Q)));
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
 AVX2 static float exp_f32_256(float *s, int c, int n, float a, float m)
 {
-    __m256 acc = _mm256_setzero_ps(), av = _mm256_set1_ps(a), mv = _mm256_set1_ps(m);
-    for (int j = 0; j < n; j += 8) {
-        __m256 e = exp_lanes_256(s, j, c, av, mv, 0);
-        _mm256_storeu_ps(s + j, e);
-        acc = _mm256_add_ps(acc, e);
-    }
-    return hsum_256(acc);
+    EXP_ROW(VEC_256, 0, _mm256_storeu_ps(s + j, e));
 }
 
 AVX2 static float exp_bf16_256(const float *s, int c, int n, float a, float m, uint16_t *p)
 {
-    __m256 acc = _mm256_setzero_ps(), av = _mm256_set1_ps(a), mv = _mm256_set1_ps(m);
-    const __m256i half = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
-    const __m256i quiet = _mm256_set1_epi32(0x40);
-    for (int j = 0; j < n; j += 8) {
-        __m256 e = exp_lanes_256(s, j, c, av, mv, 1);
-        __m256i raw = _mm256_castps_si256(e), b;
-        b = _mm256_add_epi32(raw, _mm256_add_epi32(half, _mm256_and_si256(
-                                                             _mm256_srli_epi32(raw, 16), one)));
-        b = _mm256_srli_epi32(b, 16);
-        b = _mm256_blendv_epi8(b, _mm256_or_si256(_mm256_srli_epi32(raw, 16), quiet),
-                               _mm256_castps_si256(_mm256_cmp_ps(e, e, _CMP_UNORD_Q)));
-        __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b),
-                                          _mm256_extracti128_si256(b, 1));
-        _mm_storeu_si128((__m128i *)(p + j), packed);
-        acc = _mm256_add_ps(acc, e);
-    }
-    return hsum_256(acc);
+    EXP_ROW(VEC_256, 1, _mm_storeu_si128((__m128i *)(p + j), bf16_256(e)));
 }
 #endif
 
