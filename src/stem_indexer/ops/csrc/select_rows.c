@@ -390,87 +390,27 @@ static bool score_task(const score_split *s, int64_t t, int64_t n, int64_t *h, i
     return *u0 < *u1;
 }
 
-/* For each of `heads` key heads h, each of its `group` query heads g, each
- * row i < m and each key j < n:
- *     out[h][i][g][j] = (a[h][g][i] . keys[h][j]) * scale + bias[h][j]
- * in float32, rounded after the product and again after the sum (the
- * contract's two roundings; built with -ffp-contract=off, so never one fused
- * multiply-add), without the bias where `bias` is NULL. Rows of a are k
- * bf16 long and contiguous (query head (h, g) at a + h * a_head + g *
- * a_sub); keys[h] holds n keys of k bf16 (row stride key_row), k even; out
- * row (h, i, g) at out + h * out_head + i * out_row + g * out_sub, only
- * columns [0, n) written. Each task packs SCORE_COLS keys of one head in VNNI
- * pairs (in cache) and multiplies them with a group of rows of every query
- * head of the group, tile by tile into the thread's SCORE_ROWS x SCORE_COLS
- * product, which is scaled, biased and stored while in cache.
- * magnitudes[0] gets the largest magnitude among the keys' elements read,
- * magnitudes[1] among the query rows' (read once more, from cache, by the
- * tasks of the first key tile), each as the bits of a bfloat16 with its sign
- * cleared (0x7F80 and above: inf or NaN): whether some product may overflow
- * float32 is then known without another pass over the inputs (ops/cpu.py).
- * fns: {brgemm, brgemm_release}. Returns 0, -1 for arguments the probe did
- * not cover, -2 without memory. */
-int stem_scores_bf16(void *const *fns, int64_t heads, int64_t group, int64_t m, int64_t n,
-                     int64_t k, const uint16_t *a, int64_t a_head, int64_t a_sub,
-                     const uint16_t *keys, int64_t key_head, int64_t key_row, float *out,
-                     int64_t out_head, int64_t out_row, int64_t out_sub, float scale,
-                     const float *bias, int64_t bias_head, int threads, uint32_t *magnitudes)
+/* SCORE_ROWS or fewer rows of a (row stride k) times the packed keys pk by
+ * torch's micro-kernel into the thread's tile, then scaled, biased and
+ * stored into out (row stride ldo), columns [0, valid). */
+static void brgemm_rows(brgemm_t brgemm, int64_t rows, int64_t k, const uint16_t *a,
+                        const uint32_t *pk, float *tile, float scale, const float *bias,
+                        int64_t valid, float *out, int64_t ldo)
 {
-    brgemm_t brgemm = (brgemm_t)fns[0];
-    release_t release = (release_t)fns[1];
-    if (heads < 0 || group < 1 || m < 0 || n < 0 || k < 2 || k % 2 || key_row < k ||
-        !brgemm || !release)
-        return -1;
-    score_split split = split_scores(heads, group, m, n, threads);
-    int64_t mt = split.mt;
-    int failed = 0;
-    uint32_t most = 0, most_a = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed) reduction(max : most, most_a)
-    {
-        uint32_t *pk = malloc(sizeof(uint32_t) * ((size_t)(k / 2) * SCORE_COLS) +
-                              sizeof(float) * SCORE_ROWS * SCORE_COLS);
-        float *tile = (float *)(pk + (size_t)(k / 2) * SCORE_COLS);
-        failed = pk == NULL;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < split.tasks; t++) {
-            int64_t h, j0, valid, u0, u1;
-            if (pk == NULL || !score_task(&split, t, n, &h, &j0, &valid, &u0, &u1))
-                continue;
-            uint32_t seen = pack_keys(keys + h * key_head + j0 * key_row, key_row, k, valid, pk);
-            most = seen > most ? seen : most;
-            const float *b = bias ? bias + h * bias_head + j0 : NULL;
-            for (int64_t u = u0; u < u1; u++) {
-                int64_t g = u / mt, i = u % mt;
-                int64_t rows = m - i * SCORE_ROWS < SCORE_ROWS ? m - i * SCORE_ROWS : SCORE_ROWS;
-                if (j0 == 0) {
-                    uint32_t a_seen =
-                        values_max(a + h * a_head + g * a_sub + i * SCORE_ROWS * k, rows * k);
-                    most_a = a_seen > most_a ? a_seen : most_a;
-                }
-                brgemm(rows, SCORE_COLS, k, k, SCORE_COLS, SCORE_COLS, false,
-                       a + h * a_head + g * a_sub + i * SCORE_ROWS * k, (const uint16_t *)pk,
-                       tile, true);
-                for (int64_t r = 0; r < rows; r++) {
-                    const float *p = tile + r * SCORE_COLS;
-                    float *o = out + h * out_head + (i * SCORE_ROWS + r) * out_row +
-                               g * out_sub + j0;
-                    if (b)
-                        for (int64_t x = 0; x < valid; x++) {
-                            float scaled = p[x] * scale;
-                            o[x] = scaled + b[x];
-                        }
-                    else
-                        for (int64_t x = 0; x < valid; x++)
-                            o[x] = p[x] * scale;
-                }
+    brgemm(rows, SCORE_COLS, k, k, SCORE_COLS, SCORE_COLS, false, a, (const uint16_t *)pk, tile,
+           true);
+    for (int64_t r = 0; r < rows; r++) {
+        const float *p = tile + r * SCORE_COLS;
+        float *o = out + r * ldo;
+        if (bias)
+            for (int64_t x = 0; x < valid; x++) {
+                float scaled = p[x] * scale;
+                o[x] = scaled + bias[x];
             }
-        }
-        free(pk);
-        release(true);
+        else
+            for (int64_t x = 0; x < valid; x++)
+                o[x] = p[x] * scale;
     }
-    magnitudes[0] = most;
-    magnitudes[1] = most_a;
-    return failed ? -2 : 0;
 }
 
 /* --------------------------------------------------------------------------
@@ -623,58 +563,135 @@ DP_TARGET static void dp_rows(int64_t rows, int64_t pairs, const uint16_t *a, in
 
 int stem_scores_dp_built(void) { return DP_BUILT; }
 
-/* stem_scores_bf16's products (arguments, results, magnitudes and return
- * codes as there, without fns) on vdpbf16ps; -1 where this compiler did not build it.
- * Tasks as there: SCORE_COLS keys of one head packed, then multiplied with
- * SCORE_ROWS rows at a time of every query head of the group. */
-int stem_scores_dp(int64_t heads, int64_t group, int64_t m, int64_t n, int64_t k,
-                   const uint16_t *a, int64_t a_head, int64_t a_sub, const uint16_t *keys,
-                   int64_t key_head, int64_t key_row, float *out, int64_t out_head,
-                   int64_t out_row, int64_t out_sub, float scale, const float *bias,
-                   int64_t bias_head, int threads, uint32_t *magnitudes)
+/* The keys packed, the largest magnitude of query rows, the products: on
+ * vdpbf16ps (dp) or by torch's micro-kernel. */
+static uint32_t pack_tile(bool dp, const uint16_t *keys, int64_t row, int64_t k, int64_t valid,
+                          uint32_t *pk)
 {
+    (void)dp;
 #if DP_BUILT
+    if (dp)
+        return dp_pack_keys(keys, row, k, valid, pk);
+#endif
+    return pack_keys(keys, row, k, valid, pk);
+}
+
+static uint32_t rows_max(bool dp, const uint16_t *a, int64_t count)
+{
+    (void)dp;
+#if DP_BUILT
+    if (dp)
+        return dp_values_max(a, count);
+#endif
+    return values_max(a, count);
+}
+
+/* The products of stem_scores_bf16 (its arguments and results), by torch's
+ * micro-kernel brgemm (then release) or, with brgemm NULL, on vdpbf16ps.
+ * Each task packs SCORE_COLS keys of one head, then multiplies them with
+ * SCORE_ROWS rows at a time of every query head of the group. */
+static int scores(brgemm_t brgemm, release_t release, int64_t heads, int64_t group, int64_t m,
+                  int64_t n, int64_t k, const uint16_t *a, int64_t a_head, int64_t a_sub,
+                  const uint16_t *keys, int64_t key_head, int64_t key_row, float *out,
+                  int64_t out_head, int64_t out_row, int64_t out_sub, float scale,
+                  const float *bias, int64_t bias_head, int threads, uint32_t *magnitudes)
+{
     if (heads < 0 || group < 1 || m < 0 || n < 0 || k < 2 || k % 2 || key_row < k)
         return -1;
+    bool dp = brgemm == NULL;
     score_split split = split_scores(heads, group, m, n, threads);
     int64_t mt = split.mt;
+    /* the packed keys (whole 16-pair blocks, 64-byte aligned), then the tile */
+    size_t packed = sizeof(uint32_t) * (size_t)((k / 2 + 15) / 16 * 16) * SCORE_COLS;
+    size_t bytes = packed + sizeof(float) * SCORE_ROWS * SCORE_COLS;
     int failed = 0;
     uint32_t most = 0, most_a = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed) reduction(max : most, most_a)
     {
-        uint32_t *pk = NULL;
-        size_t bytes = sizeof(uint32_t) * (size_t)((k / 2 + 15) / 16 * 16) * SCORE_COLS;
-        failed = posix_memalign((void **)&pk, 64, bytes) != 0;
+        uint32_t *pk = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        float *tile = (float *)((char *)pk + packed);
+        failed = pk == NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < split.tasks; t++) {
             int64_t h, j0, valid, u0, u1;
             if (failed || !score_task(&split, t, n, &h, &j0, &valid, &u0, &u1))
                 continue;
-            uint32_t seen =
-                dp_pack_keys(keys + h * key_head + j0 * key_row, key_row, k, valid, pk);
+            uint32_t seen = pack_tile(dp, keys + h * key_head + j0 * key_row, key_row, k, valid,
+                                      pk);
             most = seen > most ? seen : most;
             const float *b = bias ? bias + h * bias_head + j0 : NULL;
             for (int64_t u = u0; u < u1; u++) {
                 int64_t g = u / mt, i0 = u % mt * SCORE_ROWS;
                 int64_t rows = m - i0 < SCORE_ROWS ? m - i0 : SCORE_ROWS;
                 const uint16_t *ai = a + h * a_head + g * a_sub + i0 * k;
+                float *o = out + h * out_head + i0 * out_row + g * out_sub + j0;
                 if (j0 == 0) {
-                    uint32_t a_seen = dp_values_max(ai, rows * k);
+                    uint32_t a_seen = rows_max(dp, ai, rows * k);
                     most_a = a_seen > most_a ? a_seen : most_a;
                 }
-                dp_rows(rows, k / 2, ai, k, pk, scale, b, valid,
-                        out + h * out_head + i0 * out_row + g * out_sub + j0, out_row);
+#if DP_BUILT
+                if (dp) {
+                    dp_rows(rows, k / 2, ai, k, pk, scale, b, valid, o, out_row);
+                    continue;
+                }
+#endif
+                brgemm_rows(brgemm, rows, k, ai, pk, tile, scale, b, valid, o, out_row);
             }
         }
         free(pk);
+        if (release)
+            release(true);
     }
     magnitudes[0] = most;
     magnitudes[1] = most_a;
     return failed ? -2 : 0;
-#else
-    (void)heads; (void)group; (void)m; (void)n; (void)k; (void)a; (void)a_head; (void)a_sub;
-    (void)keys; (void)key_head; (void)key_row; (void)out; (void)out_head; (void)out_row;
-    (void)out_sub; (void)scale; (void)bias; (void)bias_head; (void)threads; (void)magnitudes;
-    return -1;
-#endif
+}
+
+/* For each of `heads` key heads h, each of its `group` query heads g, each
+ * row i < m and each key j < n:
+ *     out[h][i][g][j] = (a[h][g][i] . keys[h][j]) * scale + bias[h][j]
+ * in float32, rounded after the product and again after the sum (the
+ * contract's two roundings; built with -ffp-contract=off, so never one fused
+ * multiply-add), without the bias where `bias` is NULL. Rows of a are k
+ * bf16 long and contiguous (query head (h, g) at a + h * a_head + g *
+ * a_sub); keys[h] holds n keys of k bf16 (row stride key_row), k even; out
+ * row (h, i, g) at out + h * out_head + i * out_row + g * out_sub, only
+ * columns [0, n) written. Each task packs SCORE_COLS keys of one head in VNNI
+ * pairs (in cache) and multiplies them with a group of rows of every query
+ * head of the group, tile by tile into the thread's SCORE_ROWS x SCORE_COLS
+ * product, which is scaled, biased and stored while in cache.
+ * magnitudes[0] gets the largest magnitude among the keys' elements read,
+ * magnitudes[1] among the query rows' (read once more, from cache, by the
+ * tasks of the first key tile), each as the bits of a bfloat16 with its sign
+ * cleared (0x7F80 and above: inf or NaN): whether some product may overflow
+ * float32 is then known without another pass over the inputs (ops/cpu.py).
+ * fns: {brgemm, brgemm_release}. Returns 0, -1 for arguments the probe did
+ * not cover, -2 without memory. */
+int stem_scores_bf16(void *const *fns, int64_t heads, int64_t group, int64_t m, int64_t n,
+                     int64_t k, const uint16_t *a, int64_t a_head, int64_t a_sub,
+                     const uint16_t *keys, int64_t key_head, int64_t key_row, float *out,
+                     int64_t out_head, int64_t out_row, int64_t out_sub, float scale,
+                     const float *bias, int64_t bias_head, int threads, uint32_t *magnitudes)
+{
+    brgemm_t brgemm = (brgemm_t)fns[0];
+    release_t release = (release_t)fns[1];
+    if (!brgemm || !release)
+        return -1;
+    return scores(brgemm, release, heads, group, m, n, k, a, a_head, a_sub, keys, key_head,
+                  key_row, out, out_head, out_row, out_sub, scale, bias, bias_head, threads,
+                  magnitudes);
+}
+
+/* stem_scores_bf16's products (arguments, results, magnitudes and return
+ * codes as there, without fns) on vdpbf16ps; -1 where this compiler did not build it. */
+int stem_scores_dp(int64_t heads, int64_t group, int64_t m, int64_t n, int64_t k,
+                   const uint16_t *a, int64_t a_head, int64_t a_sub, const uint16_t *keys,
+                   int64_t key_head, int64_t key_row, float *out, int64_t out_head,
+                   int64_t out_row, int64_t out_sub, float scale, const float *bias,
+                   int64_t bias_head, int threads, uint32_t *magnitudes)
+{
+    if (!DP_BUILT)
+        return -1;
+    return scores(NULL, NULL, heads, group, m, n, k, a, a_head, a_sub, keys, key_head, key_row,
+                  out, out_head, out_row, out_sub, scale, bias, bias_head, threads, magnitudes);
 }
