@@ -56,6 +56,7 @@ from common import cpu_flags, git_sha, interleaved_ms, interleaved_runs, machine
 from stem_indexer import contract
 from stem_indexer.contract import IndexerParams, ceil_div
 from stem_indexer.ops import native
+from stem_indexer.testing.cases import Case
 from stem_indexer.testing.compare import compare
 
 DEFAULT_RESULTS = Path("benchmarks") / "RESULTS.md"
@@ -65,56 +66,52 @@ RECORDED_ENV = ("STEM_INDEXER_NATIVE", "THP_MEM_ALLOC_ENABLE", "OMP_NUM_THREADS"
 
 
 @dataclass(frozen=True)
-class Shape:
-    """One benchmark shape (Bs 128, stride 16, Df 2048, causal, defaults)."""
+class Shape(Case):
+    """One benchmark shape ``S<number>``: a case of the test table's kind (its
+    lengths, heads and the default attributes: Bs 128, stride 16, causal)
+    with Df 2048 unless given, the check of its output and its turns."""
 
-    name: str
-    about: str
-    q_lens: tuple[int, ...]
-    kv_lens: tuple[int, ...]
-    q_heads: int
-    kv_heads: int
     dim: int = 2048
     check: str = "reference"  # or "plain"
     repeat: int = 5
 
     @property
-    def params(self) -> IndexerParams:
-        return IndexerParams()
+    def name(self) -> str:
+        return f"S{self.number}"
 
-    def make_inputs(self, seed: int = 0) -> dict[str, torch.Tensor]:
-        gen = torch.Generator().manual_seed(seed)
-        bs = self.params.stem_block_size
-        batch = len(self.q_lens)
-        qmax = max(ceil_div(x, bs) for x in self.q_lens)
-        kmax = max(ceil_div(x, bs) for x in self.kv_lens)
-        qflat = torch.empty((batch, self.q_heads, qmax, self.dim), dtype=torch.bfloat16)
-        kflat = torch.empty((batch, self.kv_heads, kmax, self.dim), dtype=torch.bfloat16)
-        for t in (qflat, kflat):  # in slices: no float32 copy of the whole input
+    def make_inputs(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """Random inputs from ``seed``, drawn slice by slice (no float32 copy
+        of a whole 1M-key input), without prompt lengths."""
+        gen = torch.Generator().manual_seed(self.seed)
+        shape = (self.batch, self.shape_q_blocks, self.shape_kv_blocks)
+        qflat = torch.empty((shape[0], self.q_heads, shape[1], self.dim), dtype=torch.bfloat16)
+        kflat = torch.empty((shape[0], self.kv_heads, shape[2], self.dim), dtype=torch.bfloat16)
+        for t in (qflat, kflat):
             for part in t.view(-1, self.dim).split(1 << 14):
                 part.copy_(torch.randn(part.shape, generator=gen))
-        vbias = torch.rand((batch, self.kv_heads, kmax), generator=gen) * 0.3
+        vbias = torch.rand((shape[0], self.kv_heads, shape[2]), generator=gen) * 0.3
         i32 = dict(dtype=torch.int32)
-        return {"qflat": qflat, "kflat": kflat, "vbias": vbias,
-                "q_seq_lens": torch.tensor(self.q_lens, **i32),
-                "kv_seq_lens": torch.tensor(self.kv_lens, **i32)}
+        inputs = {"qflat": qflat, "kflat": kflat, "vbias": vbias,
+                  "q_seq_lens": torch.tensor(self.q_lens, **i32),
+                  "kv_seq_lens": torch.tensor(self.kv_lens, **i32)}
+        return {k: v.to(device) for k, v in inputs.items()}
 
 
 SHAPES: dict[str, Shape] = {s.name: s for s in (
-    Shape("S1", "article example: B4 Nq64 Nk8, 16 q blocks, 64 kv blocks",
+    Shape(1, "article example: B4 Nq64 Nk8, 16 q blocks, 64 kv blocks",
           (2048,) * 4, (8192,) * 4, 64, 8),
-    Shape("S2", "B1 Nq32 Nk8, q 3968, kv 32K", (3968,), (32768,), 32, 8),
-    Shape("S3", "B1 Nq32 Nk8, q 8K, kv 1M", (8192,), (1 << 20,), 32, 8,
+    Shape(2, "B1 Nq32 Nk8, q 3968, kv 32K", (3968,), (32768,), 32, 8),
+    Shape(3, "B1 Nq32 Nk8, q 8K, kv 1M", (8192,), (1 << 20,), 32, 8,
           check="plain", repeat=5),
-    Shape("S4", "B1 Nq32 Nk8, q = kv = 128K, causal prefill", (1 << 17,), (1 << 17,), 32, 8,
+    Shape(4, "B1 Nq32 Nk8, q = kv = 128K, causal prefill", (1 << 17,), (1 << 17,), 32, 8,
           check="plain", repeat=5),
-    Shape("S5", "B8 Nq64 Nk8, mixed prefill/decode, lengths up to 64K",
+    Shape(5, "B8 Nq64 Nk8, mixed prefill/decode, lengths up to 64K",
           (65536, 1, 16384, 1, 40000, 128, 1, 30000),
           (65536, 65536, 50000, 12345, 40000, 64000, 777, 61000), 64, 8,
           check="plain", repeat=5),
-    Shape("S6", "many short sequences: B1024 Nq32 Nk8, one 128-token block each",
+    Shape(6, "many short sequences: B1024 Nq32 Nk8, one 128-token block each",
           (128,) * 1024, (128,) * 1024, 32, 8, check="plain", repeat=5),
-    Shape("S7", "many short sequences: B65536 Nq4 Nk1 Df128, one 128-token block each",
+    Shape(7, "many short sequences: B65536 Nq4 Nk1 Df128, one 128-token block each",
           (128,) * 65536, (128,) * 65536, 4, 1, dim=128, check="plain", repeat=3),
 )}
 
@@ -328,7 +325,7 @@ def measure_shape(shape: Shape, repeat: int | None = None) -> dict:
                                  reps=max(1, shape.repeat // 2), warmup=0)["plain"]
     flops = 2.0 * visible_pairs(inputs, params) * shape.q_heads * shape.dim
     return {
-        "shape": shape.name, "about": shape.about, "check": shape.check,
+        "shape": shape.name, "about": shape.covers, "check": shape.check,
         "check_exact": exact, "check_seconds": round(check_seconds, 1),
         "op_ms": ms["op"], "output_ms": ms["output"], "gemm_ms": ms["gemm"],
         "plain_ms": ms["plain"], "turns": len(runs["op"]),

@@ -20,7 +20,7 @@ from stem_indexer.ops import native
 from stem_indexer.testing.cases import get_case
 from stem_indexer.testing.runner import golden_outputs
 
-TINY = bench.Shape("T", "tiny causal mixed batch", (300, 1, 640), (900, 700, 640), 4, 2,
+TINY = bench.Shape(0, "tiny causal mixed batch", (300, 1, 640), (900, 700, 640), 4, 2,
                    dim=32, repeat=1)
 
 
@@ -40,7 +40,7 @@ def test_plain_baseline_equals_reference(case_id):
 
 def test_gemm_line_is_the_op_without_its_selection(monkeypatch):
     """The ``gemm`` line runs the op's own score matmuls, and no selection."""
-    ranking = bench.Shape("R", "budget binds (71 key blocks)", (300, 1, 640), (9000, 7300, 640),
+    ranking = bench.Shape(0, "budget binds (71 key blocks)", (300, 1, 640), (9000, 7300, 640),
                           4, 2, dim=32, repeat=1)
     inputs = ranking.make_inputs()
     params = ranking.params
@@ -93,11 +93,11 @@ def test_gemm_floor_multiplies_every_visible_pair(monkeypatch):
 
 def test_measure_shape_runs_and_checks():
     row = bench.measure_shape(TINY)
-    assert row["check_exact"] and row["shape"] == "T"
+    assert row["check_exact"] and row["shape"] == "S0"
     for key in ("op_ms", "gemm_ms", "plain_ms", "bf16_ms", "f32_ms", "op_over_floor"):
         assert row[key] > 0
     table = bench.markdown_table([row])
-    assert table.count("\n") == 2 and "| T |" in table
+    assert table.count("\n") == 2 and "| S0 |" in table
 
 
 def test_unknown_shape_is_refused(capsys):
