@@ -42,7 +42,8 @@ package's own backends."""
 
 @dataclass
 class Comparison:
-    """Outcome of ``compare``; ``ok`` says whether the case passes."""
+    """Outcome of ``compare``: whether the case passes (``ok``), what was
+    found, then the allowance it was judged by."""
 
     ok: bool
     rows: int = 0
@@ -50,8 +51,8 @@ class Comparison:
     differing_rows: int = 0
     tolerated_indices: int = 0
     bad_indices: int = 0
-    allowance: float = 0.0
     errors: list[str] = field(default_factory=list)
+    allowance: float = 0.0
 
     def summary(self) -> str:
         state = "PASS" if self.ok else "FAIL"
