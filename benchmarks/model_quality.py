@@ -68,6 +68,7 @@ from typing import Sequence
 import torch
 
 from common import cpu_model, git_sha, machine, write_atomic
+from trials import wilson_cell
 from stem_indexer.contract import BRANCH_MEDIUM
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -318,15 +319,6 @@ def passkey_trial(model, tok, impl: str, length: int, depth: float, key: int,
     return str(key) in tok.decode(out[0, ids.shape[1]:])
 
 
-def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    if n == 0:
-        return 0.0, 1.0
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
 # Below this many tokens (56 blocks of 128) every budget keeps every block:
 # stem_attention then makes the very SDPA call dense attention makes.
 DENSE_BELOW = BRANCH_MEDIUM * 128
@@ -447,10 +439,8 @@ def passkey_table(hits: dict, names, lengths, trials: int, dense_below: int) -> 
     for name in names:
         cells = []
         for length in lengths:
-            k = hits[name, length]
-            lo, hi = wilson(k, trials)
             note = " (dense)" if name != "dense" and length < dense_below else ""
-            cells.append(f"{k}/{trials} [{lo:.0%}, {hi:.0%}]{note}")
+            cells.append(wilson_cell(hits[name, length], trials) + note)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 

@@ -92,6 +92,8 @@ import time
 import traceback
 from pathlib import Path
 
+from trials import append, read, success_table
+
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path.home() / ".cache" / "stem_indexer"
 VERSIONS_FILE = CACHE / "peers_versions.txt"
@@ -152,23 +154,6 @@ def config_label(name: str, stem: dict, ov_batched: int | None) -> str:
 def fit_length(length: int, window: int, room: int) -> int:
     """A prompt length that leaves ``room`` positions of the window free."""
     return min(length, window - room)
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """The Wilson score interval of ``k`` successes in ``n`` trials."""
-    if n == 0:
-        return 0.0, 1.0
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
-def wilson_cell(k: int, n: int) -> str:
-    if n == 0:
-        return "-"
-    lo, hi = wilson(k, n)
-    return f"{k}/{n} [{lo:.0%}, {hi:.0%}]"
 
 
 def spread(values: list[float], fmt: str = "{:.2f}") -> str:
@@ -240,23 +225,7 @@ def passkey_rows(entries: list[dict]) -> list[str]:
         return (order.index(base) if base in order else len(order), label)
 
     configs = sorted({e["config"] for e in entries}, key=rank)
-    rows = ["| model | tokens | " + " | ".join(configs) + " |",
-            "|---|---|" + "---|" * len(configs)]
-    cells = sorted({(e["model"], e["length"]) for e in entries})
-    for model, length in cells:
-        out = []
-        for name in configs:
-            got = [e["found"] for e in entries
-                   if e["model"] == model and e["length"] == length and e["config"] == name]
-            out.append(wilson_cell(sum(got), len(got)))
-        rows.append(f"| {model} | {length} | " + " | ".join(out) + " |")
-    return rows
-
-
-def read_results(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return success_table(entries, {"model": "model", "length": "tokens"}, configs)
 
 
 def done_keys(entries: list[dict]) -> set[tuple]:
@@ -672,7 +641,7 @@ def speed(args) -> None:
 def passkey(args) -> None:
     results = Path(args.results)
     if args.table:
-        entries = read_results(results)
+        entries = read(results)
         if args.table_model:
             entries = [e for e in entries if e["model"] == args.table_model]
         print(f"passkey trials in {results}: successes/trials [95% Wilson interval]\n")
@@ -688,7 +657,7 @@ def passkey(args) -> None:
     max_len = min(max(lengths) + 64, window)
     labels = {name: config_label(name, json.loads(args.stem), args.ov_batched)
               for name in names}
-    done = done_keys(read_results(results))
+    done = done_keys(read(results))
     todo = [name for name in names if any(
         (args.model, length, t, labels[name]) not in done
         for length, n in zip(lengths, trials) for t in range(args.first_trial, n))]
@@ -728,15 +697,14 @@ def passkey(args) -> None:
                              "config": labels[name], "key": key, "depth": round(depth, 3),
                              "found": str(key) in answer, "answer": answer,
                              "tokens": out["tokens"], "seconds": round(out["seconds"], 2)}
-                    with results.open("a") as f:
-                        f.write(json.dumps(entry) + "\n")
+                    append(results, entry)
                     done.add((args.model, length, t, labels[name]))
                     print(json.dumps(entry), flush=True)
                     time.sleep(args.gap)
     finally:
         for w in workers.values():
             w.close()
-    entries = [e for e in read_results(results) if e["model"] == args.model
+    entries = [e for e in read(results) if e["model"] == args.model
                and e["length"] in lengths and e["config"] in labels.values()]
     lines = [f"\n### Passkey on the same token ids: {args.model}\n",
              *header(args, workers, failed, command_line()), "",

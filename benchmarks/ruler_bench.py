@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import math
 import os
 import sys
@@ -65,6 +64,7 @@ from typing import NamedTuple
 import model_quality as mq
 import ruler
 from common import git_sha, machine
+from trials import append, read, wilson_cell
 
 RESULTS = Path(__file__).resolve().with_name("ruler_results.jsonl")
 # Trials per task and cell (length: trials), the planned run of each model.
@@ -97,33 +97,6 @@ def cell_length(task: str, nominal: int) -> int:
 # --------------------------------------------------------------------------- #
 # The results file
 # --------------------------------------------------------------------------- #
-
-
-def read(path: Path) -> list[dict]:
-    """Every complete JSON line of ``path`` (a torn last line is skipped)."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
-def append(path: Path, row: dict) -> None:
-    """One JSON line, flushed to disk; after a torn line it starts a new one."""
-    text = json.dumps(row, sort_keys=True) + "\n"
-    with path.open("ab+") as f:
-        f.seek(0, os.SEEK_END)
-        if f.tell():
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                text = "\n" + text
-        f.write(text.encode())
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def column(row: dict) -> str:
@@ -268,12 +241,11 @@ def tables(rows: list[dict]) -> list[str]:
                 for task in tasks:
                     got = cell.get((config, task), [])
                     k, n = sum(bool(r["found"]) for r in got), len(got)
-                    lo, hi = mq.wilson(k, n)
                     note = ""
                     if config not in REFERENCES and n and not any(
                             r.get("paths", {}).get(p) for r in got for p in SPARSE_PATHS):
                         note = " (dense)"  # stem_attention ran dense attention in every layer
-                    cells.append(f"{k}/{n} [{lo:.0%}, {hi:.0%}]{note}" if n else "-")
+                    cells.append(wilson_cell(k, n) + note)
                     seconds += [r["seconds"] for r in got]
                 mean = f"{sum(seconds) / len(seconds):.0f}" if seconds else "-"
                 lines.append(f"| {config} | " + " | ".join(cells) + f" | {mean} |")

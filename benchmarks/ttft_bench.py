@@ -44,7 +44,7 @@ from pathlib import Path
 
 import model_quality as mq
 from common import git_sha, machine
-from ruler_bench import append, read  # the same resumable results file
+from trials import append, read
 
 RESULTS = Path(__file__).resolve().with_name("ttft_results.jsonl")
 CONFIGS = ("dense", "default", "balanced", "tight")

@@ -58,6 +58,8 @@ import sys
 import time
 from pathlib import Path
 
+from trials import append, read, success_table
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB per engine; a 32K prompt takes 0.75
 # One engine step (a 4,096-token chunk late in a 32K prompt) can take minutes
 # on two shared cores; past vLLM's default of 300 s the engine shuts down.
@@ -362,36 +364,6 @@ def pairs(args) -> None:
 # --------------------------------------------------------------------------- #
 
 
-def _wilson(k: int, n: int) -> str:
-    import math
-    if n == 0:
-        return "-"
-    z, p = 1.96, k / n
-    c = (p + z * z / (2 * n)) / (1 + z * z / n)
-    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return f"{k}/{n} [{max(0, c - h):.0%}, {min(1, c + h):.0%}]"
-
-
-def _passkey_table(done: list[dict], lengths: list[int], configs) -> list[str]:
-    """The table of the trials in ``done``: per length and configuration,
-    successes / trials with the Wilson interval."""
-    lines = ["| tokens | " + " | ".join(configs) + " |", "|---|" + "---|" * len(configs)]
-    for length in lengths:
-        cells = []
-        for name in configs:
-            got = [d["found"] for d in done if d["length"] == length and d["config"] == name]
-            cells.append(_wilson(sum(got), len(got)))
-        lines.append(f"| {length} | " + " | ".join(cells) + " |")
-    return lines
-
-
-def _results(path: Path) -> list[dict]:
-    """The trials recorded in a passkey results file."""
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def stem_config_name(stem: dict) -> str:
     """The name a Stem engine's trials get in the results: its preset, with
     ``-tail`` where the prompt's last tokens attend exactly (``exact_tail``,
@@ -410,9 +382,9 @@ def stem_config_name(stem: dict) -> str:
 
 def passkey(args) -> None:
     if args.table:  # from the results file alone: no model, no engine
-        done = _results(Path(args.results))
-        configs = list(dict.fromkeys(d["config"] for d in done))
-        print("\n".join(_passkey_table(done, sorted({d["length"] for d in done}), configs)))
+        done = read(Path(args.results))
+        configs = dict.fromkeys(d["config"] for d in done)
+        print("\n".join(success_table(done, {"length": "tokens"}, configs)))
         return
     _require_model(args.model)
     from transformers import AutoTokenizer
@@ -422,7 +394,7 @@ def passkey(args) -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     trials = [int(x) for x in args.trials.split(",")]
     results = Path(args.results)
-    done = _results(results)
+    done = read(results)
     stem = json.loads(args.stem)
     configs = {"vllm": None, stem_config_name(stem): stem}
     only = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -454,14 +426,13 @@ def passkey(args) -> None:
                          "depth": round(depth, 3), "found": str(key) in text,
                          "answer": text, "seconds": round(time.perf_counter() - start, 1)}
                 done.append(entry)
-                with results.open("a") as f:
-                    f.write(json.dumps(entry) + "\n")
+                append(results, entry)
                 print(entry, flush=True)
-    done = _results(results)  # with the other process's trials
+    done = read(results)  # with the other process's trials
     lines = [f"\n### Passkey through vLLM, vLLM's backend against Stem ({args.stem})\n",
              header(), "", f"`python benchmarks/vllm_bench.py passkey --lengths {args.lengths} "
              f"--trials {args.trials}` (results: `{args.results}`)", "",
-             *_passkey_table(done, lengths, configs)]
+             *success_table(done, {"length": "tokens"}, configs, [(n,) for n in lengths])]
     record("\n".join(lines), args.record)
 
 

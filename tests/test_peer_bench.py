@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import peer_bench as pb
+import trials
 
 
 def test_rotation_puts_every_config_in_every_place():
@@ -29,14 +30,14 @@ def test_rotation_puts_every_config_in_every_place():
 
 
 def test_wilson_interval_and_cell():
-    lo, hi = pb.wilson(10, 20)
+    lo, hi = trials.wilson(10, 20)
     assert lo == pytest.approx(0.2993, abs=1e-3) and hi == pytest.approx(0.7007, abs=1e-3)
-    assert pb.wilson(0, 0) == (0.0, 1.0)
-    lo, hi = pb.wilson(20, 20)
+    assert trials.wilson(0, 0) == (0.0, 1.0)
+    lo, hi = trials.wilson(20, 20)
     assert hi == 1.0 and lo == pytest.approx(0.8389, abs=1e-3)
-    assert pb.wilson_cell(10, 20) == "10/20 [30%, 70%]"
-    assert pb.wilson_cell(0, 0) == "-"
-    assert pb.wilson_cell(0, 2) == "0/2 [0%, 66%]"
+    assert trials.wilson_cell(10, 20) == "10/20 [30%, 70%]"
+    assert trials.wilson_cell(0, 0) == "-"
+    assert trials.wilson_cell(0, 2) == "0/2 [0%, 66%]"
 
 
 def test_spread():
@@ -111,10 +112,10 @@ def test_passkey_rows_and_resume(tmp_path):
     assert rows[2] == "| gemma3 | 2048 | 1/1 [21%, 100%] | 0/1 [0%, 79%] | - |"
     assert rows[3] == "| smollm2 | 2048 | 1/2 [9%, 91%] | - | 2/2 [34%, 100%] |"
     path = tmp_path / "results.jsonl"
-    assert pb.read_results(path) == []
+    assert trials.read(path) == []
     path.write_text("".join(json.dumps(e) + "\n" for e in entries) + "\n")
-    assert pb.read_results(path) == entries
-    keys = pb.done_keys(pb.read_results(path))
+    assert trials.read(path) == entries
+    keys = pb.done_keys(trials.read(path))
     assert ("smollm2", 2048, 1, "vllm") in keys and ("gemma3", 2048, 0, "vllm") not in keys
 
 

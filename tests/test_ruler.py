@@ -179,15 +179,16 @@ def test_exact_length_with_the_smollm2_tokenizer():
 
 def test_results_resume_skips_what_is_recorded(tmp_path):
     import ruler_bench
+    import trials
     path = tmp_path / "r.jsonl"
     rows = [dict(model="gemma3", task="passkey", length=8192, config=c, trial=t, seed=0,
                  found=found, answer="x", seconds=1.0)
             for c, t, found in [("dense", 0, True), ("default", 0, False), ("dense", 1, True)]]
     for row in rows:
-        ruler_bench.append(path, row)
+        trials.append(path, row)
     with path.open("a") as f:
         f.write('{"model": "gemma3", "task": "pass')  # a run killed mid-line
-    done = ruler_bench.done_keys(ruler_bench.read(path))
+    done = ruler_bench.done_keys(trials.read(path))
     assert ("gemma3", "passkey", 8192, "dense", 1) in done
     assert ("gemma3", "passkey", 8192, "default", 1) not in done
     todo = ruler_bench.plan("gemma3", ["passkey"], {8192: 2}, ["dense", "default"], done)
@@ -202,8 +203,8 @@ def test_results_resume_skips_what_is_recorded(tmp_path):
     assert [t.task for t in other] == ["passkey@docs"]
     assert ruler_bench.key(dict(rows[0], filler="zen")) in done
     assert ruler_bench.key(dict(rows[0], filler="docs")) not in done
-    ruler_bench.append(path, rows[0])  # appending after the torn line starts a new line
-    assert len(ruler_bench.read(path)) == 4
+    trials.append(path, rows[0])  # appending after the torn line starts a new line
+    assert len(trials.read(path)) == 4
 
 
 @pytest.mark.parametrize("bad", [["--first-trial", "-1"], ["--first-trial", "3", "--trials", "3"]])
@@ -215,16 +216,16 @@ def test_first_trial_is_checked(bad, tmp_path, capsys):
 
 
 def test_table_counts_and_wilson_intervals(tmp_path):
-    import model_quality
     import ruler_bench
+    import trials
     rows = [dict(model="gemma3", task="passkey", length=8192, config="dense", trial=t, seed=0,
                  found=t < 7, answer="", seconds=2.0) for t in range(10)]
     rows += [dict(model="gemma3", task="passkey", length=8192, config="default", trial=t,
                   seed=0, found=t < 3, answer="", seconds=1.0) for t in range(4)]
     text = "\n".join(ruler_bench.tables(rows))
-    lo, hi = model_quality.wilson(7, 10)
+    lo, hi = trials.wilson(7, 10)
     assert f"7/10 [{lo:.0%}, {hi:.0%}]" in text
-    lo, hi = model_quality.wilson(3, 4)
+    lo, hi = trials.wilson(3, 4)
     assert f"3/4 [{lo:.0%}, {hi:.0%}]" in text
     line = next(x for x in text.splitlines() if x.startswith("| default"))
     assert "3/4" in line and "7/10" not in line
