@@ -25,13 +25,13 @@ import argparse
 import math
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import stem_indexer
-from common import cpu_flags, git_sha, interleaved_runs, machine, write_atomic
+from common import (attention_args, attention_options, interleaved_runs, record_table,
+                    table_header)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -112,26 +112,14 @@ def row(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seqs", default="16384", help="comma-separated token counts")
-    parser.add_argument("--dtypes", default="fp32,bf16")
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--reps", type=int, default=3)
+    attention_options(parser, seqs="16384", dtypes="fp32,bf16", heads=8, kv_heads=2, dim=128,
+                      reps=3)
     parser.add_argument("--preset", choices=tuple(stem_indexer.PRESETS), default="default")
-    parser.add_argument("--record", type=Path, help="append the table to this markdown file")
-    args = parser.parse_args(argv)
-    names = [d.strip() for d in args.dtypes.split(",")]
-    if any(n not in DTYPES for n in names):
-        parser.error(f"--dtypes: choose from {list(DTYPES)}")
-    if args.record is not None and not args.record.parent.is_dir():
-        parser.error(f"--record: directory {args.record.parent} does not exist")
-    seqs = [int(s) for s in args.seqs.split(",")]
-    header = [f"Machine: {machine()}; git {git_sha()}; B=1, Hq={args.heads}, "
-              f"Hkv={args.kv_heads}, D={args.dim}, causal, preset {args.preset}; medians of "
-              f"{args.reps} turns, the three calls alternating; [min, max] of the turns' "
-              "ratios.", f"lscpu: {cpu_flags()}", "",
-              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    args, seqs, names = attention_args(parser, argv, DTYPES)
+    header = table_header(
+        f"B=1, Hq={args.heads}, Hkv={args.kv_heads}, D={args.dim}, causal, preset "
+        f"{args.preset}; medians of {args.reps} turns, the three calls alternating; [min, max] "
+        "of the turns' ratios.", COLUMNS)
     print("\n".join(header), flush=True)
     lines = []
     for seq in seqs:
@@ -139,11 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(row(measure(seq, DTYPES[name], args.heads, args.kv_heads, args.dim,
                                      args.reps, args.preset)))
             print(lines[-1], flush=True)
-    if args.record is not None:
-        command = "python benchmarks/attention_bench.py " + " ".join(
-            sys.argv[1:] if argv is None else argv)
-        write_atomic(args.record, "\n".join(["", f"Command: `{command}`", "", *header, *lines,
-                                             ""]), append=True)
+    record_table(args.record, "attention_bench.py", argv, header, lines)
     return 0
 
 

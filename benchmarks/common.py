@@ -9,15 +9,23 @@ beside it; run them from the repository root, e.g. ``python benchmarks/x.py``).
 * ``interleaved_ms({...})``: several functions timed in turns, so that
   machine noise hits all of them alike (ratios from one run);
   ``interleaved_runs`` keeps every turn's times, for the spread of a ratio;
-* ``write_atomic(path, text)``: results files appear whole or not at all.
+* ``write_atomic(path, text)``: results files appear whole or not at all;
+* for the attention benchmarks (``attention_bench.py``, ``window_bench.py``):
+  ``attention_options`` adds their shared options and ``attention_args``
+  reads and checks them; ``table_header`` starts a results table (the
+  machine, commit and load, then the setting and the columns) and
+  ``record_table`` prints the load at the end and appends the table, with
+  its command, to ``--record``.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -128,3 +136,56 @@ def write_atomic(path: str | os.PathLike, text: str, *, append: bool = False) ->
         text = path.read_text() + text
     path.parent.mkdir(parents=True, exist_ok=True)
     _files.write_atomic(path, text)
+
+
+def attention_options(parser: argparse.ArgumentParser, *, seqs: str, dtypes: str, heads: int,
+                      kv_heads: int, dim: int, reps: int) -> None:
+    """The attention benchmarks' options, with these defaults: the lengths,
+    the dtypes, the query and KV heads, the head size, the turns and the
+    file the table is appended to."""
+    parser.add_argument("--seqs", default=seqs, help="comma-separated token counts")
+    parser.add_argument("--dtypes", default=dtypes)
+    parser.add_argument("--heads", type=int, default=heads)
+    parser.add_argument("--kv-heads", type=int, default=kv_heads)
+    parser.add_argument("--dim", type=int, default=dim)
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--record", type=Path, help="append the table to this markdown file")
+
+
+def attention_args(parser: argparse.ArgumentParser, argv: list[str] | None,
+                   dtypes) -> tuple[argparse.Namespace, list[int], list[str]]:
+    """The parsed options, the lengths and the dtypes' names (each one of
+    ``dtypes``); a usage error for a dtype or a ``--record`` folder that is
+    not there."""
+    args = parser.parse_args(argv)
+    names = [d.strip() for d in args.dtypes.split(",")]
+    if any(n not in dtypes for n in names):
+        parser.error(f"--dtypes: choose from {', '.join(dtypes)}")
+    if args.record is not None and not args.record.parent.is_dir():
+        parser.error(f"--record: directory {args.record.parent} does not exist")
+    return args, [int(s) for s in args.seqs.split(",")], names
+
+
+def _load() -> str:
+    return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def table_header(setting: str, columns) -> list[str]:
+    """A results table's first lines: the machine, its instruction sets, the
+    commit and the load average now, then ``setting``; the columns' header."""
+    return [f"Machine: {machine()}; {cpu_flags()}; git {git_sha()}; load average at the "
+            f"start {_load()} (1/5/15 min); {setting}", "",
+            "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
+def record_table(path: Path | None, script: str, argv: list[str] | None, header: list[str],
+                 lines: list[str]) -> None:
+    """Print the load average at the end; append the table to ``path`` (if
+    given) after the command that made it."""
+    load = _load()
+    print(f"\nload average at the end {load}")
+    if path is not None:
+        command = f"python benchmarks/{script} " + " ".join(sys.argv[1:] if argv is None
+                                                            else argv)
+        write_atomic(path, "\n".join(["", f"Command: `{command}`", "", *header, *lines, "",
+                                      f"Load average at the end: {load}.", ""]), append=True)

@@ -31,15 +31,14 @@ SDPA, interleaved; the density is the kept share of the visible pairs.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from common import cpu_flags, git_sha, interleaved_runs, machine, write_atomic
+from common import (attention_args, attention_options, interleaved_runs, record_table,
+                    table_header)
 from stem_indexer.window import default_chunk, sliding_window_attention, sliding_window_mask
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -94,14 +93,11 @@ def measure_budget(seq: int, dtype: torch.dtype, budget: int, reps: int) -> dict
 
 
 def dense_above_table(seq: int, dtypes: list[str], budgets: list[int], reps: int) -> tuple:
-    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    header = [f"Machine: {machine()}; {cpu_flags()}; git {git_sha()}; load average at the "
-              f"start {load} (1/5/15 min); B=1, Hq=8, Hkv=2, D=128, causal, {_tokens(seq)} "
-              f"tokens, blocks of 128, stride 16; {reps} turns, the two calls alternating.",
-              "",
-              "| dtype | budget Ks (blocks) | density | dense SDPA ms | stem_attention ms | "
-              "dense / stem, median [min, max] |",
-              "|---|---|---|---|---|---|"]
+    header = table_header(
+        f"B=1, Hq=8, Hkv=2, D=128, causal, {_tokens(seq)} tokens, blocks of 128, stride 16; "
+        f"{reps} turns, the two calls alternating.",
+        ["dtype", "budget Ks (blocks)", "density", "dense SDPA ms", "stem_attention ms",
+         "dense / stem, median [min, max]"])
     print("\n".join(header), flush=True)
     lines = []
     for name in dtypes:
@@ -122,44 +118,29 @@ def _tokens(n: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seqs", default="2048", help="comma-separated token counts")
-    parser.add_argument("--dtypes", default="bf16,fp32")
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=1)
-    parser.add_argument("--dim", type=int, default=256)
+    attention_options(parser, seqs="2048", dtypes="bf16,fp32", heads=4, kv_heads=1, dim=256,
+                      reps=5)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--chunks", default="",
                         help="comma-separated queries per chunk (default: default_chunk(W))")
-    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dense-above", action="store_true",
                         help="the density sweep of stem_attention against dense attention")
     parser.add_argument("--budgets", default="8,16,24,32,40,48,56",
                         help="with --dense-above: budgets Ks in blocks")
-    parser.add_argument("--record", type=Path, help="append the table to this markdown file")
-    args = parser.parse_args(argv)
-    if args.record is not None and not args.record.parent.is_dir():
-        parser.error(f"--record: directory {args.record.parent} does not exist")
-    seqs = [int(s) for s in args.seqs.split(",")]
-    dtypes = args.dtypes.split(",")
-    for name in dtypes:
-        if name not in DTYPES:
-            parser.error(f"--dtypes: {name!r} is not one of {', '.join(DTYPES)}")
+    args, seqs, dtypes = attention_args(parser, argv, DTYPES)
     chunks = [int(c) for c in args.chunks.split(",")] if args.chunks else [None]
     if args.dense_above:
         if len(seqs) != 1:
             parser.error("--dense-above takes one length in --seqs")
         header, lines = dense_above_table(seqs[0], dtypes, [int(b) for b in
                                                             args.budgets.split(",")], args.reps)
-        _finish(args, argv, header, lines)
+        record_table(args.record, "window_bench.py", argv, header, lines)
         return 0
-    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    header = [f"Machine: {machine()}; {cpu_flags()}; git {git_sha()}; load average at the "
-              f"start {load} (1/5/15 min); B=1, Hq={args.heads}, Hkv={args.kv_heads}, "
-              f"D={args.dim}, W={args.window}; {args.reps} turns, the two calls alternating.",
-              "",
-              "| tokens | dtype | chunk | SDPA with the sliding mask ms | windowed ms | "
-              "SDPA / windowed, median [min, max] | max abs diff |",
-              "|---|---|---|---|---|---|---|"]
+    header = table_header(
+        f"B=1, Hq={args.heads}, Hkv={args.kv_heads}, D={args.dim}, W={args.window}; "
+        f"{args.reps} turns, the two calls alternating.",
+        ["tokens", "dtype", "chunk", "SDPA with the sliding mask ms", "windowed ms",
+         "SDPA / windowed, median [min, max]", "max abs diff"])
     print("\n".join(header), flush=True)
     lines = []
     for seq in seqs:
@@ -173,18 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"| {r['err']:.1e} |")
                 lines.append(line)
                 print(line, flush=True)
-    _finish(args, argv, header, lines)
+    record_table(args.record, "window_bench.py", argv, header, lines)
     return 0
-
-
-def _finish(args, argv, header, lines) -> None:
-    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"\nload average at the end {load}")
-    if args.record is not None:
-        command = "python benchmarks/window_bench.py " + " ".join(argv or sys.argv[1:])
-        write_atomic(args.record, "\n".join(["", f"Command: `{command}`", "", *header, *lines,
-                                             "", f"Load average at the end: {load}.", ""]),
-                     append=True)
 
 
 if __name__ == "__main__":
