@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CURATED = (
     "tests/test_index_cache_cuda.py",
+    "tests/test_index_write_triton.py",
     "tests/test_paged_attention.py::test_cuda_kernel_matches_the_reference",
     "tests/test_paged.py::test_cuda_paged_run_matches_the_cpu_path_and_replays_from_a_graph",
     "tests/test_attention.py::test_cuda_triton_backend_matches_masked_dense",

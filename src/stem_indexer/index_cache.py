@@ -192,9 +192,17 @@ class IndexCache:
 
         A page's write is good when its offsets are exactly ``start ..
         end - 1``, each once (counted, so that no gap or repeated slot passes),
-        and ``start`` is 0 or where the page stopped; otherwise the page
-        becomes unusable (``filled = -1``)."""
+        in one run of consecutive tokens, and ``start`` is 0 or where the page
+        stopped; otherwise the page becomes unusable (``filled = -1``)."""
         slots = slots.to(torch.int64)
+        # A page's tokens must come as one run of consecutive offsets (a slot
+        # below 0 ends a run): a page in two runs, or a run that skips or
+        # repeats an offset, is refused (the device writer's rule too).
+        runs_of = torch.where(slots >= 0, slots // self.page, -1)
+        prev = torch.cat([runs_of.new_full((1,), -1), runs_of[:-1]])
+        starts = (runs_of >= 0) & (runs_of != prev)
+        steps = torch.cat([slots.new_full((1,), -1), slots[:-1]])
+        broken = runs_of[(runs_of >= 0) & ~starts & (slots != steps + 1)]
         keep = None
         if bool((slots < 0).any()):
             keep = slots >= 0
@@ -214,8 +222,10 @@ class IndexCache:
         # A page starting afresh is zeroed before its tokens are added; one
         # neither starting nor continuing where it stopped, or with a gap or
         # a repeated slot, is unusable.
+        one_run = torch.bincount(runs_of[starts], minlength=num_pages)[touched] == 1
+        clean = torch.bincount(broken, minlength=num_pages)[touched] == 0
         ok = (fresh | ((before >= 0) & (start == before))) & (count == end - start) \
-            & (distinct == count)
+            & (distinct == count) & one_run & clean
         sources = None if keep is None else keep.nonzero().squeeze(1)
         is_last = (offsets == last[pages]).nonzero().squeeze(1)
         return WritePlan(num_pages, slots.clone(), keep, touched, touched[fresh], before,
@@ -226,14 +236,25 @@ class IndexCache:
 
     def write(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
               plan: "WritePlan | None" = None, *,
-              tags: torch.Tensor | None = None) -> "WritePlan":
+              tags: torch.Tensor | None = None) -> "WritePlan | None":
         """Accumulate a step's new tokens: ``key``, ``value [T, Hkv, D]`` (any
         float dtype; tokens in position order within each request) at
         ``slots [T]`` (page id x page size + offset; negative: no slot, skipped).
         ``plan``: another layer's plan of the same step, used where it fits
         (the same slots, this cache's pages in the state it assumed); returns
         the plan used. ``tags [T]`` int64: who wrote each token (``token_tags``);
-        each page written keeps its last token's (0 without ``tags``)."""
+        each page written keeps its last token's (0 without ``tags``).
+
+        On a GPU (with Triton) the whole write is one kernel that reads
+        nothing on the host, deterministic, which a CUDA graph can capture
+        (``ops/triton/index_write.py``); it returns None (no host plan)."""
+        if self.ksum.device.type != "cpu" and self.tag is not None and _device_kernel():
+            from .ops.triton.index_write import index_write
+
+            norms = torch.linalg.vector_norm(value.float(), dim=-1)
+            index_write(self.ksum, self.vmax, self.filled, self.tag, self.page, key, norms,
+                        slots, tags)
+            return None
         if plan is None or not plan.fits(self, slots):
             plan = self.plan(slots)
         if plan.k_index.numel() == 0:
@@ -353,6 +374,21 @@ class IndexCache:
 
 
 _KEY_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _device_kernel() -> bool:
+    """Whether the device writer (Triton) can run; where it cannot, the
+    torch path runs instead, reported once."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        from .ops import native
+
+        native.report_once("index write", "the indexer cache is written with torch "
+                           "operations on this device (Triton is not installed): host "
+                           "reads, no CUDA graph")
+        return False
+    return True
 
 
 def _native_write(cache: IndexCache, key: torch.Tensor, norms: torch.Tensor, plan: WritePlan,

@@ -9,7 +9,8 @@ For each benchmark shape (``SHAPES``), Df and precision, the launcher's own
 tensors, and with them (Df 2048: head dim 128, bfloat16, 16-token pages) the
 paged entry point's ``kflat_kernel`` and ``paged_attention_kernel``
 (``paged_index.py``, ``paged_attention.py``; the latter also with one page
-per block, as ``backend="triton"`` runs it); the arguments have the
+per block, as ``backend="triton"`` runs it) and the indexer cache's device
+writer (``index_write.py``); the arguments have the
 benchmark's sizes and no memory. Triton's own argument binder turns each
 launch into the signature, constants, attributes and options its JIT would
 compile, and ``triton.compile`` builds that for ``GPUTarget("cuda", arch,
@@ -47,7 +48,7 @@ from triton.runtime.jit import create_function_from_signature
 
 from ... import metadata as md
 from ...contract import IndexerParams
-from . import launch, paged_attention, paged_index
+from . import index_write, launch, paged_attention, paged_index
 
 # SM count of each target's reference GPU (it sets the persistent grid, an argument).
 REFERENCE_SMS = {80: 108, 90: 132}  # A100, H100/H200 SXM
@@ -125,7 +126,15 @@ def _paged_launches(shape: Shape, df: int, arch: int) -> list[launch.Launch]:
             torch.empty(b, nq, qmax, kmax, **i32), torch.empty(b, nq, qmax, **i32),
             torch.empty(b, 4, **i32), torch.empty_like(query), block_size=shape.block,
             scale=dim ** -0.5, softcap=None, config=cfg))
-    return [kflat, *attention]
+    write = index_write.index_write_launch(
+        torch.empty(pages, stride, nk, dim, dtype=torch.float32, **meta),
+        torch.empty(pages, PAGE // stride, nk, dtype=torch.float32, **meta),
+        torch.empty(pages, **i32), torch.empty(pages, dtype=torch.int64, **meta), PAGE,
+        torch.empty(b * shape.q_tokens, nk, dim, dtype=torch.bfloat16, **meta),
+        torch.empty(b * shape.q_tokens, nk, dtype=torch.float32, **meta),
+        torch.empty(b * shape.q_tokens, dtype=torch.int64, **meta),
+        torch.empty(b * shape.q_tokens, dtype=torch.int64, **meta))
+    return [kflat, *attention, write]
 
 
 def _compile_inputs(run: launch.Launch, arch: int) -> dict:
