@@ -80,13 +80,14 @@ def pytest_unconfigure(config):
         gc.freeze()
 
 
-# The costliest modules of the default run, costliest first: with two xdist
-# workers taking one module at a time, starting them first keeps the two
-# workers busy to the end (the rest keep their order).
-COSTLIEST_FIRST = ("test_triton.py", "test_paged_attention.py", "test_paged.py",
-                   "test_cases_single.py", "test_reliability.py",
-                   "test_triton_aot.py", "test_properties.py", "test_docs.py",
-                   "test_attention.py")
+# The costliest modules of the default run, costliest first (by the CPU
+# seconds each takes, child processes included): with two xdist workers taking
+# one module at a time, starting them first keeps the two workers busy to the
+# end (the rest keep their order).
+COSTLIEST_FIRST = ("test_paged.py", "test_paged_attention.py", "test_triton.py",
+                   "test_docs.py", "test_cases_single.py", "test_reliability.py",
+                   "test_plan.py", "test_properties.py", "test_native.py",
+                   "test_metadata.py", "test_attention.py", "test_triton_aot.py")
 
 
 def pytest_collection_modifyitems(config, items):

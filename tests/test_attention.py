@@ -66,20 +66,22 @@ def _random_case(shape, seed):
 
 
 def _backends() -> list:
-    """Every backend that runs here; compiled FlexAttention on two shapes (each
-    new shape compiles for seconds on CPU)."""
+    """Every backend that runs here, causal and not; compiled FlexAttention on
+    two shapes (each new shape or mask compiles for seconds on CPU: the
+    default run compiles one, the slow tier the other three)."""
     out = [(s, "gather") for s in SHAPES]
     if dispatch._native() is not None:
         out += [(s, "native") for s in SHAPES]
     out += [(s, "flex") for s in SHAPES[1:3]]
-    return [pytest.param(s, b, id=f"{_ids(s)}-{b}",
-                         marks=[pytest.mark.slow] if (b, s) == ("flex", SHAPES[2]) else [])
-            for s, b in out]
+    first = (SHAPES[1], "flex", True)
+    return [pytest.param(s, b, causal, id=f"{_ids(s)}-{b}-{'causal' if causal else 'full'}",
+                         marks=[pytest.mark.slow] if b == "flex" and (s, b, causal) != first
+                         else [])
+            for s, b in out for causal in (True, False)]
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("shape, backend", _backends())
-def test_block_sparse_matches_masked_dense(shape, causal, backend, device):
+@pytest.mark.parametrize("shape, backend, causal", _backends())
+def test_block_sparse_matches_masked_dense(shape, backend, causal, device):
     _skip_native_off_cpu(backend, device)
     batch, hq, hkv, sq, skv, dim, bs, q_lens, kv_lens = shape
     q, k, v, idx, seq_len = _random_case(shape, sum(shape[:7]))
@@ -280,7 +282,8 @@ def test_block_sparse_invalid_inputs(mutate, arg, device):
 
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["causal", "full"])
 def test_stem_attention_is_the_indexer_selection(causal, device):
     """Long enough for the budget to drop blocks: the result is block-sparse
     attention over exactly the indexer's selection (with scale/stride folded;
@@ -327,8 +330,8 @@ def test_stem_attention_parameters_reach_the_indexer(change, device):
 
 @pytest.mark.parametrize("tail, prompt", [
     (128, None),            # each sequence's last 128 tokens: 8 or 9 blocks of 16
-    (1, None),              # one token: the block holding it
-    (5000, None),           # longer than the prompts: every row, so dense attention
+    pytest.param(1, None, marks=pytest.mark.slow),     # one token: the block holding it
+    pytest.param(5000, None, marks=pytest.mark.slow),  # past the prompts: every row, dense
     (100, [1100, 1500]),    # the second sequence is a chunk before its prompt's end
 ], ids=["128", "1", "all", "early-chunk"])
 def test_exact_tail_rows_attend_to_every_block(tail, prompt, device):
@@ -469,8 +472,9 @@ def test_inference_only_the_same_on_every_path(seq, device):
     assert info.path == ("dense" if seq == 64 else "sparse")
 
 
-@pytest.mark.parametrize("backend", [b for b in ("gather", "native", "flex")
-                                     if b != "native" or dispatch._native() is not None])
+@pytest.mark.parametrize("backend", [
+    *[b for b in ("gather", "native") if b != "native" or dispatch._native() is not None],
+    pytest.param("flex", marks=pytest.mark.slow)])  # compiles (seconds on CPU)
 def test_nan_and_inf_in_padding_never_reach_valid_outputs(backend, device):
     """Padded positions of q, k and v (past the lengths, and the tail of the
     last block) hold NaN and inf; valid outputs equal those of clean inputs."""

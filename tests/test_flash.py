@@ -303,7 +303,8 @@ def _stem_op_args(q, k, v, lens, **params):
             None, True, 0.3, None, 2, "auto", True)
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "transposed-q"])
+@pytest.mark.parametrize("layout", [pytest.param("contiguous", marks=pytest.mark.slow),
+                                    "transposed-q"])
 def test_both_ops_pass_opcheck(layout, device):
     """torch.library.opcheck on both custom ops (schema, fake kernel against
     the real one, output layouts included, and tracing with dynamic shapes);
@@ -327,8 +328,9 @@ def test_both_ops_pass_opcheck(layout, device):
                                             **SMALL))
 
 
-@pytest.mark.parametrize("seq, layout", [(64, "BHSD"), (1100, "BHSD"), (1100, "BSHD")],
-                         ids=["dense-path", "sparse-path", "sparse-path-BSHD"])
+@pytest.mark.parametrize("seq, layout", [
+    (64, "BHSD"), pytest.param(1100, "BHSD", marks=pytest.mark.slow), (1100, "BSHD")],
+    ids=["dense-path", "sparse-path", "sparse-path-BSHD"])
 def test_stem_attention_under_fullgraph_compile_equals_eager(seq, layout, device):
     """stem_attention on [B, H, S, D], and stem_attn_func on [B, S, H, D]
     (which hands the op a transposed q), compiled with fullgraph=True."""

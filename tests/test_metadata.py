@@ -330,8 +330,9 @@ def test_score_temporaries_bounded_by_tile_budget(bmm_shapes, workspace_sizes, m
     assert torch.equal(seq[0, 0], torch.minimum(s2, torch.tensor(8 + k)).to(torch.int32))
 
 
-@pytest.mark.usefixtures("selection")
-def test_key_chunk_narrower_than_the_budget(bmm_shapes):
+@pytest.mark.parametrize("selection", ["native", pytest.param("torch", marks=pytest.mark.slow)],
+                         indirect=True)
+def test_key_chunk_narrower_than_the_budget(selection, bmm_shapes):
     """Df = 40000 makes the float32 key chunk 209 blocks (OPERAND_BYTES), fewer
     than the budget 256 (P = 3000 blocks): the top-k is merged over chunks
     each smaller than K. 600 key blocks, 2 query blocks, integer data."""

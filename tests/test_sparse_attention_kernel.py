@@ -416,7 +416,8 @@ def test_amx_path_through_the_micro_kernel_here(fresh_probe, monkeypatch, causal
     assert bool(out[:, :, :40].isfinite().all()) == causal
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow),
+                                   torch.bfloat16])
 def test_python_threads_at_once_each_equal_the_reference(dtype):
     """Several Python threads in the kernel at once, each with a thread team
     of its own (torch's thread count is 2 here, so every call opens an
