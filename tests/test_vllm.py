@@ -94,9 +94,11 @@ def _prompts() -> list[list[dict]]:
 
 def run_engine(model: str, stem: dict | None, *, engine: dict | None = None,
                check_rows: bool = False, env: dict | None = None,
-               fail: tuple[str, int] | None = None) -> dict:
+               fail: tuple[str, int] | None = None, batches: list | None = None,
+               follow_up: dict | None = None) -> dict:
     spec = {"model": model, "stem": stem, "engine": {**ENGINE, **(engine or {})},
-            "batches": _prompts(), "check_rows": check_rows, "fail": fail}
+            "batches": batches or _prompts(), "check_rows": check_rows, "fail": fail,
+            "follow_up": follow_up}
     run_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
     proc = subprocess.run([sys.executable, str(HERE / "vllm_engine.py"), json.dumps(spec)],
                           capture_output=True, text=True, env=run_env, timeout=900)
@@ -447,6 +449,32 @@ def test_amx_engine_runs_stem_on_the_amx_layout(model):
     for kind in ("continuation", "prefix hit"):
         assert any(re.search(rf"rows sparse \([^)]*{kind} [1-9]", x) for x in lines), lines
     assert assert_close_tokens(run, plain(model, BF16))
+
+
+def test_speculative_decoding_keeps_the_decoded_pages_usable(model):
+    """ngram speculative decoding with prefix caching: a chat's first turn
+    decodes with drafts, many rejected; its second turn hits the pages the
+    first decoded. The drafts are held back a step and only the accepted
+    ones reach the indexer cache, so those pages hold exactly their tokens:
+    the second turn's rows run Stem on them (no row finds its pages
+    incomplete) and each equals ``stem_attention`` on the keys vLLM wrote."""
+    rng = random.Random(3)
+    motif = [rng.randrange(3, 512) for _ in range(40)]
+    first = [{"prompt": motif * 45, "max_tokens": 120}]  # drafts to propose, 1,800 tokens
+    follow = {"of": 0, "answer_tokens": 100, "max_tokens": 4,
+              "extra": [rng.randrange(3, 512) for _ in range(300)]}
+    engine = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                     "prompt_lookup_max": 4, "prompt_lookup_min": 2}}
+    run = run_engine(model, SPARSE, engine=engine, check_rows=True, batches=[first],
+                     follow_up=follow)
+    held = run["stats"]["held"]
+    pass
+    rows = run["stats"]["rows"]
+    assert rows.get("sparse:prefix hit", 0) > 0, rows
+    assert not rows.get("dense:indexer cache incomplete"), rows
+    rec = run["record"]
+    assert rec["selection_mismatches"] == 0 and rec["cache_mismatches"] == 0, rec
+    assert rec["max_error"] < 1e-5, rec
 
 
 def assert_close_tokens(run: dict, want: dict) -> bool:

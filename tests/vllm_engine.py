@@ -192,7 +192,16 @@ def main() -> None:
         backend.observe_writes(shadow.write)
         backend.observe(_checker(StemSettings.from_mapping(spec["stem"]), record, shadow))
     results = []
-    for batch in spec["batches"]:
+    batches = list(spec["batches"])
+    follow = spec.get("follow_up")  # a chat's next turn: request i's prompt and answer
+    if follow:
+        batches.append(None)
+    for batch in batches:
+        if batch is None:  # the next turn, over its first turn's pages
+            first = [r for b in spec["batches"] for r in b][follow["of"]]
+            answer = results[follow["of"]]["tokens"][:follow["answer_tokens"]]
+            batch = [{"prompt": first["prompt"] + answer + follow["extra"],
+                      "max_tokens": follow["max_tokens"]}]
         prompts = [{"prompt_token_ids": r["prompt"]} for r in batch]
         params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, logprobs=0)
                   for r in batch]

@@ -136,6 +136,14 @@ class StepPlan:
     write: torch.Tensor | None = None
     #: [tokens] int64, who wrote each of the step's tokens (``token_tags``)
     tags: torch.Tensor | None = None
+    #: speculative decoding: the step's decode tokens ([tokens] bool) are
+    #: held back (a draft may be rejected) and written at the next step as
+    #: far as they were accepted: ``flush`` ([held tokens] bool) says which
+    #: of the tokens held back at step ``flush_from`` were
+    held: torch.Tensor | None = None
+    held_as: int = 0
+    flush: torch.Tensor | None = None
+    flush_from: int = -1
     #: no token of the step goes into the indexer cache
     write_nothing: bool = False
 
@@ -163,9 +171,11 @@ class _Step(threading.local):
 
 _STEP = _Step()
 _KINDS = RowKinds()
-# Per request, the position after its last written token and that token's tag.
+# Per request, the last row's end position and the tags of its last tokens
+# (a speculative decoding step may rewind into them).
 _TAGS: collections.OrderedDict = collections.OrderedDict()
 _MAX_TAGGED = 4096
+_TAGS_KEPT = 64
 
 
 def _record_step(batch, scheduled) -> None:
@@ -210,19 +220,23 @@ def _step_tags(rows: torch.Tensor, context: torch.Tensor, q_lens: torch.Tensor,
         if r in full:
             carries.append(int(full[r][c - 1]) if c else 0)
             continue
-        at, carry = _TAGS.get(requests[r], (-1, 0))
-        if at != c:
-            carry = int(token_tags(_STEP.tokens[r, :c])[-1]) if c else 0
+        end, kept = _TAGS.get(requests[r], (-1, None))
+        if c == 0:
+            carry = 0
+        elif kept is not None and end - kept.shape[0] < c <= end:
+            carry = int(kept[c - 1 - (end - kept.shape[0])])
+        else:
+            carry = int(token_tags(_STEP.tokens[r, :c])[-1])
         carries.append(carry)
     offset = torch.arange(int(lens.sum())) - (torch.cumsum(lens, 0) - lens).repeat_interleave(lens)
     positions = ctx.repeat_interleave(lens) + offset
     ids = _STEP.tokens[rows.repeat_interleave(lens), positions]
     tags = row_tags(ids, positions, lens, torch.tensor(carries, dtype=torch.int64))
-    last = (torch.cumsum(lens, 0) - 1).clamp(min=0)
-    for r, end, tag, n in zip(rows.tolist(), (ctx + lens).tolist(), tags[last].tolist(),
-                              lens.tolist()):
+    ends = torch.cumsum(lens, 0)
+    for r, end, stop, n in zip(rows.tolist(), (ctx + lens).tolist(), ends.tolist(),
+                               lens.tolist()):
         if n:
-            _TAGS[requests[r]] = (end, tag)
+            _TAGS[requests[r]] = (end, tags[max(stop - _TAGS_KEPT, stop - n):stop].clone())
             _TAGS.move_to_end(requests[r])
     while len(_TAGS) > _MAX_TAGGED:
         _TAGS.popitem(last=False)
@@ -242,6 +256,11 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
         # Without prefix caching no page outlives its request: decode tokens'
         # indexer-cache entries would never be read.
         self.write_decodes = bool(vllm_config.cache_config.enable_prefix_caching)
+        # With speculative decoding a decode row's drafts may be rejected: its
+        # tokens are held back one step and written as far as accepted.
+        self.speculative = self.write_decodes and vllm_config.speculative_config is not None
+        self.held: list[tuple[str, int, int]] = []  # (request, first position, tokens)
+        self.held_as = 0
         # Why none of this group's layers can run Stem ("" when some can): their
         # rows are then sorted, not planned.
         self.group_reason = ("sliding window" if self.window_size != -1 else
@@ -316,6 +335,8 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
                 plan.tags[plan.write] = tags
             else:
                 plan.tags = tags
+        if self.speculative:
+            self._hold(plan, decode, context, q_lens)
         if stem:
             plan.pages = torch.cat([s.pages for s in stem])
             plan.fill = torch.cat([s.fill for s in stem])
@@ -324,6 +345,24 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
             if others:
                 plan.batch = self._dense_batch(md, others, starts, q_lens)
         return plan
+
+    def _hold(self, plan: StepPlan, decode: torch.Tensor, context: torch.Tensor,
+              q_lens: torch.Tensor) -> None:
+        """Speculative decoding: which of the last step's held-back tokens were
+        accepted (a request's context now reaches past them), and which of
+        this step's to hold back (its decode rows')."""
+        position = {req: int(c) for req, c in zip(_STEP.requests, context.tolist())}
+        if self.held:
+            plan.flush = torch.cat([torch.arange(n) < min(max(position.get(req, c) - c, 0), n)
+                                    for req, c, n in self.held])
+            plan.flush_from = self.held_as
+        rows = decode.nonzero().flatten().tolist()
+        self.held = [(_STEP.requests[r], int(context[r]), int(q_lens[r])) for r in rows]
+        self.held_as += 1
+        if rows:
+            plan.held = decode.repeat_interleave(q_lens)
+            plan.held_as = self.held_as
+            plan.write = ~plan.held
 
     def _dense_reason(self, row: Row, share: float) -> str:
         s = self.settings
@@ -400,8 +439,9 @@ _WRITE_OBSERVERS: list = []
 # Reported once per process: the first failure of each kind, and the cache's size.
 _REPORTED: set = set()
 # The last indexer-cache write plan (index_cache.WritePlan): the next layer's
-# write of the same step reuses it.
+# write of the same step reuses it; and the last plan of held-back tokens'.
 _WRITE_PLAN: list = [None]
+_FLUSH_PLAN: list = [None]
 
 
 @dataclass(frozen=True)
@@ -467,6 +507,7 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         self.settings = StemSettings.from_config(config.additional_config)
         self.layer_reason = engine_reason(config) or self._layer_reason()
         self.index_cache: IndexCache | None = None
+        self.held = None  # speculative decoding: (step, key, value, slots, tags) held back
         self.ordinal = _LAYER_COUNT[0]
         _LAYER_COUNT[0] += 1
         STATS.layers = _LAYER_COUNT[0]
@@ -509,6 +550,8 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                 written = torch.full_like(slot_mapping, -1)
             else:
                 cache = self._index_cache(kv_cache)
+                if step is not None:
+                    self._flush(cache, step)
                 if step is not None and step.write is not None:
                     written = slot_mapping.clone()
                     keep = step.write[:n]
@@ -519,10 +562,32 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                 # One plan of the step's slots serves every layer (checked to fit).
                 _WRITE_PLAN[0] = cache.write(key[:n], value[:n], written, _WRITE_PLAN[0],
                                              tags=tags)
+                if step is not None and step.held is not None:
+                    held = step.held[:n]
+                    self.held = (step.held_as, key[:held.shape[0]][held].clone(),
+                                 value[:held.shape[0]][held].clone(),
+                                 slot_mapping[:held.shape[0]][held].clone(),
+                                 step.tags[:held.shape[0]][held].clone())
             for fn in _WRITE_OBSERVERS:
                 fn(getattr(layer, "layer_name", ""), key[:n], value[:n], slot_mapping, written)
         except Exception as exc:  # the engine goes on; the pages written run vLLM's kernel
             self._write_failed(slot_mapping if written is None else written, exc)
+
+    def _flush(self, cache: IndexCache, step: StepPlan) -> None:
+        """Speculative decoding: write the tokens held back at the last step
+        as far as they were accepted (before this step's, which follow them
+        on their pages); the rejected drafts never reach the indexer cache."""
+        held, self.held = self.held, None
+        if held is None or step.flush is None or held[0] != step.flush_from:
+            return  # nothing held, or held at a step this one does not follow
+        _, key, value, slots, tags = held
+        accepted = step.flush[:slots.shape[0]]
+        if self.ordinal == 0:
+            kept = int(accepted.sum())
+            STATS.speculative(kept, slots.shape[0] - kept)
+        if bool(accepted.any()):
+            _FLUSH_PLAN[0] = cache.write(key[accepted], value[accepted], slots[accepted],
+                                         _FLUSH_PLAN[0], tags=tags[accepted])
 
     def _write_failed(self, slots: torch.Tensor, exc: Exception) -> None:
         """A failed indexer-cache write: its pages become unusable (only

@@ -45,6 +45,9 @@ class WorkerStats:
     requests: dict = field(default_factory=dict)
     #: bytes of the indexer caches and of the KV caches beside them (bound at start-up)
     memory: collections.Counter = field(default_factory=collections.Counter)
+    #: speculative decoding: decode tokens held back a step, then written
+    #: (accepted) or dropped (rejected drafts, or their request ended)
+    held: collections.Counter = field(default_factory=collections.Counter)
     layers: int = 0
     log_requests: bool = True
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -55,12 +58,13 @@ class WorkerStats:
             self.pairs.clear()
             self.layouts.clear()
             self.requests.clear()
+            self.held.clear()
 
     def snapshot(self) -> dict:
         with self.lock:
             return {"rows": dict(self.rows), "layouts": dict(self.layouts),
                     "pairs": {name: list(p) for name, p in self.pairs.items()},
-                    "memory": dict(self.memory)}
+                    "memory": dict(self.memory), "held": dict(self.held)}
 
     # Called by the backend --------------------------------------------------
 
@@ -77,6 +81,12 @@ class WorkerStats:
         with self.lock:
             self.memory["index_cache_bytes"] += index_bytes
             self.memory["kv_cache_bytes"] += kv_bytes
+
+    def speculative(self, accepted: int, dropped: int) -> None:
+        """One step's held-back decode tokens: written, or dropped."""
+        with self.lock:
+            self.held["written"] += accepted
+            self.held["dropped"] += dropped
 
     def count(self, path: str, n: int = 1) -> None:
         """``n`` more of ``path`` (a failure outside any row, say)."""
@@ -146,15 +156,19 @@ def merge(snapshots: list[dict]) -> dict:
     """Sum workers' snapshots: rows by path, and per layer the kept and visible
     pairs with their density; ``density`` over all layers' Stem rows;
     ``layouts``: the sparse rows by the KV-cache layout they ran on;
-    ``memory``: the bytes of the Stem layers' indexer caches and KV caches."""
+    ``memory``: the bytes of the Stem layers' indexer caches and KV caches;
+    ``held``: under speculative decoding, the decode tokens held back a step
+    and then written to the indexer cache or dropped (per layer 0 of each worker)."""
     rows: collections.Counter = collections.Counter()
     layouts: collections.Counter = collections.Counter()
     memory: collections.Counter = collections.Counter()
+    held: collections.Counter = collections.Counter()
     pairs: dict[str, list[int]] = {}
     for snap in snapshots:
         rows.update(snap["rows"])
         layouts.update(snap.get("layouts", {}))
         memory.update(snap.get("memory", {}))
+        held.update(snap.get("held", {}))
         for name, (kept, visible) in snap["pairs"].items():
             acc = pairs.setdefault(name, [0, 0])
             acc[0] += kept
@@ -165,4 +179,5 @@ def merge(snapshots: list[dict]) -> dict:
     visible = sum(v for _, v in pairs.values())
     return {"rows": dict(sorted(rows.items())), "layers": layers,
             "density": kept / visible if visible else None,
-            "layouts": dict(sorted(layouts.items())), "memory": dict(sorted(memory.items()))}
+            "layouts": dict(sorted(layouts.items())), "memory": dict(sorted(memory.items())),
+            "held": dict(sorted(held.items()))}
