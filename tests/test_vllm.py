@@ -460,7 +460,10 @@ def test_speculative_decoding_keeps_the_decoded_pages_usable(model):
     incomplete) and each equals ``stem_attention`` on the keys vLLM wrote."""
     rng = random.Random(3)
     motif = [rng.randrange(3, 512) for _ in range(40)]
-    first = [{"prompt": motif * 45, "max_tokens": 120}]  # drafts to propose, 1,800 tokens
+    # The tiny model soon repeats token 221; ngram then proposes "17 18 19" from
+    # the prompt's traps, which the model rejects.
+    trap = [221, 221, 221, 17, 18, 19]
+    first = [{"prompt": motif * 40 + trap * 20, "max_tokens": 120}]
     follow = {"of": 0, "answer_tokens": 100, "max_tokens": 4,
               "extra": [rng.randrange(3, 512) for _ in range(300)]}
     engine = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
