@@ -592,11 +592,12 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
     def _write_failed(self, slots: torch.Tensor, exc: Exception) -> None:
         """A failed indexer-cache write: its pages become unusable (only
         those), counted and logged once."""
-        try:
-            if self.index_cache is not None:
-                self.index_cache.invalidate(slots)
-        except Exception:  # the pages cannot be told apart: none is usable
-            self.index_cache.filled.fill_(-1)
+        cache = self.index_cache
+        if cache is not None:
+            try:
+                cache.invalidate(slots)
+            except Exception:  # the pages cannot be told apart: none is usable
+                cache.filled.fill_(-1)
         STATS.count(f"dense:error:{type(exc).__name__}")
         _report_once(f"write:{type(exc).__name__}", "Stem: writing the indexer cache "
                      "failed (%s); the pages it left unwritten run vLLM's kernel",
