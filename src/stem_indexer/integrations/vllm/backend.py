@@ -172,10 +172,10 @@ class _Step(threading.local):
 _STEP = _Step()
 _KINDS = RowKinds()
 # Per request, the last row's end position and the tags of its last tokens
-# (a speculative decoding step may rewind into them).
+# (a list of ints: one, or under speculative decoding as many as a step may
+# rewind over).
 _TAGS: collections.OrderedDict = collections.OrderedDict()
 _MAX_TAGGED = 4096
-_TAGS_KEPT = 64
 
 
 def _record_step(batch, scheduled) -> None:
@@ -207,12 +207,14 @@ def _record_step(batch, scheduled) -> None:
 
 
 def _step_tags(rows: torch.Tensor, context: torch.Tensor, q_lens: torch.Tensor,
-               full: dict[int, torch.Tensor]) -> torch.Tensor:
+               full: dict[int, torch.Tensor], keep: int = 1) -> torch.Tensor:
     """[tokens] int64: ``token_tags`` of the tokens of ``rows`` (in order;
     ``context`` and ``q_lens`` per row of the step), ``full[row]`` the tags
     of a row's whole sequence where the plan made them. Each request's last
     tag is kept, so that its next row (a decode, the next chunk) hashes its
-    own tokens only: tensor work for the step, a dictionary lookup per row."""
+    own tokens only (its last ``keep`` tags are kept, for a step that
+    rewinds over rejected drafts): tensor work for the step, a dictionary
+    lookup per row."""
     requests = _STEP.requests
     ctx, lens = context[rows], q_lens[rows]
     carries = []
@@ -220,11 +222,11 @@ def _step_tags(rows: torch.Tensor, context: torch.Tensor, q_lens: torch.Tensor,
         if r in full:
             carries.append(int(full[r][c - 1]) if c else 0)
             continue
-        end, kept = _TAGS.get(requests[r], (-1, None))
+        end, kept = _TAGS.get(requests[r], (-1, ()))
         if c == 0:
             carry = 0
-        elif kept is not None and end - kept.shape[0] < c <= end:
-            carry = int(kept[c - 1 - (end - kept.shape[0])])
+        elif end - len(kept) < c <= end:
+            carry = kept[c - 1 - (end - len(kept))]
         else:
             carry = int(token_tags(_STEP.tokens[r, :c])[-1])
         carries.append(carry)
@@ -232,11 +234,11 @@ def _step_tags(rows: torch.Tensor, context: torch.Tensor, q_lens: torch.Tensor,
     positions = ctx.repeat_interleave(lens) + offset
     ids = _STEP.tokens[rows.repeat_interleave(lens), positions]
     tags = row_tags(ids, positions, lens, torch.tensor(carries, dtype=torch.int64))
-    ends = torch.cumsum(lens, 0)
-    for r, end, stop, n in zip(rows.tolist(), (ctx + lens).tolist(), ends.tolist(),
-                               lens.tolist()):
+    values = tags.tolist()
+    for r, end, stop, n in zip(rows.tolist(), (ctx + lens).tolist(),
+                               torch.cumsum(lens, 0).tolist(), lens.tolist()):
         if n:
-            _TAGS[requests[r]] = (end, tags[max(stop - _TAGS_KEPT, stop - n):stop].clone())
+            _TAGS[requests[r]] = (end, values[max(stop - keep, stop - n):stop])
             _TAGS.move_to_end(requests[r])
     while len(_TAGS) > _MAX_TAGGED:
         _TAGS.popitem(last=False)
@@ -258,7 +260,9 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
         self.write_decodes = bool(vllm_config.cache_config.enable_prefix_caching)
         # With speculative decoding a decode row's drafts may be rejected: its
         # tokens are held back one step and written as far as accepted.
-        self.speculative = self.write_decodes and vllm_config.speculative_config is not None
+        spec = vllm_config.speculative_config
+        self.speculative = self.write_decodes and spec is not None
+        self.rewind = getattr(spec, "num_speculative_tokens", None) or 0 if spec else 0
         self.held: list[tuple[str, int, int]] = []  # (request, first position, tokens)
         self.held_as = 0
         # Why none of this group's layers can run Stem ("" when some can): their
@@ -329,7 +333,8 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
                 for s in stem}
         writes = decode.logical_not() if plan.write is not None else torch.ones(n, dtype=bool)
         if not plan.write_nothing:
-            tags = _step_tags(writes.nonzero().flatten(), context, q_lens, full)
+            tags = _step_tags(writes.nonzero().flatten(), context, q_lens, full,
+                              self.rewind + 1)
             if plan.write is not None:  # the tokens left out get no tag
                 plan.tags = torch.zeros(plan.write.shape[0], dtype=torch.int64)
                 plan.tags[plan.write] = tags
