@@ -86,7 +86,8 @@ def git_sha() -> str:
         return "unknown"
 
 
-def _once_ms(fn: Callable[[], object], device: str) -> float:
+def once_ms(fn: Callable[[], object], device: str) -> float:
+    """One call's milliseconds: CUDA events on a GPU, perf_counter on CPU."""
     if device == "cuda":
         start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         start.record()
@@ -105,7 +106,7 @@ def median_ms(fn: Callable[[], object], *, reps: int = 5, warmup: int = 1,
         fn()
     if device == "cuda":
         torch.cuda.synchronize()
-    return statistics.median(_once_ms(fn, device) for _ in range(reps))
+    return statistics.median(once_ms(fn, device) for _ in range(reps))
 
 
 def interleaved_runs(fns: dict[str, Callable[[], object]], *, reps: int = 5, warmup: int = 1,
@@ -118,7 +119,7 @@ def interleaved_runs(fns: dict[str, Callable[[], object]], *, reps: int = 5, war
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
-            times[name].append(_once_ms(fn, device))
+            times[name].append(once_ms(fn, device))
     return times
 
 

@@ -282,19 +282,28 @@ def planned(seq: int, device: str, reps: int, report: Report) -> bool:
     checks["compiled = eager" + (f" ({why})" if why else "")] = bool(same)
     fns = {"stem_attention": lambda: stem_indexer.stem_attention(q, k, v, **params),
            "stem_run": lambda: stem_indexer.stem_run(q, k, v, plan)}
-    if device == "cuda":
-        captured, why = attempt(lambda: _capture(
-            lambda *x: stem_indexer.stem_run(*x, plan), [x.clone() for x in (q, k, v)],
-            [q.flip(2), k.flip(2), v.flip(2)]), device)
-        if captured is not None:
-            graph, replayed, again = captured
-            fns["graph replay"] = graph.replay
-        checks["CUDA graph replay on new inputs = eager" + (f" ({why})" if why else "")] = \
-            captured is not None and torch.equal(replayed, again)
+    _replay_check(fns, checks, "graph replay", lambda *x: stem_indexer.stem_run(*x, plan),
+                  [x.clone() for x in (q, k, v)], [q.flip(2), k.flip(2), v.flip(2)], device,
+                  "new inputs")
     times, errors = guarded_runs(fns, device=device, reps=reps)
     report.add("", f"stem_run on one plan at {seq} tokens ({plan.path}): {_said(checks)}")
     _timing_table(report, times, errors, f"stem_run at {seq}")
     return all(checks.values()) and not errors
+
+
+def _replay_check(fns: dict, checks: dict, label: str, run, inputs: list, new_inputs: list,
+                  device: str, what: str) -> None:
+    """On CUDA: capture ``run(*inputs)`` in a graph and replay it on
+    ``new_inputs``; the replay is timed as ``label`` and checked against eager
+    on the same inputs (``checks``)."""
+    if device != "cuda":
+        return
+    captured, why = attempt(lambda: _capture(run, inputs, new_inputs), device)
+    if captured is not None:
+        graph, replayed, again = captured
+        fns[label] = graph.replay
+    checks[f"CUDA graph replay on {what} = eager" + (f" ({why})" if why else "")] = \
+        captured is not None and torch.equal(replayed, again)
 
 
 PAGE = 16  # vLLM's default page size on CUDA
@@ -372,15 +381,9 @@ def paged(seq: int, device: str, reps: int, report: Report) -> bool:
                                         head_dim=d, device=q.device, dtype=q.dtype, **params)
     fns = {"stem_run (contiguous)": lambda: stem_indexer.stem_run(q, k, v, contiguous),
            f"stem_paged_run ({plan.kernel})": lambda: stem_indexer.stem_paged_run(*step, plan)}
-    if device == "cuda":
-        captured, why = attempt(lambda: _capture(
-            lambda x: stem_indexer.stem_paged_run(x, *step[1:], plan), [query.clone()],
-            [query.flip(0)]), device)
-        if captured is not None:
-            graph, replayed, again = captured
-            fns["stem_paged_run graph replay"] = graph.replay
-        checks["CUDA graph replay on new queries = eager" + (f" ({why})" if why else "")] = \
-            captured is not None and torch.equal(replayed, again)
+    _replay_check(fns, checks, "stem_paged_run graph replay",
+                  lambda x: stem_indexer.stem_paged_run(x, *step[1:], plan), [query.clone()],
+                  [query.flip(0)], device, "new queries")
     times, errors = guarded_runs(fns, device=device, reps=reps)
     report.add("", f"stem_paged_run at {seq} tokens, {PAGE}-token pages shuffled "
                f"({plan.paths[0]}; attention: {plan.attention}): {_said(checks)}")

@@ -22,13 +22,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from common import git_sha
+from common import git_sha, once_ms
 
 
 def run_sha() -> str:
@@ -117,20 +116,6 @@ def attempt(fn: Callable[[], object], device: str = "cpu"):
     except Exception as exc:  # reported in its own cell; the caller goes on
         _recover(device)
         return None, error_text(exc)
-
-
-def once_ms(fn: Callable[[], object], device: str) -> float:
-    """One call's milliseconds: CUDA events on a GPU, perf_counter on CPU."""
-    if device == "cuda":
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def guarded_runs(fns: dict[str, Callable[[], object]], *, device: str, reps: int = 5,

@@ -86,44 +86,69 @@ def traffic(tokenizer, seed: int, scale: float = 1.0) -> list[dict]:
     return reqs
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-class Server:
-    """The OpenAI server in a process of its own, its log in a file."""
+class ServerProcess:
+    """``python -m vllm.entrypoints.openai.api_server ARGS`` on a free local
+    port, its output in ``log``, up once its ``/health`` answers (else
+    RuntimeError with the log's tail); ``stop()`` ends it."""
 
-    def __init__(self, model: Path, stem: dict | None, log: Path) -> None:
-        self.port = _free_port()
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-               str(model), "--served-model-name", "m", "--host", "127.0.0.1", "--port",
-               str(self.port), "--dtype", "bfloat16", "--max-model-len", "32768"]
-        if stem is not None:
-            cmd += ["--attention-backend", "CUSTOM", "--additional-config",
-                    json.dumps({"stem": stem})]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get(
-            "VLLM_CPU_KVCACHE_SPACE", "4"), "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "3600"}
+    def __init__(self, args: list[str], log: Path, env: dict | None = None,
+                 seconds: float = 600) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         self.log = log.open("w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.time() + 600
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host",
+               "127.0.0.1", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=env or dict(os.environ))
+        deadline = time.time() + seconds
         while True:
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2)
-                break
+                urllib.request.urlopen(f"{self.base}/health", timeout=2)
+                return
             except OSError:
                 if self.proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("server did not start: " + log.read_text()[-3000:])
+                    self.stop()
+                    raise RuntimeError("server did not start: " + self.text()[-3000:])
                 time.sleep(1)
+
+    def text(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+class Server(ServerProcess):
+    """The benchmark's server: vLLM's backend, or Stem's with ``stem``."""
+
+    def __init__(self, model: Path, stem: dict | None, log: Path) -> None:
+        args = ["--model", str(model), "--served-model-name", "m", "--dtype", "bfloat16",
+                "--max-model-len", "32768"]
+        if stem is not None:
+            args += ["--attention-backend", "CUSTOM", "--additional-config",
+                     json.dumps({"stem": stem})]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get(
+            "VLLM_CPU_KVCACHE_SPACE", "4"), "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "3600"}
+        super().__init__(args, log, env)
 
     def stream(self, prompt: list[int], max_tokens: int) -> dict:
         """One streamed completion, timed: ttft, tpot, latency (s), tokens."""
         body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": max_tokens,
                            "temperature": 0, "stream": True, "ignore_eos": True,
                            "stream_options": {"include_usage": True}}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=body,
+        req = urllib.request.Request(f"{self.base}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
         start = time.perf_counter()
         first = last = None
@@ -143,15 +168,6 @@ class Server:
         ttft = first - start
         tpot = (last - first) / (tokens - 1) if tokens > 1 else None
         return {"ttft": ttft, "tpot": tpot, "latency": last - start, "output_tokens": tokens}
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
-
 
 def run_traffic(server: Server, reqs: list[dict]) -> tuple[list[dict], float]:
     """Send every request at its time, each from a thread of its own; returns

@@ -138,9 +138,9 @@ def packed(x: torch.Tensor, step: Step) -> torch.Tensor:
 
 @pytest.mark.parametrize("page,integer,dtype", [
     (32, False, torch.float32),   # a page per block: kflat is stem_inputs's to the bit
-    (16, True, torch.float32),    # two pages per block
+    pytest.param(16, True, torch.float32, marks=pytest.mark.slow),  # two pages per block
     (8, True, torch.bfloat16),
-    (32, False, torch.bfloat16),
+    pytest.param(32, False, torch.bfloat16, marks=pytest.mark.slow),
 ])
 def test_fresh_rows_are_stem_attention(page, integer, dtype):
     prompts = [2100, 1500, 1800]
@@ -236,7 +236,8 @@ def test_layouts_and_table_garbage_change_nothing():
 # --------------------------------------------------------------------------- #
 
 @interpreted
-@pytest.mark.parametrize("page,block", [(8, 32), (16, 16), (32, 64)])
+@pytest.mark.parametrize("page,block", [(8, 32), pytest.param(16, 16, marks=pytest.mark.slow),
+                                        pytest.param(32, 64, marks=pytest.mark.slow)])
 def test_triton_kflat_pass_writes_the_torch_bits(page, block):
     from stem_indexer.ops.triton.paged_index import paged_kflat
 
@@ -296,7 +297,7 @@ def _runs_alike(step, **kw):
 
 
 @interpreted
-@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("softcap", [None, pytest.param(5.0, marks=pytest.mark.slow)])
 def test_triton_run_attends_as_the_torch_run(softcap):
     # Short rows (dense lists): the paged kernel against the gathered pages.
     step = make_step([200, 150, 90], [0, 77, 89], [200, 73, 1], page=8, stride=4, hq=2,
@@ -369,6 +370,7 @@ def test_the_run_reads_nothing_on_the_host():
     assert any("paged.py" in r for r in reads), reads  # the plan does read: the spy sees
 
 
+@pytest.mark.slow  # the planned run's compile is test_plan.py's in the default run
 def test_the_run_compiles_with_fullgraph_and_dynamic_shapes():
     torch._dynamo.reset()
     compiled = torch.compile(stem_paged_run, fullgraph=True, dynamic=True)
@@ -422,7 +424,7 @@ def test_runs_on_other_tensors_than_planned_are_refused():
 # --------------------------------------------------------------------------- #
 
 @interpreted
-@pytest.mark.parametrize("softcap", [None, 4.0])
+@pytest.mark.parametrize("softcap", [None, pytest.param(4.0, marks=pytest.mark.slow)])
 def test_the_triton_backend_attends_as_the_gather_backend(softcap):
     # Two batches, one padded (a partial last block), GQA; kv one block
     # longer than q (keys before the queries: a whole block).
@@ -450,6 +452,7 @@ def test_the_triton_backend_attends_as_the_gather_backend(softcap):
 
 
 @interpreted
+@pytest.mark.slow
 def test_stem_attention_on_the_triton_backend_is_the_native_run():
     q = torch.randn(1, 2, 480, 16, generator=torch.Generator().manual_seed(12))
     k, v = q[:, :1] * 0.5, q[:, 1:] + 0.1

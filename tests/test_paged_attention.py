@@ -254,8 +254,20 @@ MATRIX = [
 ]
 
 
+def _default_run(cases: list, keep: tuple[str, ...]) -> list:
+    """``cases`` as parameters: those named in ``keep`` in the default run,
+    the others with ``--run-slow`` (each an interpreted kernel run)."""
+    out = []
+    for case in cases:
+        values = case.values if hasattr(case, "values") else case
+        out.append(pytest.param(*values, id=values[0],
+                                marks=() if values[0] in keep else pytest.mark.slow))
+    return out
+
+
 @interpreted
-@pytest.mark.parametrize("label,kw", MATRIX, ids=[m[0] for m in MATRIX])
+@pytest.mark.parametrize("label,kw", _default_run(MATRIX, (
+    "bs16-page32-d24-f32-HND-softcap", "bs32-page8-d24-bf16-NHD-softcap")))
 def test_matches_the_reference(label, kw):
     case = make_case(len(label), ROWS, **kw)
     assert_matches(case, case.run(), label)
@@ -296,8 +308,8 @@ CONFIGS = [
 
 
 @interpreted
-@pytest.mark.parametrize("label,bs,config", CONFIGS,
-                         ids=[c.values[0] if hasattr(c, "values") else c[0] for c in CONFIGS])
+@pytest.mark.parametrize("label,bs,config", _default_run(CONFIGS, ("gpu-sm90-bs32",
+                                                                   "tiles16-bs24")))
 def test_configurations_and_block_sizes(label, bs, config):
     dtype = F32 if "f32" in label else BF16
     case = make_case(len(label), ROWS, bs=bs, page=16, d=24, dtype=dtype, layout="HND",
@@ -323,6 +335,7 @@ def test_poisoned_output_is_overwritten_and_padding_left_alone():
 
 
 @interpreted
+@pytest.mark.slow
 def test_table_and_list_garbage_is_never_used():
     # Unused table slots: -1, ids far past the cache, the int32 extremes;
     # list entries past each length: garbage blocks; query blocks past a row's

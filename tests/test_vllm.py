@@ -24,7 +24,6 @@ import json
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -266,23 +265,26 @@ def windowed_model(tmp_path_factory, model) -> str:
     return str(out)
 
 
+def assert_vllms_kernel_only(run: dict, want: dict, reason: str) -> None:
+    """Every row of ``run`` ran vLLM's kernel for ``reason``: the tokens of
+    vLLM's own backend (``want``), bit for bit, and no sparse row."""
+    assert run["outputs"] == want["outputs"]
+    rows = run["stats"]["rows"]
+    assert rows.get(f"dense:{reason}", 0) > 0, rows
+    assert not any(k.startswith("sparse") for k in rows), rows
+
+
 def test_sliding_window_layers_run_vllms_kernel_and_say_so(windowed_model):
     want = run_engine(windowed_model, None)
     run = run_engine(windowed_model, {**SPARSE, "dense_above": 1.0})
-    assert run["outputs"] == want["outputs"]
-    rows = run["stats"]["rows"]
-    assert rows.get("dense:sliding window", 0) > 0, rows
-    assert not any(k.startswith("sparse") for k in rows), rows
+    assert_vllms_kernel_only(run, want, "sliding window")
 
 
 def test_a_quantised_kv_cache_runs_vllms_kernel_and_says_so(model):
     engine = {"kv_cache_dtype": "fp8"}
     want = run_engine(model, None, engine=engine)
     run = run_engine(model, {**SPARSE, "dense_above": 1.0}, engine=engine)
-    assert run["outputs"] == want["outputs"]
-    rows = run["stats"]["rows"]
-    assert rows.get("dense:kv cache dtype fp8", 0) > 0, rows
-    assert not any(k.startswith("sparse") for k in rows), rows
+    assert_vllms_kernel_only(run, want, "kv cache dtype fp8")
     # Said once at start-up, naming it.
     assert run["log"].count("Stem: kv cache dtype fp8 is not supported") == 1, run["log"][-3000:]
 
@@ -300,10 +302,7 @@ def test_a_kv_connector_keeps_stem_off_and_says_so(model, tmp_path):
     engine["kv_transfer_config"]["kv_connector_extra_config"]["shared_storage_path"] = \
         str(tmp_path / "b")
     run = run_engine(model, {**SPARSE, "dense_above": 1.0}, engine=engine)
-    assert run["outputs"] == want["outputs"]
-    rows = run["stats"]["rows"]
-    assert rows.get("dense:kv connector", 0) > 0, rows
-    assert not any(k.startswith("sparse") for k in rows), rows
+    assert_vllms_kernel_only(run, want, "kv connector")
     assert run["log"].count("Stem: kv connector is configured") == 1, run["log"][-3000:]
     assert run["stats"]["memory"] == {}  # no indexer cache kept back or allocated
 
@@ -711,31 +710,16 @@ def test_registration_never_raises(fresh_registration, monkeypatch, caplog):
 # --------------------------------------------------------------------------- #
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_server_streams_a_completion_with_stem(model, tmp_path):
-    port = _free_port()
-    log = (tmp_path / "server.log").open("w")
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--block-size",
-           str(BLOCK), "--max-model-len", "4096", "--attention-backend", "CUSTOM",
-           "--additional-config", json.dumps({"stem": SPARSE})]
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                              env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    from vllm_serve_bench import ServerProcess
+
+    server = ServerProcess(["--model", model, "--dtype", "float32", "--block-size", str(BLOCK),
+                            "--max-model-len", "4096", "--attention-backend", "CUSTOM",
+                            "--additional-config", json.dumps({"stem": SPARSE})],
+                           tmp_path / "server.log",
+                           {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, seconds=300)
+    port = server.port
     try:
-        deadline = time.time() + 300
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-                assert time.time() < deadline, "server did not start"
-                time.sleep(1)
         rng = random.Random(2)
         prompt = " ".join(f"t{rng.randrange(3, 512)}" for _ in range(2500))
         body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 5,
@@ -754,9 +738,7 @@ def test_server_streams_a_completion_with_stem(model, tmp_path):
             time.sleep(0.5)
         assert "Using Stem sparse-prefill attention" in (tmp_path / "server.log").read_text()
     finally:
-        server.terminate()
-        server.wait(timeout=60)
-        log.close()
+        server.stop()
 
 
 # --------------------------------------------------------------------------- #

@@ -27,8 +27,6 @@ import os
 import random
 import re
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -39,7 +37,8 @@ import pytest
 pytest.importorskip("vllm", reason="the vllm extra is not installed (pip install "
                     "'stem-indexer[vllm]')")
 
-from test_vllm import BLOCK, SPARSE, _free_port, model  # noqa: E402,F401 (the fixture)
+from test_vllm import BLOCK, SPARSE, model  # noqa: E402,F401 (the fixture)
+from vllm_serve_bench import ServerProcess  # noqa: E402
 
 ROUNDS = int(os.environ.get("SOAK_ROUNDS", "1"))
 # About 5,300 tokens of KV pages once the indexer cache's share is kept back
@@ -52,35 +51,15 @@ def _words(rng: random.Random, n: int) -> str:
     return " ".join(f"t{rng.randrange(3, 512)}" for _ in range(n))
 
 
-class Server:
+class Server(ServerProcess):
     def __init__(self, model_dir: str, log_path) -> None:
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
         self.model = model_dir
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-               "--block-size", str(BLOCK), "--max-model-len", "4096",
-               "--max-num-batched-tokens", "512", "--max-num-seqs", "8",
-               "--kv-cache-memory-bytes", str(KV_BYTES), "--attention-backend", "CUSTOM",
-               "--additional-config", json.dumps({"stem": SPARSE})]
         env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-
-    def text(self) -> str:
-        return self.log_path.read_text()
-
-    def wait_healthy(self, seconds: float = 300) -> None:
-        deadline = time.time() + seconds
-        while True:
-            try:
-                urllib.request.urlopen(f"{self.base}/health", timeout=2)
-                return
-            except OSError:
-                assert self.proc.poll() is None, self.text()[-3000:]
-                assert time.time() < deadline, "server did not start"
-                time.sleep(1)
+        super().__init__(["--model", model_dir, "--dtype", "float32", "--block-size", str(BLOCK),
+                          "--max-model-len", "4096", "--max-num-batched-tokens", "512",
+                          "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(KV_BYTES),
+                          "--attention-backend", "CUSTOM", "--additional-config",
+                          json.dumps({"stem": SPARSE})], log_path, env, seconds=300)
 
     def post(self, body, path: str = "/v1/completions", timeout: float = 600):
         """(status, parsed JSON or None) of a POST; ``body`` bytes are sent as they are."""
@@ -122,15 +101,6 @@ class Server:
                   if x.startswith(name) and not x.startswith("#")]
         return sum(values)
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
-
-
 def _load(server: Server, seed: int) -> list:
     """One round of mixed traffic; returns every job's (kind, outcome)."""
     rng = random.Random(seed)
@@ -165,7 +135,6 @@ def _load(server: Server, seed: int) -> list:
 def test_the_server_survives_mixed_hostile_load_with_stem(model, tmp_path):  # noqa: F811
     server = Server(model, tmp_path / "server.log")
     try:
-        server.wait_healthy()
         rng = random.Random(7)
         probes = [(_words(rng, 40), 8), (_words(rng, 2400), 8)]
         cold = [server.complete(p, n) for p, n in probes]
