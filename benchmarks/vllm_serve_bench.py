@@ -17,14 +17,17 @@ The traffic (``traffic``, fixed by ``--seed``; prompts are token ids of
 English text from this repository's docs, shuffled by paragraph, sent as the
 ``prompt`` of ``/v1/completions``), all of it streamed:
 
-* ``doc16k``: two documents of 16,000 tokens and ``doc30k``: one of
-  30,000 (16 new tokens each), sent at the start;
+* ``doc16k``: two documents of 16,000 tokens, sent at 0 and 2 s, and
+  ``doc30k``: one of 30,000, sent at 1 s (16 new tokens each);
 * ``shared8k``: three prompts that share their first 8,192 tokens (a
   system prompt or a shared document) and add 1,000 of their own, sent at
-  0, 2 and 4 s (the later ones hit the prefix cache);
+  3, 5 and 7 s (the later ones hit the prefix cache);
 * ``chat``: short chats of 100 to 300 tokens, each asking for 64 new
-  tokens, arriving every 4 s from the start, so that they meet the long
+  tokens, arriving every 4 s from 0.5 s, so that they meet the long
   prefills.
+
+Every arrival has its own time, in a fixed order, so that both servers see
+the same queue.
 
 Per request: the time to first token (TTFT: from sending to the first
 streamed token), the time per output token after it (TPOT), the end-to-end
@@ -76,12 +79,14 @@ def traffic(tokenizer, seed: int, scale: float = 1.0) -> list[dict]:
         return out[:n]
 
     shared = text(8192)
+    # Arrivals a second apart, in a fixed order, so that both servers see the
+    # same queue (requests sent at one instant would race for their places).
     reqs = [{"kind": "doc16k", "at": 0.0, "prompt": text(16000), "max_tokens": 16},
-            {"kind": "doc16k", "at": 0.0, "prompt": text(16000), "max_tokens": 16},
-            {"kind": "doc30k", "at": 0.0, "prompt": text(30000), "max_tokens": 16}]
-    reqs += [{"kind": "shared8k", "at": 2.0 * i, "prompt": shared + text(1000),
+            {"kind": "doc30k", "at": 1.0, "prompt": text(30000), "max_tokens": 16},
+            {"kind": "doc16k", "at": 2.0, "prompt": text(16000), "max_tokens": 16}]
+    reqs += [{"kind": "shared8k", "at": 3.0 + 2.0 * i, "prompt": shared + text(1000),
               "max_tokens": 16} for i in range(3)]
-    reqs += [{"kind": "chat", "at": 4.0 * i, "prompt": text(rng.randrange(100, 300)),
+    reqs += [{"kind": "chat", "at": 0.5 + 4.0 * i, "prompt": text(rng.randrange(100, 300)),
               "max_tokens": 64} for i in range(16)]
     return reqs
 
