@@ -447,7 +447,8 @@ def test_amx_engine_runs_stem_on_the_amx_layout(model):
     lines = [x for x in run["log"].splitlines() if "Stem prefill of request" in x]
     for kind in ("continuation", "prefix hit"):
         assert any(re.search(rf"rows sparse \([^)]*{kind} [1-9]", x) for x in lines), lines
-    assert assert_close_tokens(run, plain(model, BF16))
+    # The long prompts' tokens on the amx layout: not yet measured on a CPU with AMX.
+    assert assert_close_tokens(run, plain(model, BF16), long_prompts=False)
 
 
 def test_speculative_decoding_keeps_the_decoded_pages_usable(model):
@@ -481,11 +482,26 @@ def test_speculative_decoding_keeps_the_decoded_pages_usable(model):
     assert rec["max_error"] < 1e-5, rec
 
 
-def assert_close_tokens(run: dict, want: dict) -> bool:
+# The long prompts' sparse rows move the logits a little: their greedy tokens
+# were vLLM's, each chosen token's log-probability at most 0.033 apart in
+# float32 and 0.031 in bfloat16 (vec layout), on this file's prompts; the
+# bound keeps a 3x margin.
+LONG_LOGPROB_TOL = 0.1
+
+
+def assert_close_tokens(run: dict, want: dict, *, long_prompts: bool = True) -> bool:
     """Greedy continuations of a sparse run against vLLM's: the short
-    prompts (all dense) equal, the long ones' first token equal."""
+    prompts (every row vLLM's kernel) token for token; with ``long_prompts``
+    the long ones (sparse rows) token for token too, each chosen token's
+    log-probability within ``LONG_LOGPROB_TOL`` of vLLM's."""
+    assert len(run["outputs"]) == len(want["outputs"]) == 4
     for x, y in zip(run["outputs"][:2], want["outputs"][:2]):
         assert x["tokens"] == y["tokens"]
+    if long_prompts:
+        for x, y in zip(run["outputs"][2:], want["outputs"][2:]):
+            assert x["tokens"] == y["tokens"]
+            worst = max(abs(a - b) for a, b in zip(x["logprobs"], y["logprobs"]))
+            assert worst <= LONG_LOGPROB_TOL, worst
     return True
 
 
