@@ -317,15 +317,14 @@ def _cut_blocks(sparse, context, kvlen, window, prompt, bs: int) -> list[TailRow
     cut = []
     for b in sparse.nonzero().flatten().tolist():
         blocks = ceil_div(int(window[b]), bs)
-        kb = ceil_div(int(kvlen[b]), bs)
         rows = set()
         if int(context[b]) % bs:
             rows.add(0)
         if int(kvlen[b]) % bs and int(kvlen[b]) < int(prompt[b]):
             rows.add(blocks - 1)
         for j in sorted(rows):
-            cut.append(TailRows(b, range(j, j + 1), torch.tensor([min(
-                int(context[b]) // bs + j + 1, kb)], dtype=torch.int64)))
+            cut.append(TailRows(b, range(j, j + 1), contract.reach_blocks(
+                torch.tensor([j]), window[b], kvlen[b], bs, True)))
     return cut
 
 
@@ -392,11 +391,10 @@ def _dense_unless(valid: torch.Tensor, idx: torch.Tensor, lengths: torch.Tensor,
     their query blocks can see (dense): tensor work only."""
     bs = plan.params.stem_block_size
     j = torch.arange(idx.shape[2], device=idx.device)
-    first = plan.rows[:, 3].to(torch.int64)
-    reach = torch.minimum(first[:, None] + j + 1,
-                          ceil_div(plan.kv_seq_lens.to(torch.int64), bs)[:, None])
-    windows = ceil_div(plan.window_lens_device.to(torch.int64), bs)
-    reach = torch.where(j < windows[:, None], reach, 0)  # [B, qmax]
+    window = plan.window_lens_device.to(torch.int64)[:, None]
+    reach = contract.reach_blocks(j[None], window, plan.kv_seq_lens.to(torch.int64)[:, None],
+                                  bs, True)
+    reach = torch.where(j < ceil_div(window, bs), reach, 0)  # [B, qmax]
     blocks = torch.arange(idx.shape[3], device=idx.device)
     dense = torch.where(blocks < reach[..., None], blocks, -1).to(idx.dtype)[:, None]
     bad = ~valid.to(device=idx.device, dtype=torch.bool)[:, None, None]
