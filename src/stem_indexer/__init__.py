@@ -35,17 +35,17 @@ from __future__ import annotations
 
 import torch as _torch
 
-from .api import stem_indexer, stem_indexer_metadata
-from .attention import StemInfo, block_sparse_attention, dense_attention, stem_attention
-from .contract import PRESETS, IndexerParams, StemIndexerInputError
-from .dispatch import status
-from .flash import stem_attn_func, stem_attn_varlen_func
-from .index_cache import IndexCache
-from .ops.flex_attention import block_mask
-from .paged import PagedPlan, stem_paged_plan, stem_paged_run
-from .plan import StemPlan, stem_plan, stem_run
-from .prepare import StemInputs, stem_inputs
-from .reference import stem_indexer_reference
+from .operator.api import stem_indexer, stem_indexer_metadata
+from .surfaces.attention import StemInfo, block_sparse_attention, dense_attention, stem_attention
+from .operator.contract import PRESETS, IndexerParams, StemIndexerInputError
+from .pipeline.dispatch import status
+from .surfaces.flash import stem_attn_func, stem_attn_varlen_func
+from .pipeline.index_cache import IndexCache
+from .operator.ops.flex_attention import block_mask
+from .pipeline.paged import PagedPlan, stem_paged_plan, stem_paged_run
+from .pipeline.plan import StemPlan, stem_plan, stem_run
+from .pipeline.prepare import StemInputs, stem_inputs
+from .operator.reference import stem_indexer_reference
 
 __version__ = "0.1.0"
 

@@ -90,10 +90,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
         "'hf' extra: pip install 'stem-indexer[hf]'"
     ) from exc
 
-from ..attention import stem_attention
-from ..checks import check_stem_options
-from ..contract import IndexerParams, check_dense_above, check_int, fail
-from ..window import _windowed, sliding_window_mask
+from ..surfaces.attention import stem_attention
+from ..pipeline.checks import check_stem_options
+from ..operator.contract import IndexerParams, check_dense_above, check_int, fail
+from ..pipeline.window import _windowed, sliding_window_mask
 
 # The first release whose mask functions are called with (q_length, q_offset)
 # rather than cache_position: the signature stem_mask takes. pyproject.toml's

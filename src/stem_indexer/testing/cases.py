@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..contract import IndexerParams, ceil_div
+from ..operator.contract import IndexerParams, ceil_div
 
 __all__ = ["Case", "CASES", "GRAPH_SUBSET", "all_cases", "get_case", "select_cases",
            "graph_subset"]

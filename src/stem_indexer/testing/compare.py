@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import contract
-from ..contract import IndexerParams, ceil_div
+from ..operator import contract
+from ..operator.contract import IndexerParams, ceil_div
 
 RTOL = 1e-3
 ATOL = 2.5e-5

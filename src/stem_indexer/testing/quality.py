@@ -36,9 +36,9 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .. import contract
-from ..contract import IndexerParams
-from ..api import stem_indexer
+from ..operator import contract
+from ..operator.contract import IndexerParams
+from ..operator.api import stem_indexer
 
 __all__ = [
     "Budget",
@@ -298,7 +298,7 @@ def dense_probs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def select_blocks(work: Workload, config: EvalConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Stem's selection for ``work`` under ``config``: ``(sparse_indices, sparse_seq_len)``."""
-    from ..prepare import stem_inputs
+    from ..pipeline.prepare import stem_inputs
 
     # The scale stem_attention folds into qflat by default: a block pair's
     # score is then the mean attention logit of the token pairs it samples.
@@ -339,7 +339,7 @@ class EvalRow:
 def measure(work: Workload, config: EvalConfig, indices: torch.Tensor, seq_len: torch.Tensor,
             probs: torch.Tensor, dense_out: torch.Tensor) -> EvalRow:
     """Density, mass recall, output error and needle recall of one selection."""
-    from ..attention import block_sparse_attention
+    from ..surfaces.attention import block_sparse_attention
 
     bs = work.block_size
     s = work.q.shape[2]

@@ -46,11 +46,11 @@ import torch
 
 from . import compare as _compare
 from .cases import Case, select_cases
-from .._files import write_atomic
-from .._threads import thread_count
-from ..contract import IndexerParams
-from ..ops import library as _library  # noqa: F401  (registers the ops)
-from ..reference import stem_indexer_reference
+from ..operator._files import write_atomic
+from ..operator._threads import thread_count
+from ..operator.contract import IndexerParams
+from ..operator.ops import library as _library  # noqa: F401  (registers the ops)
+from ..operator.reference import stem_indexer_reference
 
 __all__ = [
     "MODES",

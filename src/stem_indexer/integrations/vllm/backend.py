@@ -61,7 +61,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from ...index_cache import IndexCache, index_cache_bytes, row_tags, token_tags
+from ...pipeline.index_cache import IndexCache, index_cache_bytes, row_tags, token_tags
 from .patches import engine_reason, install_step_hook
 from .rows import (Row, RowKinds, StemRow, decode_tokens_left_out, plan_row, plan_stem_row,
                    select_blocks, virtual_rows)

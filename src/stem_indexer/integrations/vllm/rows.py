@@ -48,9 +48,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ... import contract
-from ...contract import PARAM_NAMES, ceil_div
-from ...paged import PagedPlan, select_on_inputs, stem_paged_plan
+from ...operator import contract
+from ...operator.contract import PARAM_NAMES, ceil_div
+from ...pipeline.paged import PagedPlan, select_on_inputs, stem_paged_plan
 from .settings import StemSettings
 
 __all__ = ["Row", "RowKinds", "RowPlan", "plan_row", "StemRow", "plan_stem_row",

@@ -14,9 +14,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ...contract import (DEFAULT_EXACT_TAIL, PARAM_NAMES, PRESETS, IndexerParams,
-                         StemIndexerInputError, fail)
-from ...prepare import DEFAULT_OAM_LAMBDA
+from ...operator.contract import (DEFAULT_EXACT_TAIL, PARAM_NAMES, PRESETS, IndexerParams,
+                                  StemIndexerInputError, fail)
+from ...pipeline.prepare import DEFAULT_OAM_LAMBDA
 
 __all__ = ["StemSettings", "SETTINGS_KEY", "DEFAULT_DENSE_ABOVE"]
 

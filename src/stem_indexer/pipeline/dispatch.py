@@ -20,11 +20,11 @@ from typing import NamedTuple
 
 import torch
 
-from . import contract
+from ..operator import contract
 from .checks import check_backend_fits
-from .contract import IndexerParams, ceil_div, fail
-from .ops import flex_attention as flex, native
-from .ops.gather_attention import gather_attention
+from ..operator.contract import IndexerParams, ceil_div, fail
+from ..operator.ops import flex_attention as flex, native
+from ..operator.ops.gather_attention import gather_attention
 
 # --------------------------------------------------------------------------- #
 # Kernels
@@ -33,12 +33,12 @@ from .ops.gather_attention import gather_attention
 
 def _native():
     """The native kernel's module, or None where it is not built."""
-    from .ops import sparse_attention
+    from ..operator.ops import sparse_attention
     return sparse_attention if sparse_attention.available() else None
 
 
 def _native_status() -> str:
-    from .ops import sparse_attention
+    from ..operator.ops import sparse_attention
     return sparse_attention.status()
 
 
@@ -72,7 +72,7 @@ def _backend_for(backend: str, device: torch.device, dtype: torch.dtype) -> str:
         return backend
     chosen, why = attention_path(device.type, dtype)
     if why is not None and _native() is None:
-        from .ops import sparse_attention
+        from ..operator.ops import sparse_attention
         sparse_attention.report_fallback()
     elif why is not None:
         native.report_once(f"attention {device.type} {dtype}", "block-sparse attention "
@@ -101,7 +101,7 @@ def paths() -> list[Path]:
     """The path each op takes on CPU and CUDA, per dtype (the indexer's
     inputs are bfloat16 whatever attention's dtype is): what ``status()``
     prints. Builds the native kernels if they are not yet built."""
-    from .ops.library import indexer_path
+    from ..operator.ops.library import indexer_path
 
     rows = []
     for device in ("cpu", "cuda"):
@@ -213,7 +213,7 @@ def _triton(c: _Call, want_lse: bool):
     """The paged Triton kernel on contiguous tensors: the keys and values
     cut into one page per block, the queries packed (copies: the kernel reads
     one token stride)."""
-    from .ops.triton.paged_attention import paged_sparse_attention
+    from ..operator.ops.triton.paged_attention import paged_sparse_attention
 
     check_triton_lengths("block_sparse_attention", c.qlen, c.kvlen, c.bs, c.causal, want_lse)
     batch, hq, sq, dim = c.q.shape

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import contract
-from .api import stem_indexer_metadata
+from ..operator import contract
+from ..operator.api import stem_indexer_metadata
 from .checks import _check_inference, check_call_options
-from .contract import DEFAULT_EXACT_TAIL, IndexerParams, ceil_div, check_bool, fail
+from ..operator.contract import DEFAULT_EXACT_TAIL, IndexerParams, ceil_div, check_bool, fail
 from .dense import _dense
 from .dispatch import (StemInfo, TailRows, _backend_for, _dense_lists, _visible_pairs,
                        apply_tail, check_triton_lengths, dense_reason, tail_plan)

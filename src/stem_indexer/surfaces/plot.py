@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from . import contract
+from ..operator import contract
 
 __all__ = ["BlockKind", "classify_blocks", "block_kind_counts", "plot_block_map", "plot_example",
            "check_example"]
@@ -230,8 +230,8 @@ def plot_example(
     Returns:
         The ``block_kind_counts`` of the drawn map.
     """
-    from .api import stem_indexer
-    from .contract import PRESETS, fail
+    from ..operator.api import stem_indexer
+    from ..operator.contract import PRESETS, fail
 
     if preset not in PRESETS:
         fail("plot_example", "preset", f"must be one of {', '.join(map(repr, PRESETS))}",
@@ -249,8 +249,8 @@ def plot_example(
         kv_lens = torch.full((b,), kv_len, dtype=torch.int32)
         what = "random qflat/kflat/vbias"
     else:
-        from .prepare import stem_inputs
-        from .testing.quality import synthetic_workload
+        from ..pipeline.prepare import stem_inputs
+        from ..testing.quality import synthetic_workload
 
         work = synthetic_workload(seq_len=kv_len, block_size=block_size, stride=stride, seed=seed)
         inputs = stem_inputs(work.q[:, :, kv_len - q_len:], work.k, work.v,

@@ -68,10 +68,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import contract
-from .api import stem_indexer_metadata
+from ..operator import contract
+from ..operator.api import stem_indexer_metadata
 from .checks import check_call_options, check_triton_device
-from .contract import DEFAULT_EXACT_TAIL, IndexerParams, ceil_div, check_int, fail
+from ..operator.contract import DEFAULT_EXACT_TAIL, IndexerParams, ceil_div, check_int, fail
 from .dispatch import (TailRows, _backend_for, _Call, _run, apply_tail, dense_reason,
                        tail_plan)
 from .index_cache import IndexCache, page_ids
@@ -222,25 +222,25 @@ def _rows(query_lens: Lengths) -> int:
 def _kernels(backend: str, device: torch.device, dtype: torch.dtype, block_size: int,
              head_dim: int) -> tuple[str, str]:
     """(indexer side, attention kernel) for ``backend``; a fallback is reported."""
-    from .ops.library import _triton_available
+    from ..operator.ops.library import _triton_available
 
     if backend == "auto":
         backend = "triton" if device.type == "cuda" and _triton_available() else "torch"
         if device.type == "cuda" and backend == "torch":
-            from .ops import native
+            from ..operator.ops import native
             native.report_once("paged cuda", "the paged entry point runs torch operations on "
                                "CUDA (Triton is not installed): same picks, slower")
     if backend == "torch":
         return "torch", _backend_for("auto", device, dtype)
     check_triton_device("stem_paged_plan", device)
-    from .ops.triton import paged_attention
+    from ..operator.ops.triton import paged_attention
 
     why = paged_attention.paged_kernel_supports(block_size, head_dim)
     if why is None and dtype not in paged_attention.DTYPES:
         why = f"it takes bfloat16, float16 and float32, not {str(dtype).removeprefix('torch.')}"
     if why is None:
         return "triton", "triton"
-    from .ops import native
+    from ..operator.ops import native
     native.report_once(f"paged attention {block_size} {head_dim}", "paged block-sparse "
                        f"attention gathers the pages with torch operations ({why}): slower")
     return "triton", _backend_for("auto", device, dtype)
@@ -491,8 +491,8 @@ def _paged_select_op(
     kflat, vbias = cache.block_inputs(block_table, kv_seq_lens, kmax, bs, oam, oam_lambda,
                                       kflat=kernel != "triton", stat_runs=oam_runs)
     if kernel == "triton":
-        from .ops.triton import launch
-        from .ops.triton.paged_index import paged_kflat
+        from ..operator.ops.triton import launch
+        from ..operator.ops.triton.paged_index import paged_kflat
 
         kflat = paged_kflat(ksum, block_table, kv_seq_lens, kmax, bs, page)
         return launch.stem_indexer_triton(qflat, kflat, vbias, q_seq_lens, kv_seq_lens,
@@ -547,7 +547,7 @@ def _paged_attention_op(
     """Block-sparse attention of a paged plan's rows on its lists: the paged
     Triton kernel, or the pages gathered for the contiguous path's kernel."""
     if kernel == "triton":
-        from .ops.triton.paged_attention import paged_sparse_attention
+        from ..operator.ops.triton.paged_attention import paged_sparse_attention
 
         return paged_sparse_attention(query, key_cache, value_cache,
                                       block_table.to(torch.int32), sparse_indices,

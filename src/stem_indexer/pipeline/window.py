@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .checks import _check_scale, _check_softcap
-from .contract import ceil_div, check_int, fail
+from ..operator.contract import ceil_div, check_int, fail
 from .prepare import check_qkv
 
 __all__ = ["sliding_window_attention", "sliding_window_mask", "default_chunk"]

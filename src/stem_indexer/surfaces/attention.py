@@ -54,13 +54,15 @@ from __future__ import annotations
 
 import torch
 
-from . import attention_ops as _attention_ops  # noqa: F401  (registers the two ops)
-from .checks import (_check_backend, _check_inference, _check_layout, _check_scale,
-                     _check_selection, _check_softcap, check_backend_fits, check_call_options)
-from .contract import DEFAULT_EXACT_TAIL, PARAM_NAMES, ceil_div, check_bool, check_int, fail
-from .dense import dense_attention
-from .dispatch import StemInfo
-from .prepare import DEFAULT_OAM_LAMBDA, Lengths, check_qkv, lens_argument
+from ..operator.contract import (DEFAULT_EXACT_TAIL, PARAM_NAMES, ceil_div, check_bool, check_int,
+                                 fail)
+from ..pipeline import attention_ops as _attention_ops  # noqa: F401  (registers the two ops)
+from ..pipeline.checks import (_check_backend, _check_inference, _check_layout, _check_scale,
+                               _check_selection, _check_softcap, check_backend_fits,
+                               check_call_options)
+from ..pipeline.dense import dense_attention
+from ..pipeline.dispatch import StemInfo
+from ..pipeline.prepare import DEFAULT_OAM_LAMBDA, Lengths, check_qkv, lens_argument
 
 __all__ = ["block_sparse_attention", "dense_attention", "stem_attention", "StemInfo"]
 

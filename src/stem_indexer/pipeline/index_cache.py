@@ -65,7 +65,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .contract import ceil_div
+from ..operator.contract import ceil_div
 from .prepare import bias_from_run_max
 
 __all__ = ["IndexCache", "WritePlan", "index_cache_bytes", "page_ids", "token_tags",
@@ -249,7 +249,7 @@ class IndexCache:
         nothing on the host, deterministic, which a CUDA graph can capture
         (``ops/triton/index_write.py``); it returns None (no host plan)."""
         if self.ksum.device.type != "cpu" and self.tag is not None and _device_kernel():
-            from .ops.triton.index_write import index_write
+            from ..operator.ops.triton.index_write import index_write
 
             norms = torch.linalg.vector_norm(value.float(), dim=-1)
             index_write(self.ksum, self.vmax, self.filled, self.tag, self.page, key, norms,
@@ -382,7 +382,7 @@ def _device_kernel() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
-        from .ops import native
+        from ..operator.ops import native
 
         native.report_once("index write", "the indexer cache is written with torch "
                            "operations on this device (Triton is not installed): host "
@@ -397,7 +397,7 @@ def _native_write(cache: IndexCache, key: torch.Tensor, norms: torch.Tensor, pla
     where it can run: CPU tensors, a key of a float dtype with unit stride
     along the head dimension. Returns whether it ran (else the torch path
     runs, with the same bits; reported once)."""
-    from .ops import native
+    from ..operator.ops import native
 
     if key.device.type != "cpu" or key.dtype not in _KEY_DTYPES or key.stride(-1) != 1 \
             or cache.ksum.device.type != "cpu" or key.dim() != 3:

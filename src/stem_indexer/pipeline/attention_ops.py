@@ -10,9 +10,9 @@ import math
 
 import torch
 
-from . import contract
+from ..operator import contract
 from .checks import _selection_values
-from .contract import IndexerParams, ceil_div
+from ..operator.contract import IndexerParams, ceil_div
 from .dispatch import _backend, _Call, _run, check_triton_lengths
 from .plan import Shape, cached_plan, execute
 from .prepare import check_lens_values

@@ -47,7 +47,7 @@ from typing import NamedTuple, Sequence, Union
 
 import torch
 
-from .contract import ceil_div, check_int, fail, is_finite
+from ..operator.contract import ceil_div, check_int, fail, is_finite
 
 __all__ = [
     "StemInputs",

@@ -36,8 +36,8 @@ import math
 import torch
 
 from .attention import stem_attention
-from .checks import _check_layout
-from .contract import check_bool, fail
+from ..pipeline.checks import _check_layout
+from ..operator.contract import check_bool, fail
 
 __all__ = ["stem_attn_func", "stem_attn_varlen_func"]
 

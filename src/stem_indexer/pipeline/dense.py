@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from .checks import _check_scale
-from .contract import check_bool
+from ..operator.contract import check_bool
 from .prepare import Lengths, check_qkv, seq_lens_tensor
 
 __all__ = ["dense_attention"]

@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from .contract import (IndexerParams, check_bool, check_dense_above, check_exact_tail, check_int,
-                       default_dense_above, fail)
+from ..operator.contract import (IndexerParams, check_bool, check_dense_above, check_exact_tail,
+                                 check_int, default_dense_above, fail)
 from .prepare import DEFAULT_OAM_LAMBDA, check_oam_lambda, is_finite
 
 BACKENDS = ("auto", "native", "flex", "gather", "triton")
@@ -56,7 +56,7 @@ def check_backend_fits(who: str, backend: str, device: torch.device, dtype: torc
     if torch.device(device).type != "cpu":
         fail(who, "backend", f"'native' runs on CPU tensors only (q is on {device}); use "
              "'auto', 'flex' or 'gather'", "'native'")
-    from .ops.sparse_attention import DTYPES
+    from ..operator.ops.sparse_attention import DTYPES
     if dtype not in DTYPES:
         fail(who, "backend", f"'native' runs on float32 and bfloat16 only (q is {dtype}); use "
              "'auto' or 'gather'", "'native'")
@@ -65,7 +65,7 @@ def check_triton_device(who: str, device: torch.device) -> None:
     """Triton is installed, and runs tensors of ``device``: CUDA ones, or CPU
     ones under the Triton interpreter."""
     try:
-        from .ops.triton import launch
+        from ..operator.ops.triton import launch
     except ImportError as exc:
         fail(who, "backend", f"'triton' needs Triton ({exc}); use 'auto'", "'triton'")
     if torch.device(device).type != "cuda" and not launch.INTERPRETED:

@@ -20,11 +20,12 @@ import time
 
 import torch
 
-from .contract import PRESETS
+from ..operator.contract import PRESETS
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from . import contract, stem_indexer, stem_indexer_metadata
+    from ..operator import contract
+    from ..operator.api import stem_indexer, stem_indexer_metadata
 
     batch, q_heads, kv_heads, d = 4, 64, 8, 128
     block, stride = 128, 16
@@ -66,7 +67,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"  last query block of batch 0, head 0 keeps {len(row)} blocks: {row}")
     print(f"  time: {elapsed * 1e3:.1f} ms on {torch.get_num_threads()} CPU threads "
           f"(torch {torch.__version__})")
-    from . import status
+    from ..pipeline.dispatch import status
     print("  paths (stem_indexer.status()):")
     print("\n".join(f"    {line}" for line in status().splitlines()))
     return 0
@@ -89,7 +90,7 @@ def _progress(done: int, total: int, failed: int, label: str) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .testing import runner
+    from ..testing import runner
 
     results, failed = [], 0
     _progress(0, len(args.selection), 0, "")
@@ -112,7 +113,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _check_verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Everything ``verify`` needs, checked before any case runs."""
-    from .testing import cases, runner
+    from ..testing import cases, runner
 
     try:
         args.mode = args.mode or runner.env_mode()
@@ -178,7 +179,7 @@ _nonnegative = _int_at_least(0)
 
 
 def _cases(args: argparse.Namespace) -> int:
-    from .testing import cases
+    from ..testing import cases
 
     for case in cases.all_cases(include_large=True):
         flag = " [large]" if case.large else ""
@@ -213,7 +214,7 @@ def _check_plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .. import __version__
 
     parser = argparse.ArgumentParser(prog="stem-indexer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
