@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 
 import stem_indexer
-from stem_indexer.attention import block_sparse_attention
-from stem_indexer.ops import sparse_attention as sa, torch_blas
+from stem_indexer.surfaces.attention import block_sparse_attention
+from stem_indexer.operator.ops import sparse_attention as sa, torch_blas
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 HEADS = {"gqa": (8, 2), "mha": (8, 8)}

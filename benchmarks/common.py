@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from stem_indexer import _files
+from stem_indexer.operator import _files
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -76,9 +76,9 @@ import stem_indexer  # noqa: E402
 from common import machine  # noqa: E402
 from gpu_report import (Report, attempt, error_text, errors_line, guarded_runs,  # noqa: E402
                         median_cell, run_sha, spread_cell)
-from stem_indexer import contract  # noqa: E402
-from stem_indexer.attention import block_sparse_attention  # noqa: E402
-from stem_indexer.ops import flex_attention as flex  # noqa: E402
+from stem_indexer.operator import contract  # noqa: E402
+from stem_indexer.surfaces.attention import block_sparse_attention  # noqa: E402
+from stem_indexer.operator.ops import flex_attention as flex  # noqa: E402
 from stem_indexer.testing import compare  # noqa: E402
 
 TOLERANCE = 2e-2  # bf16 outputs against float32 attention on the same blocks
@@ -349,8 +349,8 @@ def paged(seq: int, device: str, reps: int, report: Report) -> bool:
     (picks) and float32 attention on the picked blocks (output), compiled and
     replayed from a CUDA graph equal to eager; timed against ``stem_run`` on
     the contiguous tensors."""
-    from stem_indexer.ops.triton import launch
-    from stem_indexer.paged import stem_paged_select
+    from stem_indexer.operator.ops.triton import launch
+    from stem_indexer.pipeline.paged import stem_paged_select
 
     q, k, v = _qkv(seq, device)
     hq, hkv, d, bs, stride = _shape(device)

@@ -60,9 +60,9 @@ import torch  # noqa: E402
 
 from common import machine, median_ms  # noqa: E402
 from gpu_report import Peaks, Report, attempt, device_peaks, error_text, run_sha  # noqa: E402
-from stem_indexer import contract  # noqa: E402
-from stem_indexer.contract import IndexerParams, ceil_div  # noqa: E402
-from stem_indexer.ops.triton import launch  # noqa: E402
+from stem_indexer.operator import contract  # noqa: E402
+from stem_indexer.operator.contract import IndexerParams, ceil_div  # noqa: E402
+from stem_indexer.operator.ops.triton import launch  # noqa: E402
 from stem_indexer.testing import cases, compare  # noqa: E402
 
 CORRECTNESS_CASES = ("SI_WB_001", "SI_WB_003", "SI_WB_103", "SI_WB_013", "SI_WB_024",

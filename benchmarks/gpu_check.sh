@@ -28,7 +28,7 @@
 # pass the host's (the device machine may get a copy without .git, or with a stale one),
 #   STEM_GIT_SHA=$(git rev-parse HEAD) benchmarks/gpu_check.sh --all
 # else it is taken from git here, where there is one.
-# The kernels' compile report (no GPU needed): python -m stem_indexer.ops.triton.aot
+# The kernels' compile report (no GPU needed): python -m stem_indexer.operator.ops.triton.aot
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}

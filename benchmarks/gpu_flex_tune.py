@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import stem_indexer
 from common import git_sha, machine, median_ms, write_atomic
-from stem_indexer.ops import flex_attention as flex
+from stem_indexer.operator.ops import flex_attention as flex
 
 OPTIONS = {
     "defaults": None,

@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 import stem_indexer
 from common import git_sha, machine, write_atomic
 from gpu_check import BENCHES, _metadata, bench_inputs, run_op
-from stem_indexer.contract import IndexerParams
+from stem_indexer.operator.contract import IndexerParams
 
 
 def _table(fn, title: str) -> str:

@@ -18,8 +18,8 @@ import torch
 
 from common import git_sha, machine, write_atomic
 from gpu_check import BENCHES, _config, _metadata, bench_inputs, run_cpu_path
-from stem_indexer.contract import IndexerParams
-from stem_indexer.ops.triton import launch
+from stem_indexer.operator.contract import IndexerParams
+from stem_indexer.operator.ops.triton import launch
 from stem_indexer.testing import compare
 
 VARIANTS = {"default": {}, "pointer loads": dict(tma=False, score_maxnreg=None),

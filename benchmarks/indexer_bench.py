@@ -53,9 +53,9 @@ import torch
 
 import stem_indexer  # noqa: F401  (registers the ops)
 from common import cpu_flags, git_sha, interleaved_ms, interleaved_runs, machine, write_atomic
-from stem_indexer import contract
-from stem_indexer.contract import IndexerParams, ceil_div
-from stem_indexer.ops import native
+from stem_indexer.operator import contract
+from stem_indexer.operator.contract import IndexerParams, ceil_div
+from stem_indexer.operator.ops import native
 from stem_indexer.testing.cases import Case
 from stem_indexer.testing.compare import compare
 
@@ -289,7 +289,7 @@ def _check(shape: Shape, inputs: dict, params: IndexerParams, out) -> tuple[bool
     (docs/CONTRACT.md section 5); returns (identical, seconds)."""
     start = time.perf_counter()
     if shape.check == "reference":
-        from stem_indexer.reference import stem_indexer_reference
+        from stem_indexer.operator.reference import stem_indexer_reference
         expected = stem_indexer_reference(**inputs, **dataclasses.asdict(params))
     else:
         expected = plain_indexer(inputs, params)

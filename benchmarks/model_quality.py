@@ -69,7 +69,7 @@ import torch
 
 from common import cpu_model, git_sha, machine, write_atomic
 from trials import wilson_cell
-from stem_indexer.contract import BRANCH_MEDIUM
+from stem_indexer.operator.contract import BRANCH_MEDIUM
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Every configuration names its exact_tail: the preset names ("default",

@@ -50,8 +50,8 @@ import torch
 
 import model_quality as mq
 import stem_indexer
-from stem_indexer import contract
-from stem_indexer.prepare import DEFAULT_OAM_LAMBDA
+from stem_indexer.operator import contract
+from stem_indexer.pipeline.prepare import DEFAULT_OAM_LAMBDA
 
 def split_config(config: dict) -> tuple[contract.IndexerParams, bool]:
     """A configuration of ``model_quality.CONFIGS`` as (indexer attributes, oam)."""

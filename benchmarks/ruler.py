@@ -46,7 +46,7 @@ import random
 import re
 from typing import Callable, Sequence
 
-from stem_indexer.contract import fail
+from stem_indexer.operator.contract import fail
 
 TASKS = ("passkey", "multikey", "multivalue", "vartrack")
 # Greedy answer tokens per task: room for the expected values, each digit

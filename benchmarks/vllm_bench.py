@@ -267,7 +267,7 @@ def pairs(args) -> None:
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from stem_indexer.index_cache import IndexCache
+    from stem_indexer.pipeline.index_cache import IndexCache
     from stem_indexer.integrations.vllm.rows import (Row, plan_row, plan_stem_row,
                                                      select_blocks, virtual_rows)
     from stem_indexer.integrations.vllm.settings import StemSettings

@@ -6,7 +6,7 @@ heads, 1 KV head, D=256, window W=512), random Q/K/V, queries = keys = S:
 * ``sdpa``: ``scaled_dot_product_attention`` with the 4-D boolean sliding
   mask transformers builds for such a layer (what the transformers
   integration ran for sliding layers before: S x S work);
-* ``window``: ``stem_indexer.window.sliding_window_attention`` (chunks of
+* ``window``: ``stem_indexer.pipeline.window.sliding_window_attention`` (chunks of
   queries on their ``chunk + W - 1`` keys: S x W work).
 
 The two calls alternate, ``--reps`` times after a warm-up; reported: the
@@ -39,7 +39,8 @@ import torch.nn.functional as F
 
 from common import (attention_args, attention_options, interleaved_runs, record_table,
                     table_header)
-from stem_indexer.window import default_chunk, sliding_window_attention, sliding_window_mask
+from stem_indexer.pipeline.window import (default_chunk, sliding_window_attention,
+                                          sliding_window_mask)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

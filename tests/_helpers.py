@@ -18,8 +18,8 @@ import traceback
 import torch
 
 import stem_indexer
-from stem_indexer.contract import IndexerParams
-from stem_indexer.reference import reference_budget
+from stem_indexer.operator.contract import IndexerParams
+from stem_indexer.operator.reference import reference_budget
 
 
 def bf16_exact(values) -> torch.Tensor:
@@ -245,14 +245,14 @@ def cpu_dense_above(device, dtype=torch.float32) -> dict:
     dense attention, and the test would no longer reach the sparse path."""
     if torch.device(device).type == "cpu":
         return {}
-    return dict(dense_above=stem_indexer.contract.default_dense_above("cpu", dtype))
+    return dict(dense_above=stem_indexer.operator.contract.default_dense_above("cpu", dtype))
 
 
 @contextlib.contextmanager
 def native_on_cache(cache):
     """``ops.native`` with its state forgotten and its cache in ``cache`` for
     the block; the environment and a fresh state again after."""
-    from stem_indexer.ops import native
+    from stem_indexer.operator.ops import native
     before = os.environ.get("STEM_INDEXER_CACHE_DIR")
     os.environ["STEM_INDEXER_CACHE_DIR"] = str(cache)
     native.reset()
@@ -273,7 +273,7 @@ _READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cp
 
 def host_reads(fn) -> list[str]:
     """Run ``fn`` with every value read recorded, unless it comes from inside
-    a kernel (``stem_indexer/ops/`` or a custom op's body, a function whose
+    a kernel (``stem_indexer/operator/ops/`` or a custom op's body, a function whose
     name ends in ``_op``): where in the package each read was made."""
     seen = []
     originals = {name: getattr(torch.Tensor, name) for name in _READS}
@@ -284,7 +284,7 @@ def host_reads(fn) -> list[str]:
         def read(self, *args, **kwargs):
             frames = traceback.extract_stack()[:-1]
             ours = [f for f in frames if "/stem_indexer/" in f.filename]
-            inside_kernel = any("/stem_indexer/ops/" in f.filename
+            inside_kernel = any("/stem_indexer/operator/ops/" in f.filename
                                 or f.name.endswith("_op") for f in ours)
             if ours and not inside_kernel:
                 seen.append(f"{name} at {ours[-1].filename.split('/stem_indexer/')[-1]}:"

@@ -31,7 +31,7 @@ def interpreted(test):
     """Mark ``test`` as an interpreter test (see the module docstring);
     skipped, saying so, where Triton is not installed."""
     try:
-        from stem_indexer.ops.triton import launch
+        from stem_indexer.operator.ops.triton import launch
     except ImportError as exc:
         return pytest.mark.skip(reason=f"Triton is not installed ({exc})")(test)
 

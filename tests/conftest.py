@@ -120,14 +120,14 @@ def _fresh_plans():
     would not see what this one patches (``contract``'s rules, a kernel)."""
     import sys
 
-    plan = sys.modules.get("stem_indexer.plan")
+    plan = sys.modules.get("stem_indexer.pipeline.plan")
     if plan is not None:
         plan.cached_plan.cache_clear()
     yield
 
 
 def _torch_selection(monkeypatch) -> None:
-    from stem_indexer.ops import native
+    from stem_indexer.operator.ops import native
     monkeypatch.setattr(native, "kernel", lambda: None)
 
 
@@ -143,7 +143,7 @@ def device(request, monkeypatch) -> str:
 @pytest.fixture(params=["native", "torch"])
 def selection(request, monkeypatch) -> str:
     """"native" or "torch": the CPU path's selection for this test."""
-    from stem_indexer.ops import native
+    from stem_indexer.operator.ops import native
     if request.param == "torch":
         _torch_selection(monkeypatch)
     elif native.kernel() is None:

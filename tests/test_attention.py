@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import stem_indexer
-from stem_indexer import checks, dispatch
-from stem_indexer.attention import block_sparse_attention, dense_attention, stem_attention
-from stem_indexer.ops import gather_attention
+from stem_indexer.pipeline import checks, dispatch
+from stem_indexer.surfaces.attention import block_sparse_attention, dense_attention, stem_attention
+from stem_indexer.operator.ops import gather_attention
 from stem_indexer.testing import reference_attention, token_mask
 
 from _helpers import SMALL, cpu_dense_above, host, qkv
@@ -387,7 +387,7 @@ def test_exact_tail_rows_attend_to_every_block(tail, prompt, device):
     (0, 1000, 1000, 128, range(0)),         # no queries
 ])
 def test_tail_rows_by_hand(q_len, kv_len, prompt, tail, rows):
-    from stem_indexer import contract
+    from stem_indexer.operator import contract
     assert contract.tail_rows(q_len, kv_len, prompt, tail, 128) == rows
 
 
@@ -613,7 +613,7 @@ def test_dense_when_the_budget_keeps_every_block_is_the_contracts_rule(q_len, kv
     stem_attention takes its dense path by that rule and no other."""
     params = stem_indexer.IndexerParams(stem_block_size=16, stem_stride=4)
     lens = torch.tensor([q_len]), torch.tensor([kv_len])
-    assert stem_indexer.contract.dense_is_exact(*lens, lens[1], params) is exact
+    assert stem_indexer.operator.contract.dense_is_exact(*lens, lens[1], params) is exact
     q, k, v = qkv(1, 2, 1, q_len, kv_len, 8, q_len + kv_len, device=device)
     idx, seq_len = (host(t, device) for t in stem_indexer.stem_indexer(
         *stem_indexer.stem_inputs(q, k, v, **SMALL), **SMALL))
@@ -625,8 +625,8 @@ def test_dense_when_the_budget_keeps_every_block_is_the_contracts_rule(q_len, kv
     _, info = stem_attention(q, k, v, return_info=True, dense_above=1.0, **SMALL)
     assert (info.path == "dense") is exact
     if exact:  # the rule alone sends the call to dense attention
-        monkeypatch.setattr(stem_indexer.contract, "dense_is_exact", lambda *args: False)
-        stem_indexer.plan.cached_plan.cache_clear()  # the call above kept its plan
+        monkeypatch.setattr(stem_indexer.operator.contract, "dense_is_exact", lambda *args: False)
+        stem_indexer.pipeline.plan.cached_plan.cache_clear()  # the call above kept its plan
         out, info = stem_attention(q, k, v, return_info=True, dense_above=1.0, **SMALL)
         assert info.path == "sparse"
         dense = dense_attention(q, k, v)

@@ -16,7 +16,7 @@ import torch
 
 import stem_indexer  # noqa: F401  (registers the ops)
 import indexer_bench as bench
-from stem_indexer.ops import native
+from stem_indexer.operator.ops import native
 from stem_indexer.testing.cases import get_case
 from stem_indexer.testing.runner import golden_outputs
 

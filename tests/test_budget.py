@@ -21,9 +21,9 @@ import pytest
 import torch
 
 import stem_indexer
-from stem_indexer import contract
-from stem_indexer.contract import IndexerParams
-from stem_indexer.reference import reference_budget
+from stem_indexer.operator import contract
+from stem_indexer.operator.contract import IndexerParams
+from stem_indexer.operator.reference import reference_budget
 
 from _helpers import i32
 

@@ -20,8 +20,8 @@ import torch
 
 from stem_indexer.testing import cases
 from stem_indexer.testing.cases import Case
-from stem_indexer.contract import IndexerParams
-from stem_indexer.reference import reference_budget, stem_indexer_reference
+from stem_indexer.operator.contract import IndexerParams
+from stem_indexer.operator.reference import reference_budget, stem_indexer_reference
 
 BASE = [c for c in cases.CASES if c.number <= cases.MIRROR_OFFSET]
 DEFAULT = [c for c in BASE if not c.large]

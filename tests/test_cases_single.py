@@ -93,7 +93,7 @@ def _torch_params() -> list:
 
 @pytest.mark.parametrize("case, mode", _torch_params())
 def test_case_torch_selection(case: cases.Case, mode: str, monkeypatch):
-    from stem_indexer.ops import native
+    from stem_indexer.operator.ops import native
     monkeypatch.setattr(native, "kernel", lambda: None)
     _check(case, mode, "cpu")
 
@@ -104,7 +104,7 @@ def test_case_scalar_selection_passes(case: cases.Case, mode: str):
     """The native selection with its gather and emit passes in scalar code,
     where the CPU would run them on AVX-512 (``native.select_vector``): the
     same picks."""
-    from stem_indexer.ops import native
+    from stem_indexer.operator.ops import native
     if not native.select_vector():
         pytest.skip("the selection's passes are scalar on this CPU already")
     try:

@@ -17,7 +17,7 @@ import torch
 
 import stem_indexer
 from stem_indexer import StemIndexerInputError
-from stem_indexer import metadata as md
+from stem_indexer.operator import metadata as md
 
 from _helpers import assert_out_equal, i32, random_inputs
 

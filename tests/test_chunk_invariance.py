@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from stem_indexer import IndexCache, stem_paged_plan
-from stem_indexer.paged import stem_paged_select
+from stem_indexer.pipeline.paged import stem_paged_select
 
 BS, PAGE, STRIDE, HQ, HKV, DIM = 32, 16, 8, 4, 2, 16
 PROMPT = 3000

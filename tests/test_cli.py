@@ -6,7 +6,7 @@ import csv
 
 import pytest
 
-from stem_indexer import cli
+from stem_indexer.surfaces import cli
 from stem_indexer.testing import cases, runner
 
 

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import stem_indexer
-from stem_indexer import IndexerParams, StemIndexerInputError, contract, stem_attention
+from stem_indexer import IndexerParams, StemIndexerInputError, stem_attention
+from stem_indexer.operator import contract
 from stem_indexer.testing import reference_attention, token_mask
 
 from _helpers import SMALL, host, qkv, spec_row_facts

@@ -369,7 +369,7 @@ for kind, target, argv in payload["parse"]:
         elif kind == "module":
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
-            from stem_indexer.cli import main
+            from stem_indexer.surfaces.cli import main
             main(argv)
         results.append("ran without parsing its arguments")
     except Parsed:

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 import quality as quality_bench
-from stem_indexer import cli, contract, stem_indexer
+from stem_indexer import stem_indexer
+from stem_indexer.operator import contract
+from stem_indexer.surfaces import cli
 from stem_indexer.testing import quality as evaluate
-from stem_indexer.plot import BlockKind, block_kind_counts, classify_blocks
+from stem_indexer.surfaces.plot import BlockKind, block_kind_counts, classify_blocks
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -95,7 +97,7 @@ def test_classify_blocks_rejects_bad_input():
 
 def test_plot_block_map_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from stem_indexer.plot import plot_block_map
+    from stem_indexer.surfaces.plot import plot_block_map
 
     torch.manual_seed(1)
     qflat = torch.randn(1, 2, 6, 8).to(torch.bfloat16)

@@ -12,7 +12,7 @@ import stem_indexer
 from stem_indexer import (PRESETS, StemIndexerInputError, stem_attention, stem_attn_func,
                           stem_attn_varlen_func)
 
-from stem_indexer.contract import PARAM_NAMES, IndexerParams
+from stem_indexer.operator.contract import PARAM_NAMES, IndexerParams
 from stem_indexer.testing import reference_attention, token_mask
 
 from _helpers import SMALL, cpu_dense_above, host, qkv
@@ -221,7 +221,7 @@ def test_a_tensor_in_the_other_layout_is_refused():
 def test_softcap_on_the_dense_and_sparse_paths(backend, device):
     if backend == "native" and device != "cpu":
         pytest.skip("backend 'native' runs on CPU tensors only")
-    if backend == "native" and stem_indexer.dispatch._native() is None:
+    if backend == "native" and stem_indexer.pipeline.dispatch._native() is None:
         pytest.skip("the native kernel is not built here")
     q, k, v = qkv(1, 2, 1, 64, 64, 8, 7)
     q = q * 4  # large logits, where capping matters

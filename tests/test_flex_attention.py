@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from stem_indexer import StemIndexerInputError
-from stem_indexer.ops import flex_attention as flex
+from stem_indexer.operator.ops import flex_attention as flex
 from stem_indexer.testing import reference_attention, token_mask
 
 pytestmark = pytest.mark.skipif(not flex.available(), reason="no FlexAttention in this torch")

@@ -7,7 +7,7 @@ at which the budget starts to drop blocks):
   attention layer runs through the integration, soft-capping and sliding
   windows included);
 * the ``tight`` preset runs Stem (sparse) on every full-attention layer and
-  sliding-window attention (``stats["window"]``, ``stem_indexer.window``) on
+  sliding-window attention (``stats["window"]``, ``stem_indexer.pipeline.window``) on
   sliding-window layers, with finite logits that really differ.
 
 Gemma 2 caps its attention logits (``attn_logit_softcapping``): the cap is
@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 import stem_indexer  # noqa: E402
 import stem_indexer.integrations.transformers as stem_hf  # noqa: E402
 from stem_indexer import PRESETS  # noqa: E402
-from stem_indexer.contract import DEFAULT_EXACT_TAIL  # noqa: E402
+from stem_indexer.operator.contract import DEFAULT_EXACT_TAIL  # noqa: E402
 from stem_indexer.testing import reference_attention  # noqa: E402
 
 BLOCKING = dict(stem_block_size=16, stem_stride=4)

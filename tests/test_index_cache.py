@@ -1,4 +1,4 @@
-"""The indexer cache (stem_indexer/index_cache.py), without vLLM.
+"""The indexer cache (stem_indexer/pipeline/index_cache.py), without vLLM.
 
 Tokens are written as vLLM's cache writer receives them (``key``, ``value``
 [T, Hkv, D] and their slots, page id x page size + offset) onto shuffled
@@ -16,16 +16,16 @@ import pytest
 import torch
 
 from stem_indexer import stem_inputs
-from stem_indexer.index_cache import IndexCache, index_cache_bytes
+from stem_indexer.pipeline.index_cache import IndexCache, index_cache_bytes
 
 
 @pytest.fixture(autouse=True, params=["native", "torch"])
 def writer(request, monkeypatch):
-    """Every test with each writer: the native kernel (``ops/csrc/index_cache.c``,
+    """Every test with each writer: the native kernel (``operator/ops/csrc/index_cache.c``,
     where a C compiler is at hand) and the torch operations it replaces, each
     held to the same independent truth (``stem_inputs``)."""
-    from stem_indexer import index_cache
-    from stem_indexer.ops import native
+    from stem_indexer.pipeline import index_cache
+    from stem_indexer.operator.ops import native
 
     if request.param == "torch":
         monkeypatch.setattr(index_cache, "_native_write", lambda *args: False)
@@ -219,7 +219,7 @@ def test_a_page_is_complete_only_for_the_tokens_that_wrote_it():
     another sequence's tokens (a page some other writer filled, as a KV
     connector would) is not complete for this one; the same tokens are, on a
     page another request wrote (a prefix hit)."""
-    from stem_indexer.index_cache import token_tags
+    from stem_indexer.pipeline.index_cache import token_tags
 
     page, ts, hkv, dim = 8, 4, 1, 4
     ids_a = torch.tensor([5, 9, 2, 7, 1, 1, 4, 3, 8, 6, 2, 0])
@@ -255,7 +255,7 @@ def test_row_tags_are_each_rows_token_tags():
     """Several rows at once (a step's decodes and chunks) give what each row's
     own ``token_tags`` gives: rows of 0, 1 and several tokens, from position
     0 or continuing a sequence."""
-    from stem_indexer.index_cache import row_tags, token_tags
+    from stem_indexer.pipeline.index_cache import row_tags, token_tags
 
     gen = torch.Generator().manual_seed(15)
     seqs = [torch.randint(0, 50000, (n,), generator=gen) for n in (9, 30, 4, 17)]

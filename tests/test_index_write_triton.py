@@ -18,7 +18,7 @@ import pytest
 import torch
 from _interpreter import interpreted
 
-from stem_indexer.index_cache import IndexCache, token_tags
+from stem_indexer.pipeline.index_cache import IndexCache, token_tags
 
 PAGE, TS, HKV, DIM, PAGES = 16, 4, 2, 12, 24
 
@@ -75,8 +75,8 @@ def _assert_same(got: IndexCache, want: IndexCache, label: str) -> None:
 
 @interpreted
 def test_the_device_writer_is_the_cpu_writer_bit_for_bit():
-    from stem_indexer import index_cache
-    from stem_indexer.ops.triton.index_write import index_write
+    from stem_indexer.pipeline import index_cache
+    from stem_indexer.operator.ops.triton.index_write import index_write
 
     want, got = _cache(), _cache()
     index_cache._native_write, real = (lambda *a: False), index_cache._native_write

@@ -63,7 +63,7 @@ def circles(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
 
 def test_no_import_circles():
     graph = import_graph()
-    assert "stem_indexer.ops.torch_blas" in graph["stem_indexer.ops.native"]
+    assert "stem_indexer.operator.ops.torch_blas" in graph["stem_indexer.operator.ops.native"]
     assert circles(graph) == []
 
 

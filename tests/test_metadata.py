@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import stem_indexer
-from stem_indexer import metadata as md
-from stem_indexer.ops import cpu, native
+from stem_indexer.operator import metadata as md
+from stem_indexer.operator.ops import cpu, native
 
-from stem_indexer.reference import reference_budget
+from stem_indexer.operator.reference import reference_budget
 
 from _helpers import Inputs, assert_out_equal, i32, metadata_for, random_inputs, run_op, run_ref
 

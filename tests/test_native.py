@@ -24,10 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from stem_indexer import contract, stem_indexer
-from stem_indexer._threads import thread_count
-from stem_indexer.ops import native
-from stem_indexer.reference import stem_indexer_reference
+from stem_indexer import stem_indexer
+from stem_indexer.operator import contract
+from stem_indexer.operator._threads import thread_count
+from stem_indexer.operator.ops import native
+from stem_indexer.operator.reference import stem_indexer_reference
 
 needs_kernel = pytest.mark.skipif(native.kernel() is None, reason=native.status(native.SELECT_ROWS))
 
@@ -161,8 +162,8 @@ def test_attention_kernel_builds_and_binds_where_a_compiler_exists():
     kernel must build and find torch's GEMMs, and CPU attention must use it
     (its own tests would otherwise skip and attention quietly run the gather
     backend)."""
-    from stem_indexer import dispatch
-    from stem_indexer.ops import sparse_attention as sa
+    from stem_indexer.pipeline import dispatch
+    from stem_indexer.operator.ops import sparse_attention as sa
     if shutil.which("cc") is None:
         pytest.skip("no C compiler on this machine")
     x86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -177,7 +178,7 @@ def test_attention_kernel_builds_and_binds_where_a_compiler_exists():
 
 def test_status_reports_every_kernel():
     import stem_indexer
-    from stem_indexer.ops import sparse_attention as sa
+    from stem_indexer.operator.ops import sparse_attention as sa
     selection, scores = native.status().split("; scores: ", 1)
     passes = " (its linear passes on AVX-512)" if native.select_vector() else ""
     assert selection == "selection: " + native.status(native.SELECT_ROWS) + passes
@@ -196,10 +197,10 @@ def test_each_fallback_is_reported_and_warns_once(fresh_native, monkeypatch, env
     """Without the kernels, status() says why for each, and the first call
     that falls back from one warns once (once per kernel)."""
     import warnings as w
-    from stem_indexer import dispatch
+    from stem_indexer.pipeline import dispatch
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    from stem_indexer.ops import sparse_attention as sa
+    from stem_indexer.operator.ops import sparse_attention as sa
     for report in (native.status(native.SELECT_ROWS), sa.status()):
         assert report.startswith("torch fallback: ") and why in report, report
     fallbacks = {(p.op, p.dtype): p.fallback for p in dispatch.paths() if p.device == "cpu"}
@@ -336,7 +337,7 @@ def check_overflowing_dots_equal_the_reference(seeds=range(2)):
                          ids=["native-all-heads", "native-head-by-head", "torch-all-heads"])
 def test_overflowing_dots_select_as_the_reference(selection, cached, monkeypatch):
     """The batch's products kept for all heads, or made again per tile."""
-    from stem_indexer.ops import cpu
+    from stem_indexer.operator.ops import cpu
     if not cached:
         monkeypatch.setattr(cpu, "EXACT_CACHE_BYTES", 0)
     check_overflowing_dots_equal_the_reference()
@@ -444,7 +445,7 @@ def test_bf16_scores_probe_failure_falls_back_with_the_reason(monkeypatch):
     aborts, as an uncaught C++ exception would): float32 GEMMs for that Df,
     the reason in status(), one warning; odd Df never take bfloat16."""
     import warnings as w
-    from stem_indexer.ops import torch_blas
+    from stem_indexer.operator.ops import torch_blas
     monkeypatch.setattr(native, "_bf16_probed", {})
     monkeypatch.setattr(native, "_warned", set())
     monkeypatch.setattr(torch_blas, "PROBE_CODE", "import os; os.abort()")
@@ -681,7 +682,7 @@ def exact_product_calls(monkeypatch, q: torch.Tensor, k: torch.Tensor, bs: int =
     """Run the op on bf16 q and k (one batch, every block full, stride 4)
     against the reference; return the ``_ExactDots.products`` calls it made,
     as (r0, r1, lo, hi)."""
-    from stem_indexer.ops import cpu
+    from stem_indexer.operator.ops import cpu
     calls = []
     real = cpu._ExactDots.products
     monkeypatch.setattr(cpu._ExactDots, "products",

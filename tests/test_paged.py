@@ -1,4 +1,4 @@
-"""The paged entry point (``stem_indexer.paged``): an engine's step on Stem.
+"""The paged entry point (``stem_indexer.pipeline.paged``): an engine's step on Stem.
 
 Each test builds an engine step as a backend would see it: whole prompts'
 keys and values written page by page (pages shuffled) into a paged KV cache
@@ -36,7 +36,7 @@ from _interpreter import interpreted
 
 import stem_indexer
 from stem_indexer import IndexCache, StemIndexerInputError, stem_paged_plan, stem_paged_run
-from stem_indexer.paged import stem_paged_select
+from stem_indexer.pipeline.paged import stem_paged_select
 from stem_indexer.testing import reference_attention
 
 # Small blocks and a small budget, so that a few thousand tokens are sparse.
@@ -239,7 +239,7 @@ def test_layouts_and_table_garbage_change_nothing():
 @pytest.mark.parametrize("page,block", [(8, 32), pytest.param(16, 16, marks=pytest.mark.slow),
                                         pytest.param(32, 64, marks=pytest.mark.slow)])
 def test_triton_kflat_pass_writes_the_torch_bits(page, block):
-    from stem_indexer.ops.triton.paged_index import paged_kflat
+    from stem_indexer.operator.ops.triton.paged_index import paged_kflat
 
     gen = torch.Generator().manual_seed(page)
     cache = IndexCache.allocate(40, page, 8, 2, 24)
@@ -493,7 +493,7 @@ def test_the_triton_backend_refuses_what_its_kernel_cannot_run(kw, rule):
 
 
 def test_the_triton_backend_needs_cuda_or_the_interpreter():
-    launch = pytest.importorskip("stem_indexer.ops.triton.launch")
+    launch = pytest.importorskip("stem_indexer.operator.ops.triton.launch")
     if launch.INTERPRETED:
         pytest.skip("the Triton interpreter takes CPU tensors")
     for call in _triton_call():

@@ -26,10 +26,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from stem_indexer.contract import StemIndexerInputError  # noqa: E402
-from stem_indexer.ops.gather_attention import gather_attention  # noqa: E402
-from stem_indexer.ops.triton import launch  # noqa: E402
-from stem_indexer.ops.triton.paged_attention import (  # noqa: E402
+from stem_indexer.operator.contract import StemIndexerInputError  # noqa: E402
+from stem_indexer.operator.ops.gather_attention import gather_attention  # noqa: E402
+from stem_indexer.operator.ops.triton import launch  # noqa: E402
+from stem_indexer.operator.ops.triton.paged_attention import (  # noqa: E402
     PagedConfig, default_paged_config, paged_kernel_supports, paged_launch,
     paged_sparse_attention)
 
@@ -493,7 +493,7 @@ AOT = [pytest.param(90, 128, BF16, None, id="sm_90-d128-bf16"),
 def test_default_config_compiles_without_spills(arch, d, dtype, softcap):
     # 128-token blocks, 16-token pages, the launcher's GPU configuration, on
     # meta tensors; registers and spills from the cubin (as ``aot.py`` reads them).
-    from stem_indexer.ops.triton import aot
+    from stem_indexer.operator.ops.triton import aot
 
     meta = dict(device="meta", dtype=dtype)
     i32 = dict(device="meta", dtype=torch.int32)

@@ -13,8 +13,8 @@ import torch
 from test_paged import SMALL, make_step, packed, plan_for
 
 from stem_indexer import stem_paged_run
-from stem_indexer.index_cache import token_tags
-from stem_indexer.paged import stem_paged_select, stem_paged_valid
+from stem_indexer.pipeline.index_cache import token_tags
+from stem_indexer.pipeline.paged import stem_paged_select, stem_paged_valid
 from stem_indexer.testing import reference_attention
 
 PAGE = 16

@@ -1,4 +1,4 @@
-"""Plan once, run without the host (``stem_indexer.plan``).
+"""Plan once, run without the host (``stem_indexer.pipeline.plan``).
 
 * ``stem_run`` on a ``stem_plan`` is float64 attention (``reference_attention``)
   on every path: over every visible block where the plan is dense (by the
@@ -26,9 +26,10 @@ import torch
 from _helpers import cpu_dense_above, host_reads, qkv
 
 import stem_indexer
-from stem_indexer import StemIndexerInputError, plan as plan_module
-from stem_indexer.contract import DEFAULT_EXACT_TAIL, PRESETS, IndexerParams
-from stem_indexer.plan import stem_plan, stem_run
+from stem_indexer import StemIndexerInputError
+from stem_indexer.pipeline import plan as plan_module
+from stem_indexer.operator.contract import DEFAULT_EXACT_TAIL, PRESETS, IndexerParams
+from stem_indexer.pipeline.plan import stem_plan, stem_run
 from stem_indexer.testing import compare, reference_attention, token_mask
 
 BS, STRIDE = 16, 4

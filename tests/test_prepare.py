@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import stem_indexer
-from stem_indexer.prepare import block_representation, output_aware_bias, stem_inputs
+from stem_indexer.pipeline.prepare import block_representation, output_aware_bias, stem_inputs
 
 
 def _lens_list(lens, batch, seq):

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import stem_indexer
 from stem_indexer import StemIndexerInputError
 from stem_indexer.testing import compare
-from stem_indexer.contract import IndexerParams
+from stem_indexer.operator.contract import IndexerParams
 
 from _helpers import (Inputs, assert_out_equal, metadata_for, on_cpu, random_inputs, run_api,
                       run_op, run_ref, spec_row_facts)

@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import stem_indexer
 from stem_indexer.testing import compare
-from stem_indexer.contract import IndexerParams
+from stem_indexer.operator.contract import IndexerParams
 
 from _helpers import random_inputs
 

@@ -28,8 +28,9 @@ import pytest
 import torch
 
 import stem_indexer
-from stem_indexer import StemIndexerInputError, cli
-from stem_indexer.ops import cpu, native
+from stem_indexer import StemIndexerInputError
+from stem_indexer.surfaces import cli
+from stem_indexer.operator.ops import cpu, native
 
 from _helpers import native_on_cache
 
@@ -40,7 +41,7 @@ needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler 
 # against the reference; it prints native's status last.
 CHILD = textwrap.dedent("""
     import torch, stem_indexer
-    from stem_indexer.ops import native
+    from stem_indexer.operator.ops import native
     gen = torch.Generator().manual_seed(3)
     q = torch.randint(-3, 4, (2, 4, 6, 8), generator=gen).bfloat16()
     k = torch.randint(-3, 4, (2, 2, 40, 8), generator=gen).bfloat16()

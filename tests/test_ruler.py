@@ -268,7 +268,7 @@ def test_windowed_dense_reference_keeps_every_block_at_every_length():
     (the sliding layers' windowed path is tests/test_window.py's)."""
     import model_quality
     import ruler_bench
-    from stem_indexer import contract
+    from stem_indexer.operator import contract
     params = contract.IndexerParams.from_kwargs("test", **model_quality.CONFIGS["dense-window"])
     for tokens in (1, 127, 128, 7168, 7169, 20000, ruler_bench.MAX_POSITIONS):
         n = torch.tensor([tokens])

@@ -14,7 +14,7 @@ import torch
 
 from stem_indexer.testing import cases, compare, runner
 from stem_indexer.testing.cases import Case
-from stem_indexer.contract import IndexerParams
+from stem_indexer.operator.contract import IndexerParams
 
 SMALL = cases.get_case("SI_WB_002")  # randn, tails
 EXACT = cases.get_case("SI_WB_080")  # data="integer", ties at the top-k boundary

@@ -27,8 +27,8 @@ import math
 import pytest
 import torch
 
-from stem_indexer import contract
-from stem_indexer.reference import reference_row_selection
+from stem_indexer.operator import contract
+from stem_indexer.operator.reference import reference_row_selection
 
 from _helpers import check_all_paths, expected_tensors, make_inputs
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stem_indexer.ops import sparse_attention as sa, torch_blas
+from stem_indexer.operator.ops import sparse_attention as sa, torch_blas
 from stem_indexer.testing import reference_attention, token_mask
 
 pytestmark = pytest.mark.skipif(not sa.available(), reason=sa.status())
@@ -322,7 +322,7 @@ needs_cpublas = pytest.mark.skipif(
 @pytest.fixture
 def fresh_probe(monkeypatch):
     """No probe result and no fallback warning remembered (restored after)."""
-    from stem_indexer.ops import native
+    from stem_indexer.operator.ops import native
     monkeypatch.setattr(sa, "_probed", {})
     monkeypatch.setattr(native, "_warned", set())
 

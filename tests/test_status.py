@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import stem_indexer
-from stem_indexer import dispatch, stem_indexer_reference
-from stem_indexer.ops import library, native
+from stem_indexer import stem_indexer_reference
+from stem_indexer.pipeline import dispatch
+from stem_indexer.operator.ops import library, native
 
 from _helpers import qkv
 

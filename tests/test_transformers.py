@@ -27,8 +27,9 @@ from transformers.masking_utils import (  # noqa: E402
 )
 
 import stem_indexer.integrations.transformers as stem_hf  # noqa: E402
-from stem_indexer import StemIndexerInputError, contract  # noqa: E402
-from stem_indexer.attention import stem_attention  # noqa: E402
+from stem_indexer import StemIndexerInputError  # noqa: E402
+from stem_indexer.operator import contract  # noqa: E402
+from stem_indexer.surfaces.attention import stem_attention  # noqa: E402
 
 BLOCKING = dict(stem_block_size=16, stem_stride=4)
 TIGHT = dict(k_block_num_rate_medium=0.125, k_block_num_bias_medium=0,

@@ -27,8 +27,8 @@ import torch
 pytest.importorskip("triton")
 
 from stem_indexer.testing import cases, compare  # noqa: E402
-from stem_indexer.contract import IndexerParams  # noqa: E402
-from stem_indexer.ops.triton import launch  # noqa: E402
+from stem_indexer.operator.contract import IndexerParams  # noqa: E402
+from stem_indexer.operator.ops.triton import launch  # noqa: E402
 
 from _interpreter import interpreted  # noqa: E402
 from _helpers import (  # noqa: E402

@@ -1,6 +1,6 @@
 """The CUDA kernels compiled ahead of time for sm_90 and sm_80, without a GPU.
 
-``python -m stem_indexer.ops.triton.aot --json`` compiles every kernel in
+``python -m stem_indexer.operator.ops.triton.aot --json`` compiles every kernel in
 every configuration the launcher picks for the benchmark shapes; these tests
 run its ``main`` here (through Triton's compile cache) and fail on any
 register spill, or on a score kernel without tensor-core MMA instructions.
@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from stem_indexer.ops.triton import aot, launch  # noqa: E402
+from stem_indexer.operator.ops.triton import aot, launch  # noqa: E402
 
 FIELDS = {"kernel", "signature", "constexprs", "options", "regs", "stack_bytes",
           "spill_stores", "spill_loads", "mma", "shape"}

@@ -141,7 +141,7 @@ def _paged(k, v, page: int, num_pages: int, seed: int, isa: str):
     import torch
     from vllm import _custom_ops as ops
 
-    from stem_indexer.index_cache import IndexCache
+    from stem_indexer.pipeline.index_cache import IndexCache
 
     hkv, seq, dim = k.shape
     gen = torch.Generator().manual_seed(seed)

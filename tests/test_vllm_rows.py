@@ -18,7 +18,7 @@ import torch
 
 import stem_indexer
 from stem_indexer import StemIndexerInputError
-from stem_indexer.index_cache import IndexCache
+from stem_indexer.pipeline.index_cache import IndexCache
 from stem_indexer.integrations.vllm.rows import (Row, RowKinds, decode_tokens_left_out,
                                                   plan_row, plan_stem_row, select_blocks,
                                                   virtual_rows)

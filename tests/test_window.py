@@ -1,4 +1,4 @@
-"""Sliding-window layers at window cost (``stem_indexer.window`` and the
+"""Sliding-window layers at window cost (``stem_indexer.pipeline.window`` and the
 transformers integration's sliding-window path).
 
 The reference is always transformers' own sliding mask
@@ -32,8 +32,8 @@ from transformers.masking_utils import (  # noqa: E402
 
 import stem_indexer.integrations.transformers as stem_hf  # noqa: E402
 from stem_indexer import StemIndexerInputError  # noqa: E402
-from stem_indexer import window as window_mod  # noqa: E402
-from stem_indexer.window import sliding_window_attention  # noqa: E402
+from stem_indexer.pipeline import window as window_mod  # noqa: E402
+from stem_indexer.pipeline.window import sliding_window_attention  # noqa: E402
 
 # bfloat16: an absolute bound, not one unit in the last place (module docstring).
 TOL = {torch.float32: dict(atol=1e-6, rtol=1e-6),

@@ -131,7 +131,7 @@ def _checker(settings, record: dict, shadow: _Shadow):
 # Where a failure can be injected: (object, attribute) of the function that
 # raises, in the worker (this process).
 def _failure_points():
-    from stem_indexer.index_cache import IndexCache
+    from stem_indexer.pipeline.index_cache import IndexCache
     from stem_indexer.integrations.vllm import backend
 
     return {

@@ -1,7 +1,7 @@
 """Mutation check: break one rule of the contract at a time in a copy of the
 repository and confirm that the default test run catches it.
 
-Each mutation is one textual change to ``src/stem_indexer/contract.py``, the
+Each mutation is one textual change to ``src/stem_indexer/operator/contract.py``, the
 home of the semantics; the reference (``reference.py``) restates the rules
 row by row on its own, so a broken contract must show up as a disagreement
 with it, or with the hand-computed cases. Run from the repository root:
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CONTRACT = "src/stem_indexer/contract.py"
+CONTRACT = "src/stem_indexer/operator/contract.py"
 MUTATIONS = {  # name: (original text, replacement)
     "budget: the medium branch starts one block later":
         ("torch.where(p < BRANCH_MEDIUM, p,", "torch.where(p <= BRANCH_MEDIUM, p,"),
