@@ -1,5 +1,12 @@
 """The package's shape: imports run one way, and no function outgrows a screen or two.
 
+* Imports run down the layers (``docs/ARCHITECTURE.md``): integrations
+  (the engines) -> surfaces -> pipeline -> operator. A module imports, at the
+  top or inside a function, only modules of its own layer or a lower one.
+  ``stem_indexer`` itself (the public names) and ``stem_indexer.testing`` (the
+  public test framework, which the ``stem-indexer`` command runs) sit with the
+  surfaces: they import the pipeline and the operator, and no pipeline or
+  operator module imports them.
 * No module of ``src/stem_indexer`` imports, at the top or inside a function,
   a module that imports it back, directly or through others: each thing has
   one home, and a module that needs another's part imports that part's home.
@@ -17,18 +24,31 @@ PACKAGE = SRC / "stem_indexer"
 MAX_FUNCTION_LINES = 100
 
 
-def _modules() -> dict[str, Path]:
+# Each package's layer, lowest first. ``stem_indexer`` itself (its
+# ``__init__``, the public names) is a surface; a module directly beside it
+# is in no layer.
+LAYERS = {
+    "stem_indexer.operator": 0,
+    "stem_indexer.pipeline": 1,
+    "stem_indexer.surfaces": 2,
+    "stem_indexer.testing": 2,
+    "stem_indexer.integrations": 3,
+}
+LAYER_NAMES = ("operator", "pipeline", "surfaces", "engines")
+
+
+def _modules(src: Path = SRC) -> dict[str, Path]:
     out = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(SRC).with_suffix("").parts
+    for path in (src / "stem_indexer").rglob("*.py"):
+        parts = path.relative_to(src).with_suffix("").parts
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(src: Path = SRC) -> dict[str, set[str]]:
     """Module -> the package's modules it imports (anywhere in its code).
     ``from . import x`` names the submodule x, not the package."""
-    modules = _modules()
+    modules = _modules(src)
     graph = {}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -59,6 +79,49 @@ def circles(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
         return seen
 
     return sorted((a, b) for a in graph for b in graph[a] if a in reach(b))
+
+
+def layer(module: str) -> int:
+    """The layer of ``module``: that of the package in LAYERS that holds it."""
+    if module == "stem_indexer":
+        return LAYERS["stem_indexer.surfaces"]
+    for package, number in LAYERS.items():
+        if module == package or module.startswith(package + "."):
+            return number
+    raise KeyError(f"{module} is in no layer: move it into one of {sorted(LAYERS)}")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of a module of a higher layer than the importer's."""
+    return sorted(f"{a} ({LAYER_NAMES[layer(a)]}) imports {b} ({LAYER_NAMES[layer(b)]})"
+                  for a in graph for b in graph[a] if layer(b) > layer(a))
+
+
+def test_imports_run_down_the_layers():
+    graph = import_graph()
+    assert "stem_indexer.operator.api" in graph["stem_indexer.pipeline.plan"]
+    assert "stem_indexer.pipeline.paged" in graph["stem_indexer.integrations.vllm.rows"]
+    assert {LAYER_NAMES[layer(name)] for name in graph} == set(LAYER_NAMES)
+    assert upward_imports(graph) == []
+
+
+def test_the_layer_check_finds_an_upward_import(tmp_path):
+    """A kernel module that imports the pipeline inside a function is caught."""
+    files = {
+        "__init__.py": "from .surfaces import api\n",
+        "operator/__init__.py": "",
+        "operator/kernel.py": "def run():\n    from ..pipeline import plan\n    return plan\n",
+        "pipeline/__init__.py": "",
+        "pipeline/plan.py": "from ..operator import kernel\n",
+        "surfaces/__init__.py": "",
+        "surfaces/api.py": "from ..pipeline.plan import kernel\n",
+    }
+    for name, text in files.items():
+        path = tmp_path / "stem_indexer" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert upward_imports(import_graph(tmp_path)) == [
+        "stem_indexer.operator.kernel (operator) imports stem_indexer.pipeline.plan (pipeline)"]
 
 
 def test_no_import_circles():
