@@ -21,7 +21,7 @@ What runs where
   through transformers' own ``sdpa_attention_forward``.
 * **Sliding-window layers** (Mistral, Gemma 2/3 local layers: transformers'
   ``sliding_window_causal_mask_function``) at prefill:
-  ``stem_indexer.window.sliding_window_attention``, the same result as SDPA
+  ``stem_indexer.pipeline.window.sliding_window_attention``, the same result as SDPA
   with the sliding mask at a cost of queries x window instead of queries x
   keys (``stats["window"]``; decode steps there run dense SDPA with the
   sliding mask).

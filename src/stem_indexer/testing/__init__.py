@@ -6,7 +6,7 @@
   framework does (exact where scores are exact, else within float rounding
   of each row's selection threshold);
 * ``runner``: single and batch modes, eager and graph, against the golden
-  (``stem_indexer.reference``), selected by ``STEM_INDEXER_CASE_ID``,
+  (``stem_indexer.operator.reference``), selected by ``STEM_INDEXER_CASE_ID``,
   ``STEM_INDEXER_MODE`` and ``STEM_INDEXER_DEVICE``;
 * ``attention``: ``reference_attention``, the float64 softmax attention
   every attention path is tested against, and ``token_mask``, the token mask

@@ -19,7 +19,7 @@ What a Stem row computes (docs/CONTRACT.md section 8):
 * **The budget is the prompt's**: ``num_prompt_tokens`` is the request's
   prompt length (vLLM's runner holds it; the attention metadata does not).
 * **The keys' block representations and the Output-Aware Metric** come
-  from the indexer cache (``stem_indexer/index_cache.py``): per-page sums and run maxima
+  from the indexer cache (``stem_indexer/pipeline/index_cache.py``): per-page sums and run maxima
   of the prompt's first ``context + q_len`` tokens, written as vLLM wrote
   them into its paged cache. The keys and values themselves are never read
   back. The OAM standardises value norms over those tokens only, where a

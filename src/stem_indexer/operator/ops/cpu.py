@@ -406,7 +406,7 @@ OVERFLOW_FREE = 2.0**127
 
 
 class _ExactDots:
-    """A batch's dot products, as ``stem_indexer.reference`` computes them:
+    """A batch's dot products, as ``stem_indexer.operator.reference`` computes them:
     ``qflat[h, :qb].float() @ kflat[h // G, :kb].float().T`` per query head.
 
     Used where a dot product may overflow float32 (``where_needed``): the

@@ -1,8 +1,8 @@
 """Ahead-of-time report: every kernel the launcher would compile, compiled for
 an NVIDIA target without a GPU, with its register and spill figures.
 
-    python -m stem_indexer.ops.triton.aot --arch 90 --arch 80 [--json]
-    python -m stem_indexer.ops.triton.aot --arch 90 --shape prefill --df 2048 --jobs 1
+    python -m stem_indexer.operator.ops.triton.aot --arch 90 --arch 80 [--json]
+    python -m stem_indexer.operator.ops.triton.aot --arch 90 --shape prefill --df 2048 --jobs 1
 
 For each benchmark shape (``SHAPES``), Df and precision, the launcher's own
 ``default_config`` and ``kernel_launches`` produce the launches on ``meta``
