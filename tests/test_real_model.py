@@ -45,7 +45,7 @@ import torch
 
 pytestmark = pytest.mark.model
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "quality"))
 import model_quality  # noqa: E402
 
 

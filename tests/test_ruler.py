@@ -1,5 +1,5 @@
-"""The RULER-style task generators (``benchmarks/ruler.py``) and the driver's
-resumable results file and tables (``benchmarks/ruler_bench.py``), without a
+"""The RULER-style task generators (``benchmarks/quality/ruler.py``) and the driver's
+resumable results file and tables (``benchmarks/quality/ruler_bench.py``), without a
 model: a byte-level tokenizer stands in (one token per byte, so a prompt's
 text is its ids decoded), and the SmolLM2 tokenizer where it is installed
 (``model`` marker); and the joining of Gemma's chunk files into the cached

@@ -765,7 +765,7 @@ def test_server_streams_a_completion_with_stem(model, tmp_path):
 @pytest.mark.model
 def test_readme_serving_example_runs(tmp_path):
     """The README's Python example (its ``py`` block) as written, on the model
-    ``benchmarks/vllm_bench.py convert`` makes (converted here if absent)."""
+    ``benchmarks/engines/vllm_bench.py convert`` makes (converted here if absent)."""
     import re
 
     readme = (HERE.parent / "README.md").read_text()
@@ -773,8 +773,8 @@ def test_readme_serving_example_runs(tmp_path):
     (block,) = re.findall(r"```py\n(.*?)```", section, flags=re.S)
     model = Path.home() / ".cache" / "stem_indexer" / "smollm2-135m-yarn4"
     if not (model / "config.json").exists():
-        subprocess.run([sys.executable, str(HERE.parent / "benchmarks" / "vllm_bench.py"),
-                        "convert"], check=True, timeout=900)
+        convert = HERE.parent / "benchmarks" / "engines" / "vllm_bench.py"
+        subprocess.run([sys.executable, str(convert), "convert"], check=True, timeout=900)
     script = tmp_path / "serve_example.py"
     script.write_text(block)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,

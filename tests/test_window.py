@@ -304,7 +304,7 @@ def test_gemma3_270m_sliding_layers_run_windowed_and_equal_sdpa():
     from pathlib import Path
 
     pytest.importorskip("gguf")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "quality"))
     import model_quality
 
     if not model_quality.gemma_installed():

@@ -15,8 +15,9 @@ visible pair), the speed-ups dense / stem and dense / sparse, the error of
 ``stem`` against dense (what the sparsity changes) and against dense
 attention restricted to the same blocks (sampled rows, float64: exactness).
 
-    python benchmarks/attention_bench.py                       # 16K, fp32 and bf16
-    python benchmarks/attention_bench.py --seqs 16384,32768,65536 --record benchmarks/ATTENTION.md
+    python benchmarks/attention/attention_bench.py                       # 16K, fp32 and bf16
+    python benchmarks/attention/attention_bench.py --seqs 16384,32768,65536 \\
+        --record benchmarks/ATTENTION.md
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ import argparse
 import math
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import stem_indexer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import areas  # noqa: F401  (every area's folder on sys.path)
 from common import (attention_args, attention_options, interleaved_runs, record_table,
                     table_header)
 
@@ -127,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(row(measure(seq, DTYPES[name], args.heads, args.kv_heads, args.dim,
                                      args.reps, args.preset)))
             print(lines[-1], flush=True)
-    record_table(args.record, "attention_bench.py", argv, header, lines)
+    record_table(args.record, "attention/attention_bench.py", argv, header, lines)
     return 0
 
 

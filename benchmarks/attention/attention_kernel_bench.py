@@ -27,9 +27,10 @@ the visible block pairs. Errors: max |out - reference| on sampled rows, the
 reference being float64 attention restricted to the row's listed blocks and
 the token mask.
 
-    .venv/bin/python benchmarks/attention_kernel_bench.py             # 16K, a few configs
-    .venv/bin/python benchmarks/attention_kernel_bench.py --full      # the sweep (hours)
-    .venv/bin/python benchmarks/attention_kernel_bench.py --full --seqs 32768 --dtypes bf16
+    .venv/bin/python benchmarks/attention/attention_kernel_bench.py             # 16K, a few configs
+    .venv/bin/python benchmarks/attention/attention_kernel_bench.py --full      # the sweep (hours)
+    .venv/bin/python benchmarks/attention/attention_kernel_bench.py --full --seqs 32768 \\
+        --dtypes bf16
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """Time to first token of a whole model, dense SDPA against every Stem preset,
 side by side at each length, in alternating turns; resumable.
 
-    python benchmarks/ttft_bench.py --model smollm2 --lengths 2K,4K,8K,16K,32K --reps 3
-    python benchmarks/ttft_bench.py --table                  # the table from the file
+    python benchmarks/attention/ttft_bench.py --model smollm2 --lengths 2K,4K,8K,16K,32K --reps 3
+    python benchmarks/attention/ttft_bench.py --table                  # the table from the file
 
 Each turn is one prefill (``logits_to_keep=1``: the first token's logits)
 of every configuration on the same random token ids, the configurations in
 an order that rotates from turn to turn; one warm-up call per configuration
 at the run's shortest length (8K at most) comes first. A turn's times are appended to the
-results file (default ``benchmarks/ttft_results.jsonl``) as one JSON line,
+results file (default ``benchmarks/results/ttft_results.jsonl``) as one JSON line,
 with the machine, the git commit, the load average and, per Stem
 configuration, what its calls ran (``paths``: ``stem``, ``window``,
 ``dense:<reason>``) and the density of its sparse calls. A run skips the
@@ -29,7 +29,7 @@ selection alone there, start ``--configs`` with ``dense-window`` (exact
 attention through the integration: SDPA in the global layers, the windowed
 path in the sliding ones); the ratios are then against it:
 
-    python benchmarks/ttft_bench.py --model gemma3 --lengths 8K,16K \
+    python benchmarks/attention/ttft_bench.py --model gemma3 --lengths 8K,16K \
         --configs dense-window,default,balanced,tight
 """
 
@@ -42,11 +42,13 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import areas  # every area's folder on sys.path
 import model_quality as mq
 from common import git_sha, machine
 from trials import append, read
 
-RESULTS = Path(__file__).resolve().with_name("ttft_results.jsonl")
+RESULTS = areas.RESULTS / "ttft_results.jsonl"
 CONFIGS = ("dense", "default", "balanced", "tight")
 BASELINES = ("dense", "dense-window")  # what --configs may start with
 WINDOW = 32768 - 16  # the longest prompt, with room for the answer's positions

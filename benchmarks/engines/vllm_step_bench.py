@@ -1,6 +1,6 @@
 """What the Stem plugin costs a vLLM decode step (CPU): many decodes, no prefill.
 
-    python benchmarks/vllm_step_bench.py --requests 256 --tokens 33 --reps 3
+    python benchmarks/engines/vllm_step_bench.py --requests 256 --tokens 33 --reps 3
 
 A random model with SmolLM2-135M's shape (30 layers, 9 query / 3 KV heads,
 head dim 64; random weights: a decode step's cost does not depend on them) is
@@ -35,6 +35,8 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import areas  # noqa: E402,F401  (every area's folder on sys.path)
 
 MODEL = Path.home() / ".cache" / "stem_indexer" / "random-smollm2-shape"
 
@@ -167,7 +169,7 @@ def main(argv=None) -> int:
              f"SmolLM2-135M's shape (30 layers), bf16, {args.requests} requests of 64 prompt "
              f"tokens decoding {args.tokens - 1} steps; prefix caching "
              f"{'on' if args.prefix_caching else 'off'}; {args.reps} turns, engines alternating.",
-             "", f"`python benchmarks/vllm_step_bench.py --requests {args.requests} "
+             "", f"`python benchmarks/engines/vllm_step_bench.py --requests {args.requests} "
              f"--tokens {args.tokens} --reps {args.reps}"
              f"{' --prefix-caching' if args.prefix_caching else ''}`", "",
              "| vLLM ms / step | with the plugin ms / step | ratio, median [min, max] | "

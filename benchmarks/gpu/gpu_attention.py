@@ -51,9 +51,9 @@ measured. ``--dry-run`` runs tiny shapes on CPU, the Triton kernels
 interpreted, so that the script is checked anywhere (its timings then mean
 nothing).
 
-    python benchmarks/gpu_attention.py --reps 3
-    python benchmarks/gpu_attention.py --break-even 32768 --budgets 32,64,128,192 --reps 3
-    python benchmarks/gpu_attention.py --dry-run
+    python benchmarks/gpu/gpu_attention.py --reps 3
+    python benchmarks/gpu/gpu_attention.py --break-even 32768 --budgets 32,64,128,192 --reps 3
+    python benchmarks/gpu/gpu_attention.py --dry-run
 """
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import stem_indexer  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import areas  # noqa: E402,F401  (every area's folder on sys.path)
 from common import machine  # noqa: E402
 from gpu_report import (Report, attempt, error_text, errors_line, guarded_runs,  # noqa: E402
                         median_cell, run_sha, spread_cell)

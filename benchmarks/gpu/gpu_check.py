@@ -58,6 +58,8 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import areas  # noqa: E402,F401  (every area's folder on sys.path)
 from common import machine, median_ms  # noqa: E402
 from gpu_report import Peaks, Report, attempt, device_peaks, error_text, run_sha  # noqa: E402
 from stem_indexer.operator import contract  # noqa: E402

@@ -3,12 +3,12 @@
 # Writes to $OUT (default ./out): gpu_check.log (every step's output), the
 # tables (gpu_check.md, gpu_attention.md, gpu_break_even.md: each line
 # appended as it is produced) and the tests' JUnit XML (cuda_tests_*.xml).
-#   benchmarks/gpu_check.sh                # the indexer: correctness on a case subset (128K and
+#   benchmarks/gpu/gpu_check.sh            # the indexer: correctness on a case subset (128K and
 #                                          # 1M-token kv included), CUDA-graph capture, speed
 #                                          # against a torch composite and the roofline
-#   benchmarks/gpu_check.sh --variants     # plus its kernels under other launch configurations
-#   benchmarks/gpu_check.sh --all          # everything, in steps whose limits add up to 420 s:
-#       1. the curated CUDA tests (benchmarks/gpu_tests.py curated): those that had not yet
+#   benchmarks/gpu/gpu_check.sh --variants # plus its kernels under other launch configurations
+#   benchmarks/gpu/gpu_check.sh --all      # everything, in steps whose limits add up to 420 s:
+#       1. the curated CUDA tests (benchmarks/gpu/gpu_tests.py curated): those that had not yet
 #          run on a GPU (the paged kernel, backend="triton", plan and run against float64
 #          attention, the paged run's picks and IndexCache.write against the CPU path,
 #          the CUDA-graph captures) and 11 cases of the case table
@@ -20,17 +20,17 @@
 #          stem_run); stem_run on one stem_plan at 128K (eager, compiled, graph-replayed)
 #       4. the dense_above break-even at 32K
 #       5. every other CUDA test (gpu_tests.py rest), for the time left
-#   benchmarks/gpu_check.sh --all --dry-run   # about a minute on CPU: tiny shapes, the Triton
-#                                             # interpreter, the test selections collected
+#   benchmarks/gpu/gpu_check.sh --all --dry-run # about a minute on CPU: tiny shapes, the Triton
+#                                               # interpreter, the test selections collected
 # Each step runs under `timeout -s INT -k 15 LIMIT`: stopped at its limit, pytest prints its
 # summary and writes its XML, the scripts keep the lines they wrote; a failed or stopped step
 # is reported and the next one runs. STEM_GIT_SHA names the commit measured in every output:
 # pass the host's (the device machine may get a copy without .git, or with a stale one),
-#   STEM_GIT_SHA=$(git rev-parse HEAD) benchmarks/gpu_check.sh --all
+#   STEM_GIT_SHA=$(git rev-parse HEAD) benchmarks/gpu/gpu_check.sh --all
 # else it is taken from git here, where there is one.
 # The kernels' compile report (no GPU needed): python -m stem_indexer.operator.ops.triton.aot
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 export OUT=${OUT:-./out} PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
@@ -81,16 +81,16 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, output to the l
 
 if [ "$all" = 0 ]; then
     # The limit leaves room for --variants (its first calls compile each configuration).
-    step "indexer check" 420 "$PY" benchmarks/gpu_check.py "${dry[@]}" "${rest[@]}"
+    step "indexer check" 420 "$PY" benchmarks/gpu/gpu_check.py "${dry[@]}" "${rest[@]}"
 else
     # The limits add up to 420 s (tests/test_bench.py holds them to it): with the
     # 15-second grace of each and the start, the whole fits one 600-second command.
-    step "CUDA tests: curated" 140 "$PY" benchmarks/gpu_tests.py curated "${dry[@]}"
-    step "indexer check" 80 "$PY" benchmarks/gpu_check.py "${dry[@]}" --reps 5
-    step "attention" 130 "$PY" benchmarks/gpu_attention.py "${dry[@]}" --reps 3
-    step "break-even" 30 "$PY" benchmarks/gpu_attention.py "${dry[@]}" --break-even 32768 \
+    step "CUDA tests: curated" 140 "$PY" benchmarks/gpu/gpu_tests.py curated "${dry[@]}"
+    step "indexer check" 80 "$PY" benchmarks/gpu/gpu_check.py "${dry[@]}" --reps 5
+    step "attention" 130 "$PY" benchmarks/gpu/gpu_attention.py "${dry[@]}" --reps 3
+    step "break-even" 30 "$PY" benchmarks/gpu/gpu_attention.py "${dry[@]}" --break-even 32768 \
         --budgets 32,64,128,192 --reps 3
-    step "CUDA tests: the rest" 40 "$PY" benchmarks/gpu_tests.py rest "${dry[@]}"
+    step "CUDA tests: the rest" 40 "$PY" benchmarks/gpu/gpu_tests.py rest "${dry[@]}"
 fi
 if [ ${#failed[@]} = 0 ]; then
     echo "gpu_check: every step passed" | tee -a "$LOG"

@@ -3,7 +3,7 @@ selection (the indexer's, default budget) timed under each option set, with
 dense SDPA as the baseline, at 64K and 128K tokens (B=1, Hq=32, Hkv=8, D=128,
 bf16). The fastest set becomes ``ops.flex_attention.CUDA_KERNEL_OPTIONS``.
 
-    python benchmarks/gpu_flex_tune.py        # table to stdout and $OUT/gpu_flex_tune.md
+    python benchmarks/gpu/gpu_flex_tune.py        # table to stdout and $OUT/gpu_flex_tune.md
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 import stem_indexer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import areas  # noqa: F401  (every area's folder on sys.path)
 from common import git_sha, machine, median_ms, write_atomic
 from stem_indexer.operator.ops import flex_attention as flex
 

@@ -2,7 +2,7 @@
 (B=8, Nq=64, Nk=8, Df=2048) and ``stem_attention`` at 64K (B=1, Hq=32,
 Hkv=8, D=128, bf16), each profiled once after a warm-up call.
 
-    python benchmarks/gpu_profile.py           # tables to stdout and $OUT/gpu_profile.md
+    python benchmarks/gpu/gpu_profile.py           # tables to stdout and $OUT/gpu_profile.md
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import stem_indexer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import areas  # noqa: F401  (every area's folder on sys.path)
 from common import git_sha, machine, write_atomic
 from gpu_check import BENCHES, _metadata, bench_inputs, run_op
 from stem_indexer.operator.contract import IndexerParams

@@ -9,7 +9,7 @@ cell, the commit measured and the device's peaks.
   ``common.interleaved_runs``, each call in its own try: a function that
   raises is dropped with its error, the others are timed on. ``attempt(fn)``:
   one guarded call.
-* ``run_sha()``: the commit measured. ``benchmarks/gpu_check.sh`` passes the
+* ``run_sha()``: the commit measured. ``benchmarks/gpu/gpu_check.sh`` passes the
   host's in ``STEM_GIT_SHA`` (the device machine may get a copy of the tree
   without ``.git``, or with a stale one); without it, ``common.git_sha()``.
 * ``peaks_for(device_name)``: the roofline's FLOP/s and bytes/s for a GPU
@@ -22,11 +22,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
+import sys
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import areas  # noqa: F401  (every area's folder on sys.path)
 from common import git_sha, once_ms
 
 

@@ -1,4 +1,4 @@
-"""The GPU check's CUDA tests (``benchmarks/gpu_check.sh --all``): which run
+"""The GPU check's CUDA tests (``benchmarks/gpu/gpu_check.sh --all``): which run
 first, and how.
 
 * ``curated``, the first step of the check: the CUDA tests that had not yet
@@ -22,8 +22,8 @@ the XML with the tests that ran.
 ``--dry-run`` collects the same selection on the CPU (``--collect-only``):
 a test renamed or removed fails the dry run, not the GPU's.
 
-    python benchmarks/gpu_tests.py curated
-    python benchmarks/gpu_tests.py rest --dry-run
+    python benchmarks/gpu/gpu_tests.py curated
+    python benchmarks/gpu/gpu_tests.py rest --dry-run
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 CURATED = (
     "tests/test_index_cache_cuda.py",

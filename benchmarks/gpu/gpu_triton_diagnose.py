@@ -5,7 +5,7 @@ default configuration and variants (pointer loads, radix selection for every
 row), on random float inputs and on integer-valued ones (exact scores: any
 difference is then a logic error, not rounding).
 
-    python benchmarks/gpu_triton_diagnose.py     # table to stdout and $OUT/gpu_triton_diagnose.md
+    python benchmarks/gpu/gpu_triton_diagnose.py  # table to stdout and $OUT/gpu_triton_diagnose.md
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import areas  # noqa: F401  (every area's folder on sys.path)
 from common import git_sha, machine, write_atomic
 from gpu_check import BENCHES, _config, _metadata, bench_inputs, run_cpu_path
 from stem_indexer.operator.contract import IndexerParams

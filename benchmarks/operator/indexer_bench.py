@@ -30,8 +30,8 @@ reports in one run:
 
 Each shape runs in a fresh subprocess so that its memory peak is its own.
 
-    python benchmarks/indexer_bench.py                 # S1, under a minute
-    python benchmarks/indexer_bench.py --shapes S1,S2,S3,S4,S5 --out benchmarks/RESULTS.md
+    python benchmarks/operator/indexer_bench.py                 # S1, under a minute
+    python benchmarks/operator/indexer_bench.py --shapes S1,S2,S3,S4,S5 --out benchmarks/RESULTS.md
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ from unittest import mock
 import torch
 
 import stem_indexer  # noqa: F401  (registers the ops)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import areas  # noqa: F401  (every area's folder on sys.path)
 from common import cpu_flags, git_sha, interleaved_ms, interleaved_runs, machine, write_atomic
 from stem_indexer.operator import contract
 from stem_indexer.operator.contract import IndexerParams, ceil_div
@@ -430,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not names:
         parser.error(f"--shapes: unknown {unknown}; choose from {', '.join(SHAPES)}")
     settings = [f"{name}={os.environ[name]}" for name in RECORDED_ENV if name in os.environ]
-    command_line = " ".join([*settings, "python benchmarks/indexer_bench.py",
+    command_line = " ".join([*settings, "python benchmarks/operator/indexer_bench.py",
                              f"--shapes {','.join(names)}"]
                             + ([f"--threads {args.threads}"] if args.threads else [])
                             + ([f"--repeat {args.repeat}"] if args.repeat else []))

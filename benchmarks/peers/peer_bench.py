@@ -31,16 +31,17 @@ Setup, once (idempotent; two environments beside ``.venv``, the converted and
 exported models in ``~/.cache/stem_indexer``, the versions installed in
 ``~/.cache/stem_indexer/peers_versions.txt``)::
 
-    bash benchmarks/peers_setup.sh
+    bash benchmarks/peers/peers_setup.sh
 
 Runs (the parent needs transformers and torch: ``.venv-vllm``'s python)::
 
-    .venv-vllm/bin/python benchmarks/peer_bench.py speed --model smollm2 --lengths 2048 --turns 1
-    .venv-vllm/bin/python benchmarks/peer_bench.py speed --model gemma3 \\
+    .venv-vllm/bin/python benchmarks/peers/peer_bench.py speed --model smollm2 --lengths 2048 \\
+        --turns 1
+    .venv-vllm/bin/python benchmarks/peers/peer_bench.py speed --model gemma3 \\
         --lengths 8192,16384,32768 --turns 3 --record benchmarks/PEERS.md
-    .venv-vllm/bin/python benchmarks/peer_bench.py passkey --model smollm2 \\
+    .venv-vllm/bin/python benchmarks/peers/peer_bench.py passkey --model smollm2 \\
         --lengths 16384,32768 --trials 20,10 --configs ov-dense,ov-xattn,ov-xattn-t1
-    .venv-vllm/bin/python benchmarks/peer_bench.py passkey --table
+    .venv-vllm/bin/python benchmarks/peers/peer_bench.py passkey --table
 
 * ``speed``: time to first token (wall clock around a call generating one
   token; OpenVINO's own ``perf_metrics.get_ttft()`` is kept beside it) of
@@ -53,7 +54,7 @@ Runs (the parent needs transformers and torch: ``.venv-vllm``'s python)::
 * ``passkey``: the passkey prompts of ``vllm_bench.py`` (``passkey_draw``: the
   key and depth of trial t at a length), 8 tokens greedy; found when the key's
   digits appear in the answer. Every (model, length, trial, configuration) is
-  appended to ``--results`` (``benchmarks/peer_passkey.jsonl``) and skipped
+  appended to ``--results`` (``benchmarks/results/peer_passkey.jsonl``) and skipped
   when there: a rerun resumes. ``--table`` prints successes / trials with
   their Wilson interval per configuration from that file alone.
 
@@ -92,9 +93,11 @@ import time
 import traceback
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import areas  # every area's folder on sys.path
 from trials import append, read, success_table
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CACHE = Path.home() / ".cache" / "stem_indexer"
 VERSIONS_FILE = CACHE / "peers_versions.txt"
 VENVS = {"ov": ROOT / ".venv-peers", "vllm": ROOT / ".venv-vllm"}
@@ -111,9 +114,10 @@ REFERENCE = "vllm"  # whose first token the others are compared with
 
 MODELS = {
     "smollm2": {"hf": CACHE / "smollm2-135m-yarn4", "ov": CACHE / "ov" / "smollm2-135m-yarn4",
-                "bos": False, "convert": "python benchmarks/vllm_bench.py convert"},
+                "bos": False, "convert": "python benchmarks/engines/vllm_bench.py convert"},
     "gemma3": {"hf": CACHE / "gemma3-270m", "ov": CACHE / "ov" / "gemma3-270m",
-               "bos": True, "convert": "python benchmarks/vllm_bench.py convert --which gemma3"},
+               "bos": True,
+               "convert": "python benchmarks/engines/vllm_bench.py convert --which gemma3"},
 }
 
 
@@ -510,7 +514,7 @@ def start_workers(names: list[str], args, max_len: int, config) -> tuple[dict, d
     for name in names:
         model_dir = MODELS[args.model]["ov" if CONFIGS[name]["kind"] == "ov" else "hf"]
         if not model_dir.exists():
-            failed[name] = f"no model in {model_dir}: run bash benchmarks/peers_setup.sh"
+            failed[name] = f"no model in {model_dir}: run bash benchmarks/peers/peers_setup.sh"
             continue
         argv, env = worker_argv(name, args, max_len, kv_gib)
         log = Path(args.logs) / f"{args.model}-{name}.log"
@@ -534,7 +538,7 @@ def tokenizer_of(model: str):
 
     path = MODELS[model]["hf"]
     if not (path / "config.json").exists():
-        raise SystemExit(f"no converted model in {path}: run bash benchmarks/peers_setup.sh "
+        raise SystemExit(f"no converted model in {path}: run bash benchmarks/peers/peers_setup.sh "
                          f"(or {MODELS[model]['convert']})")
     config = AutoConfig.from_pretrained(path)
     return AutoTokenizer.from_pretrained(path), config
@@ -546,12 +550,11 @@ def prefix_of(model: str, tok) -> list[int]:
 
 def versions_text() -> str:
     return VERSIONS_FILE.read_text() if VERSIONS_FILE.exists() else \
-        f"(no {VERSIONS_FILE}: run bash benchmarks/peers_setup.sh)\n"
+        f"(no {VERSIONS_FILE}: run bash benchmarks/peers/peers_setup.sh)\n"
 
 
 def header(args, workers: dict, failed: dict, command: str) -> list[str]:
     try:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         from common import cpu_flags, git_sha, machine
         where = [f"machine: {machine()}", f"CPU: {cpu_flags()}", f"git {git_sha()}"]
     except Exception as exc:  # a parent without torch or stem_indexer
@@ -573,13 +576,12 @@ def header(args, workers: dict, failed: dict, command: str) -> list[str]:
 def record(text: str, path: str | None) -> None:
     print(text, flush=True)
     if path:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         from common import write_atomic
         write_atomic(path, text + "\n", append=True)
 
 
 def command_line() -> str:
-    return "python benchmarks/peer_bench.py " + " ".join(sys.argv[1:])
+    return "python benchmarks/peers/peer_bench.py " + " ".join(sys.argv[1:])
 
 
 def speed(args) -> None:
@@ -665,7 +667,6 @@ def passkey(args) -> None:
     if not todo:
         print("every trial asked for is in", results)
         return
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import model_quality
     from vllm_bench import passkey_draw
 
@@ -744,7 +745,7 @@ def main(argv=None) -> None:
     pk.add_argument("--lengths", default="16384,32768")
     pk.add_argument("--trials", default="20,10", help="trials per length (numbers 0..n-1)")
     pk.add_argument("--first-trial", type=int, default=0)
-    pk.add_argument("--results", default=str(ROOT / "benchmarks" / "peer_passkey.jsonl"))
+    pk.add_argument("--results", default=str(areas.RESULTS / "peer_passkey.jsonl"))
     pk.add_argument("--table", action="store_true", help="print the results file's table")
     pk.add_argument("--table-model", default=None, help="with --table: one model only")
     wk = sub.add_parser("_worker")

