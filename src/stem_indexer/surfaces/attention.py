@@ -29,7 +29,7 @@ Backends (``backend=``):
   block (CUDA, or CPU under the Triton interpreter; causal, no log-sum-exp,
   and every batch's ``kv_len - q_len`` a whole number of blocks): the
   candidate to replace FlexAttention on CUDA, timed beside it by
-  ``benchmarks/gpu_check.sh --all``;
+  ``benchmarks/gpu/gpu_check.sh --all``;
 * ``"auto"`` (default): ``"native"`` on CPU where it is built (float32 and
   bfloat16), ``"flex"`` on CUDA, else ``"gather"`` (float16 and float64 on CPU).
 

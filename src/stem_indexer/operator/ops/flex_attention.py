@@ -203,7 +203,7 @@ MIN_TILE = 16
 MAX_TILE = 128
 
 # FlexAttention kernel options on CUDA, chosen on an H200 with
-# benchmarks/gpu_flex_tune.py: TMA loads and 128 x 128 tiles (the Stem block)
+# benchmarks/gpu/gpu_flex_tune.py: TMA loads and 128 x 128 tiles (the Stem block)
 # took the 128K prefill's sparse attention from 81.9 to 76.2 ms. Used where
 # they fit: sm_90, 16-bit q/k/v, head dims up to 128, blocks a multiple of 128.
 CUDA_KERNEL_OPTIONS: dict = dict(USE_TMA=True, BLOCK_M=128, BLOCK_N=128, num_warps=8,

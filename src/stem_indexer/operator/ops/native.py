@@ -510,7 +510,7 @@ def filled(shape: tuple[int, ...], value: int, dtype: torch.dtype) -> torch.Tens
 
     A fresh output of hundreds of MiB is paid mostly in page faults on first
     touch, one per 4 KiB page: with 2 MiB pages there are 512 times fewer
-    (the indexer's 512 MiB output at S5 of ``benchmarks/indexer_bench.py``,
+    (the indexer's 512 MiB output at S5 of ``benchmarks/operator/indexer_bench.py``,
     on a 2-core AMD EPYC VM: 18 to 26 ms instead of 115 to 306 ms), and
     memory touched before costs none (a model calls the indexer once per
     layer with the same shapes, and drops each layer's output before the

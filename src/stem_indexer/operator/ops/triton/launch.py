@@ -134,7 +134,7 @@ def default_config(g: int, qmax: int, kmax: int, df: int, *, arch: int | None,
     path on the benchmark shapes (integer data), while the TMA loads with
     128 registers per thread (``tma=True, score_maxnreg=128``, 35% faster
     scores) did not: they stay off until that is understood
-    (``benchmarks/gpu_triton_diagnose.py``, benchmarks/RESULTS.md). The four
+    (``benchmarks/gpu/gpu_triton_diagnose.py``, benchmarks/RESULTS.md). The four
     stages and the warp per 1024 keys each took about 5% off their kernel
     (``gpu_check.py --variants``).
     Interpreter: the smallest legal tiles, so that tests exercise several
