@@ -21,7 +21,7 @@ What runs where (``backend.py``): decode rows, short prompts and rows whose
 budget keeps nearly every block run vLLM's own CPU kernel; long prefill rows
 (a fresh prompt, any chunk of a chunked prompt, a prefix-cache hit) run Stem's
 indexer on the row's queries and the indexer cache's entries of its pages
-(``stem_indexer/index_cache.py``: written beside the KV cache as vLLM writes it), then
+(``stem_indexer/pipeline/index_cache.py``: written beside the KV cache as vLLM writes it), then
 vLLM's kernel on the kept pages only, in every CPU cache layout that has
 one (``amx``, ``vec``, ``vec16``). ``stats(llm)`` says what ran; each
 request's prefill ends with one log line giving its rows and density.

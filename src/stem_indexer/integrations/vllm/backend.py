@@ -20,7 +20,7 @@ sorts the rows and does all their host work.
 
 * ``do_kv_cache_update`` writes the step's keys and values into vLLM's cache
   (vLLM's own writer, for its layout) and into the layer's indexer cache
-  (``stem_indexer/index_cache.py``: per page, the keys' group sums and the values' run
+  (``stem_indexer/pipeline/index_cache.py``: per page, the keys' group sums and the values' run
   maxima). Without prefix caching, decode rows' tokens are left out of the
   indexer cache: nothing reads them (a request's later rows are decodes too,
   and a recomputed request rewrites its pages from the start), so a

@@ -96,7 +96,7 @@ SELECT_ROWS = Library("select_rows", {
     "stem_select_vector": (ctypes.c_int, [ctypes.c_int]),
 }, cflags=("-ffp-contract=off",))  # the scores' two roundings: never one fused multiply-add
 
-# The indexer cache's write (stem_indexer/index_cache.py).
+# The indexer cache's write (stem_indexer/pipeline/index_cache.py).
 INDEX_CACHE = Library("index_cache", {
     "stem_index_write": (ctypes.c_int, [_ptr, ctypes.c_int, _i64, _i64, _ptr, _ptr, _i64, _i64,
                                         _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr,

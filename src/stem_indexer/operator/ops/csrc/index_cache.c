@@ -1,5 +1,5 @@
 /*
- * The indexer cache's write (stem_indexer/index_cache.py, IndexCache.write)
+ * The indexer cache's write (stem_indexer/pipeline/index_cache.py, IndexCache.write)
  * as one pass: what the torch path does in a dozen operations per layer,
  * for a serving engine's decode steps, where the fixed cost of each
  * operation is most of the work.
