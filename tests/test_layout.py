@@ -7,6 +7,9 @@
   public test framework, which the ``stem-indexer`` command runs) sit with the
   surfaces: they import the pipeline and the operator, and no pipeline or
   operator module imports them.
+* Every import of the package's own modules names one that exists (a
+  relative import left at a module's old path fails only when its function
+  runs: here it fails at once).
 * No module of ``src/stem_indexer`` imports, at the top or inside a function,
   a module that imports it back, directly or through others: each thing has
   one home, and a module that needs another's part imports that part's home.
@@ -67,6 +70,26 @@ def import_graph(src: Path = SRC) -> dict[str, set[str]]:
     return graph
 
 
+def unresolved_imports(src: Path = SRC) -> list[str]:
+    """Each import, anywhere in a module, of a module of the package that does not exist."""
+    modules = _modules(src)
+    missing = []
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[:len(package.split(".")) - node.level + 1] \
+                    if node.level else []
+                targets = [".".join(base + ([node.module] if node.module else []))]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            missing += [f"{path.relative_to(src)}:{node.lineno} imports {t}" for t in targets
+                        if t.split(".")[0] == "stem_indexer" and t not in modules]
+    return missing
+
+
 def circles(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     """Pairs (a, b) where a imports b and b reaches a again."""
     def reach(start: str) -> set[str]:
@@ -105,6 +128,14 @@ def test_imports_run_down_the_layers():
     assert upward_imports(graph) == []
 
 
+def _write_package(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / "stem_indexer" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
 def test_the_layer_check_finds_an_upward_import(tmp_path):
     """A kernel module that imports the pipeline inside a function is caught."""
     files = {
@@ -116,12 +147,26 @@ def test_the_layer_check_finds_an_upward_import(tmp_path):
         "surfaces/__init__.py": "",
         "surfaces/api.py": "from ..pipeline.plan import kernel\n",
     }
-    for name, text in files.items():
-        path = tmp_path / "stem_indexer" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    assert upward_imports(import_graph(tmp_path)) == [
+    assert upward_imports(import_graph(_write_package(tmp_path, files))) == [
         "stem_indexer.operator.kernel (operator) imports stem_indexer.pipeline.plan (pipeline)"]
+
+
+def test_every_import_of_the_package_names_a_module_that_exists():
+    assert unresolved_imports() == []
+
+
+def test_the_import_check_finds_an_import_of_an_old_path(tmp_path):
+    """A function's import of a module at the path it had before a move is caught."""
+    root = _write_package(tmp_path, {
+        "__init__.py": "",
+        "operator/__init__.py": "",
+        "operator/ops/__init__.py": "",
+        "operator/ops/native.py": "",
+        "pipeline/__init__.py": "from ..operator.ops import native\n",
+        "pipeline/cache.py": "def write():\n    from .ops import native\n    return native\n",
+    })
+    assert unresolved_imports(root) == [
+        "stem_indexer/pipeline/cache.py:2 imports stem_indexer.pipeline.ops"]
 
 
 def test_no_import_circles():
