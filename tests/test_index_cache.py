@@ -267,3 +267,104 @@ def test_row_tags_are_each_rows_token_tags():
                             zip(seqs, spans)])
     want = torch.cat([token_tags(s)[a:b] for s, (a, b) in zip(seqs, spans)])
     assert torch.equal(row_tags(ids, positions, lengths, carries), want)
+
+
+# --------------------------------------------------------------------------- #
+# Several layers' writes of a step at once (WriteStage)
+# --------------------------------------------------------------------------- #
+
+
+def _stage(layers: int, capacity: int, hkv: int, dim: int, dtype):
+    from stem_indexer.pipeline.index_cache import WriteStage, _native_lib
+
+    if _native_lib() is None:
+        pytest.skip("the staged write is native only, and the native writer is not built here")
+    return WriteStage(layers, capacity, hkv, dim, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+def test_staged_decode_steps_give_stem_inputs_bit_for_bit(dtype):
+    """Three layers, three sequences: each prompt written at once, then decode
+    steps (one token per sequence, a padding token with slot -1, keys and
+    values as strided views of a fused projection) staged and flushed: every
+    layer's entries are ``stem_inputs``'s on its own tokens, bit for bit,
+    across pages that fill and new pages that start."""
+    page, bs, ts, hkv, dim, layers = 16, 32, 4, 2, 8, 3
+    lens, steps = [20, 7, 31], 30
+    total = [n + steps for n in lens]
+    tables = [torch.tensor(t) for t in ([9, 2, 14, 5], [0, 11, 7], [3, 12, 6, 1, 13])]
+    toks = [[_tokens(n, hkv, dim, dtype, 100 * layer + s) for s, n in enumerate(total)]
+            for layer in range(layers)]
+    caches = [IndexCache.allocate(16, page, ts, hkv, dim) for _ in range(layers)]
+    for layer, cache in enumerate(caches):
+        _garbage(cache, layer)
+        for s, n in enumerate(lens):
+            k, v = toks[layer][s]
+            cache.write(k[:n], v[:n], _slots(tables[s], page, 0, n))
+    stage = _stage(layers, 8, hkv, dim, dtype)
+    for step in range(steps):
+        owner = object()
+        slots = torch.cat([_slots(tables[s], page, n + step, n + step + 1)
+                           for s, n in enumerate(lens)] + [torch.tensor([-1])])
+        for layer, cache in enumerate(caches):
+            fused = torch.zeros(4, 3, hkv, dim, dtype=dtype)  # [tokens, q|k|v, Hkv, D]
+            for s, n in enumerate(lens):
+                k, v = toks[layer][s]
+                fused[s, 1], fused[s, 2] = k[n + step], v[n + step]
+            key, value = fused[:, 1], fused[:, 2]
+            assert stage.takes(cache, key, value)
+            stage.put(owner, cache, key, value, slots)
+        assert int(caches[0].filled[tables[0][1]]) != -2  # nothing written before the flush
+        assert stage.flush() == [] and not stage.pending
+    for layer, cache in enumerate(caches):
+        for s, n in enumerate(total):
+            k, v = toks[layer][s]
+            _assert_inputs(cache, tables[s], k, v, n, bs, f"layer {layer}, sequence {s}")
+
+
+def test_a_staged_layer_in_another_state_is_written_on_its_own():
+    """The stage plans the step once, from its first layer's cache; a layer
+    whose pages are in another state (a page a failed write left unusable)
+    is written on its own: its unusable page stays unusable, its other
+    pages are written, and the other layers are as the plan says."""
+    page, ts, hkv, dim = 8, 4, 1, 4
+    k, v = _tokens(12, hkv, dim, torch.float32, 16)
+    caches = [IndexCache.allocate(4, page, ts, hkv, dim) for _ in range(3)]
+    for cache in caches:
+        cache.write(k[:6], v[:6], torch.arange(6) + page)  # page 1, offsets 0 .. 5
+    caches[1].filled[1] = -1
+    stage = _stage(3, 4, hkv, dim, torch.float32)
+    slots = torch.tensor([page + 6, 2 * page])  # page 1 goes on, page 2 starts
+    for cache in caches:
+        stage.put("step", cache, k[6:8], v[6:8], slots)
+    assert stage.flush() == []
+    assert [c.filled[1:3].tolist() for c in caches] == [[7, 1], [-1, 1], [7, 1]]
+    assert torch.equal(caches[0].ksum, caches[2].ksum)
+    assert torch.equal(caches[1].ksum[2], caches[0].ksum[2])
+
+
+def test_the_stage_takes_only_what_it_can_hold_and_one_step_at_a_time():
+    page, ts, hkv, dim = 8, 4, 2, 4
+    cache = IndexCache.allocate(4, page, ts, hkv, dim)
+    stage = _stage(2, 4, hkv, dim, torch.bfloat16)
+    k = torch.zeros(3, hkv, dim, dtype=torch.bfloat16)
+    assert stage.takes(cache, k, k)
+    assert not stage.takes(cache, k.float(), k.float())  # another dtype
+    assert not stage.takes(cache, torch.zeros(5, hkv, dim, dtype=torch.bfloat16),
+                           torch.zeros(5, hkv, dim, dtype=torch.bfloat16))  # over capacity
+    assert not stage.takes(IndexCache.allocate(4, page, ts, hkv, 8), k, k)  # another head size
+    assert not stage.takes(cache, k.transpose(1, 2), k.transpose(1, 2))  # strided head dim
+    slots = torch.tensor([0, 1, 2])
+    stage.put("a", cache, k, k, slots)
+    with pytest.raises(RuntimeError, match="another step's writes are staged"):
+        stage.put("b", cache, k, k, slots)
+    with pytest.raises(ValueError, match="slots \\(2\\) must be the step's \\(3\\)"):
+        stage.put("a", cache, k, k, slots[:2])
+    other = IndexCache.allocate(6, page, ts, hkv, dim)
+    assert not stage.takes(other, k, k)  # a cache of another shape than the step's first
+    stage.put("a", cache, k, k, slots)
+    assert not stage.takes(cache, k, k)  # every layer's place is taken
+    # The same cache twice: its second write finds the page as the first left
+    # it, not as planned, and is planned on its own (offset 0: afresh).
+    assert stage.flush() == [] and int(cache.filled[0]) == 3 and not stage.pending

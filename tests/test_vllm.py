@@ -308,18 +308,21 @@ def test_a_kv_connector_keeps_stem_off_and_says_so(model, tmp_path):
 
 
 def test_the_indexer_cache_is_allocated_at_start_inside_the_kv_budget(model):
-    """The Stem layers' indexer caches exist before the first request and,
-    with the KV cache beside them, fit the budget vLLM was given (1 GiB:
+    """The Stem layers' indexer caches and write stage exist before the first
+    request and, with the KV cache beside them, fit the budget vLLM was given (1 GiB:
     ``VLLM_CPU_KVCACHE_SPACE`` in tests/vllm_engine.py); start-up says how
     much of it they took."""
     run = cached(model, "sparse", SPARSE, check_rows=True)
     memory = run["stats_at_start"]["memory"]
     index, kv = memory["index_cache_bytes"], memory["kv_cache_bytes"]
+    # The write stage: 256 keys and values of 2 heads of 32 per layer, float32.
+    assert memory["write_stage_bytes"] == 2 * (2 * 256 * 2 * 32 * 4), memory
     # Per KV page of 32 tokens and 2 KV heads of 32: float32 sums of 8 groups
     # and 4 run maxima per head, a count and a tag; K and V in float32.
     per_page_index, per_page_kv = 2 * (8 * 32 + 32 // 8) * 4 + 12, 2 * 32 * 2 * 32 * 4
     assert index * per_page_kv == kv * per_page_index, memory
-    assert 2**30 - 2 * (per_page_index + per_page_kv) < index + kv <= 2**30, memory
+    stage = memory["write_stage_bytes"]
+    assert 2**30 - 2 * (per_page_index + per_page_kv) < index + kv + stage <= 2**30, memory
     assert "MiB of the 1024.0 MiB KV-cache budget go to the indexer cache" in run["log"]
     assert run["stats"]["memory"] == memory  # nothing allocated later
 
@@ -451,13 +454,17 @@ def test_amx_engine_runs_stem_on_the_amx_layout(model):
     assert assert_close_tokens(run, plain(model, BF16), long_prompts=False)
 
 
-def test_speculative_decoding_keeps_the_decoded_pages_usable(model):
-    """ngram speculative decoding with prefix caching: a chat's first turn
-    decodes with drafts, many rejected; its second turn hits the pages the
-    first decoded. The drafts are held back a step and only the accepted
-    ones reach the indexer cache, so those pages hold exactly their tokens:
-    the second turn's rows run Stem on them (no row finds its pages
-    incomplete) and each equals ``stem_attention`` on the keys vLLM wrote."""
+@pytest.mark.parametrize("speculative", [False, True], ids=["staged", "speculative"])
+def test_the_decoded_pages_are_usable_at_the_next_turn(model, speculative):
+    """A chat's first turn decodes 120 tokens with prefix caching; its second
+    turn hits the pages the first decoded, and its rows run Stem on them (no
+    row finds its pages incomplete), each equal to ``stem_attention`` on the
+    keys vLLM wrote.
+
+    * Plain decoding: the decode steps' writes are staged and carried out for
+      every layer at once, at the next step's first write.
+    * ngram speculative decoding, many drafts rejected: the drafts are held
+      back a step and only the accepted ones reach the indexer cache."""
     rng = random.Random(3)
     motif = [rng.randrange(3, 512) for _ in range(40)]
     # The tiny model soon repeats token 221; ngram then proposes "17 18 19" from
@@ -467,13 +474,19 @@ def test_speculative_decoding_keeps_the_decoded_pages_usable(model):
     follow = {"of": 0, "answer_tokens": 100, "max_tokens": 4,
               "extra": [rng.randrange(3, 512) for _ in range(300)]}
     engine = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
-                                     "prompt_lookup_max": 4, "prompt_lookup_min": 2}}
+                                     "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+              } if speculative else {}
     run = run_engine(model, SPARSE, engine=engine, check_rows=True, batches=[first],
                      follow_up=follow)
-    held = run["stats"]["held"]
-    # Beyond the last step's 4 tokens (held when the request ended), drafts
-    # were rejected along the way.
-    assert held.get("dropped", 0) > 4 and held.get("written", 0) > 0, held
+    held, staged = run["stats"]["held"], run["stats"]["staged"]
+    if speculative:
+        # Beyond the last step's 4 tokens (held when the request ended), drafts
+        # were rejected along the way; held steps are never staged.
+        assert held.get("dropped", 0) > 4 and held.get("written", 0) > 0, held
+        assert not staged, staged
+    else:  # every decode step but the last, both layers at once
+        assert staged["steps"] >= 118 and staged["layers"] == 2 * staged["steps"], staged
+        assert not held, held
     rows = run["stats"]["rows"]
     assert rows.get("sparse:prefix hit", 0) > 0, rows
     assert not rows.get("dense:indexer cache incomplete"), rows
@@ -513,6 +526,7 @@ def assert_close_tokens(run: dict, want: dict, *, long_prompts: bool = True) -> 
 @pytest.mark.parametrize("where, counted", [
     ("select", "dense:error:RuntimeError"),
     ("write", "dense:indexer cache incomplete"),
+    ("stage", None),
     ("hook", "dense:error:RuntimeError"),
     ("plan", "dense:error:RuntimeError"),
     ("reason", "dense:error:RuntimeError"),
@@ -522,19 +536,24 @@ def assert_close_tokens(run: dict, want: dict, *, long_prompts: bool = True) -> 
 ])
 def test_a_stem_failure_runs_vllms_kernel_and_is_counted(model, where, counted):
     """Stem raises, from the engine's start on, at one place of the plugin:
-    a row's selection, the indexer-cache write, the step hook, the metadata
+    a row's selection, the indexer-cache write (at once, or staged for every
+    layer of a step without Stem rows), the step hook, the metadata
     builder's plan, the checks atop ``forward`` and the cache write, the
     indexer cache's check, its allocation (never retried), or the counting
-    of a layer's rows. The engine answers exactly as vLLM's own backend,
-    counts the rows (where counting itself works), and logs each failure
+    of a layer's rows. The engine answers exactly as vLLM's own backend
+    (after a staged write, as without the failure: no row reads the decoded
+    pages it leaves unusable), counts the rows (where counting itself works), and logs each failure
     once with its traceback."""
     run = run_engine(model, {**SPARSE, "dense_above": 1.0}, fail=(where, 0))
-    assert run["outputs"] == plain(model)["outputs"]
+    if where == "stage":  # only the decoded tokens' pages are lost; no row here reads them
+        assert run["outputs"] == run_engine(model, {**SPARSE, "dense_above": 1.0})["outputs"]
+    else:
+        assert run["outputs"] == plain(model)["outputs"]
     rows = run["stats"]["rows"]
     if counted:
         assert rows.get(counted, 0) > 0, rows
         assert not any(k.startswith("sparse") for k in rows), rows
-    if where == "write":
+    if where in ("write", "stage"):
         assert rows.get("dense:error:RuntimeError", 0) > 0, rows
     warnings = [x for x in run["log"].splitlines()
                 if "Stem" in x and f"(injected {where} failure)" in x]

@@ -131,12 +131,13 @@ def _checker(settings, record: dict, shadow: _Shadow):
 # Where a failure can be injected: (object, attribute) of the function that
 # raises, in the worker (this process).
 def _failure_points():
-    from stem_indexer.pipeline.index_cache import IndexCache
+    from stem_indexer.pipeline.index_cache import IndexCache, WriteStage
     from stem_indexer.integrations.vllm import backend
 
     return {
         "select": (backend, "select_blocks"),  # a row's selection (forward)
         "write": (IndexCache, "write"),  # the indexer-cache write
+        "stage": (WriteStage, "flush"),  # the staged writes of steps without Stem rows
         "hook": (backend._KINDS, "kind"),  # the step hook (_record_step)
         "plan": (backend, "plan_stem_row"),  # the metadata builder's plan
         "reason": (backend.StemAttentionImpl, "_reason"),  # checks atop forward and write

@@ -68,7 +68,7 @@ import torch
 from ..operator.contract import ceil_div
 from .prepare import bias_from_run_max
 
-__all__ = ["IndexCache", "WritePlan", "index_cache_bytes", "page_ids", "token_tags",
+__all__ = ["IndexCache", "WritePlan", "WriteStage", "index_cache_bytes", "page_ids", "token_tags",
            "row_tags"]
 
 
@@ -373,6 +373,107 @@ class IndexCache:
         return page_ids(block_table, slot, self.ksum.shape[0]), used
 
 
+class WriteStage:
+    """One step's writes into several layers' indexer caches, carried out at once.
+
+    A decode step gives each layer a few tokens. Written layer by layer, the
+    fixed cost of each write (checking the plan, the value norms, the native
+    call around it) is most of the work, in every layer of every step. A
+    stage copies each layer's keys and values aside as its turn comes
+    (``put``: one small native copy, the cache untouched) and writes every
+    layer in one pass (``flush``): one plan, one norm computation over all
+    layers, one native call. The entries are those the layer-by-layer writes
+    give, bit for bit.
+
+    The caches change only at ``flush``, so an engine stages a step only
+    where nothing reads the step's tokens before it flushes: the vLLM
+    backend stages steps without a Stem row and flushes at the next step's
+    first write, before any layer reads. CPU only (the native writer); a
+    write the stage cannot take (``takes``) is written at once.
+    """
+
+    def __init__(self, layers: int, capacity: int, heads: int, dim: int,
+                 dtype: torch.dtype) -> None:
+        self.key = torch.empty(layers, capacity, heads, dim, dtype=dtype)
+        self.value = torch.empty_like(self.key)
+        self.caches: list[IndexCache] = []
+        self.owner: object = None  #: the step the staged writes belong to
+        self.slots: torch.Tensor | None = None
+        self.tags: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.key.numel() * self.key.element_size()
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.caches)
+
+    def takes(self, cache: "IndexCache", key: torch.Tensor, value: torch.Tensor) -> bool:
+        """Whether ``put`` can take this layer's write (else write it at once)."""
+        layers, capacity, heads, dim = self.key.shape
+        return (len(self.caches) < layers and key.dim() == 3 and key.shape[0] <= capacity
+                and tuple(key.shape[1:]) == tuple(cache.ksum.shape[2:]) == (heads, dim)
+                and value.shape == key.shape
+                and key.dtype == value.dtype == self.key.dtype
+                and key.device.type == value.device.type == cache.ksum.device.type == "cpu"
+                and key.stride(-1) == value.stride(-1) == 1 and cache.tag is not None
+                and all(t.is_contiguous() for t in (cache.ksum, cache.vmax, cache.filled))
+                and (not self.caches or (cache.ksum.shape == self.caches[0].ksum.shape
+                                         and cache.vmax.shape == self.caches[0].vmax.shape))
+                and _native_lib() is not None)
+
+    def put(self, owner: object, cache: "IndexCache", key: torch.Tensor, value: torch.Tensor,
+            slots: torch.Tensor, tags: torch.Tensor | None = None) -> None:
+        """Stage one layer's write of step ``owner`` (``IndexCache.write``'s
+        arguments; every layer of a step has the same slots and tags). A
+        stage holds one step: flush before putting another's."""
+        if owner is not self.owner:
+            if self.pending:
+                raise RuntimeError("WriteStage.put: another step's writes are staged; "
+                                   "flush them first")
+            self.owner, self.slots = owner, slots.to(torch.int64).clone()
+            self.tags = None if tags is None else tags.to(torch.int64).clone()
+        elif slots.shape[0] != self.slots.shape[0]:
+            raise ValueError(f"WriteStage.put: slots ({slots.shape[0]}) must be the step's "
+                             f"({self.slots.shape[0]})")
+        i, n = len(self.caches), key.shape[0]
+        _native_lib().stem_stage_rows(
+            self.key[i].data_ptr(), self.value[i].data_ptr(), key.data_ptr(), value.data_ptr(),
+            key.element_size(), n, key.shape[1], key.shape[2], key.stride(0), key.stride(1),
+            value.stride(0), value.stride(1))
+        self.caches.append(cache)
+
+    def flush(self) -> list[tuple["IndexCache", Exception]]:
+        """Write every staged layer; empty the stage. A layer whose cache is
+        not in the state the plan assumed is written on its own
+        (``IndexCache.write``). Returns the layers whose write failed, with
+        the error (their pages stay as they were: the caller invalidates)."""
+        caches, slots, tags = self.caches, self.slots, self.tags
+        self.caches, self.owner, self.slots, self.tags = [], None, None, None
+        if not caches:
+            return []
+        n = slots.shape[0]
+        key, value = self.key[:len(caches), :n], self.value[:len(caches), :n]
+        failed = []
+        try:
+            plan = caches[0].plan(slots)
+            ok = torch.zeros(len(caches), dtype=torch.int32)
+            if plan.k_index.numel():
+                norms = torch.linalg.vector_norm(value.float(), dim=-1)  # [L, n, Hkv]
+                _native_layers(caches, key, norms, plan, tags, ok)
+            else:
+                ok.fill_(1)
+        except Exception as exc:
+            return [(cache, exc) for cache in caches]
+        for i in (ok == 0).nonzero().flatten().tolist():
+            try:
+                caches[i].write(key[i], value[i], slots, tags=tags)
+            except Exception as exc:
+                failed.append((caches[i], exc))
+        return failed
+
+
 _KEY_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -422,3 +523,31 @@ def _native_write(cache: IndexCache, key: torch.Tensor, norms: torch.Tensor, pla
         plan.tag_pages.shape[0], ptr(cache.ksum), ptr(cache.vmax), ptr(cache.filled),
         ptr(cache.tag))
     return True
+
+
+def _native_lib():
+    """The native writer's library (None where it cannot be built)."""
+    from ..operator.ops import native
+
+    return native.load(native.INDEX_CACHE)
+
+
+def _native_layers(caches: list[IndexCache], key: torch.Tensor, norms: torch.Tensor,
+                   plan: WritePlan, tags: torch.Tensor | None, ok: torch.Tensor) -> None:
+    """``WriteStage.flush``'s native call: layer ``i`` writes ``key[i]``,
+    ``norms[i]`` into ``caches[i]`` where its pages are as the plan assumed
+    (``ok[i]`` = 1)."""
+    from ..operator.ops import native
+
+    ptr = native.pointer
+    tables = torch.tensor([[ptr(c.ksum), ptr(c.vmax), ptr(c.filled), ptr(c.tag) or 0]
+                           for c in caches], dtype=torch.int64)
+    before = plan.before.to(torch.int32).contiguous()
+    _native_lib().stem_index_write_layers(
+        len(caches), ptr(tables), ptr(before), ptr(ok), ptr(key), _KEY_DTYPES[key.dtype],
+        key.stride(0), key.stride(1), key.stride(2), ptr(norms), norms.stride(0),
+        ptr(plan.sources), plan.k_index.shape[0], key.shape[2], key.shape[3],
+        ptr(plan.k_index), ptr(plan.v_index), ptr(plan.restart), plan.restart.shape[0],
+        caches[0].stride, caches[0].vmax.shape[1], ptr(plan.touched), ptr(plan.after),
+        plan.touched.shape[0], ptr(plan.tag_pages), ptr(plan.tag_rows), ptr(tags),
+        plan.tag_pages.shape[0])

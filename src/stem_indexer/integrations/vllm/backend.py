@@ -61,7 +61,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from ...pipeline.index_cache import IndexCache, index_cache_bytes, row_tags, token_tags
+from ...pipeline.index_cache import IndexCache, WriteStage, index_cache_bytes, row_tags, token_tags
 from .patches import engine_reason, install_step_hook
 from .rows import (Row, RowKinds, StemRow, decode_tokens_left_out, plan_row, plan_stem_row,
                    select_blocks, virtual_rows)
@@ -146,6 +146,9 @@ class StepPlan:
     flush_from: int = -1
     #: no token of the step goes into the indexer cache
     write_nothing: bool = False
+    #: no layer reads the step's tokens in the step (it has no Stem row): its
+    #: writes may be staged and carried out at the next step's first write
+    stage: bool = False
 
 
 @dataclass
@@ -342,6 +345,7 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
                 plan.tags = tags
         if self.speculative:
             self._hold(plan, decode, context, q_lens)
+        plan.stage = not stem and not self.speculative
         if stem:
             plan.pages = torch.cat([s.pages for s in stem])
             plan.fill = torch.cat([s.fill for s in stem])
@@ -436,6 +440,8 @@ def _layout_reason(isa: str, page: int, settings: StemSettings) -> str:
 
 
 _LAYER_COUNT = [0]
+# The layers that may keep an indexer cache (no reason against it when made).
+_WRITING_LAYERS = [0]
 # Callables given every Stem row a layer ran (``observe``) and every indexer
 # cache write (``observe_writes``): for tests and diagnostics that compare the
 # backend with Stem's own functions on the same inputs.
@@ -447,6 +453,11 @@ _REPORTED: set = set()
 # write of the same step reuses it; and the last plan of held-back tokens'.
 _WRITE_PLAN: list = [None]
 _FLUSH_PLAN: list = [None]
+# The staged writes of a step without Stem rows, every layer's at once
+# (index_cache.WriteStage; made when the first indexer cache is bound).
+_STAGE: list = [None]
+#: the most tokens a staged step writes per layer (more: written at once)
+STAGE_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -500,6 +511,39 @@ def _report_once(key: str, message: str, *args, exc: BaseException | None = None
     _LOG.warning(message, *args, exc_info=exc)
 
 
+def _write_failed(cache: IndexCache | None, slots: torch.Tensor, exc: Exception) -> None:
+    """A failed indexer-cache write: its pages become unusable (only
+    those), counted and logged once."""
+    if cache is not None:
+        try:
+            cache.invalidate(slots)
+        except Exception:  # the pages cannot be told apart: none is usable
+            cache.filled.fill_(-1)
+    STATS.count(f"dense:error:{type(exc).__name__}")
+    _report_once(f"write:{type(exc).__name__}", "Stem: writing the indexer cache "
+                 "failed (%s); the pages it left unwritten run vLLM's kernel",
+                 exc, exc=exc)
+
+
+def flush_staged(step: "StepPlan | None" = None) -> None:
+    """Carry out the staged writes of a step other than ``step`` (all of them
+    without one): before a step writes or reads an indexer cache, the last
+    step's staged tokens are in it. A failure leaves only the staged pages
+    unusable, in the layers it hit, counted as a failed write."""
+    stage = _STAGE[0]
+    if stage is None or not stage.pending or (step is not None and stage.owner is step):
+        return
+    slots, caches = stage.slots, list(stage.caches)
+    try:
+        failed = stage.flush()
+        STATS.stage(len(caches))
+    except Exception as exc:
+        failed = [(cache, exc) for cache in caches]
+        stage.caches, stage.owner = [], None
+    for cache, exc in failed:
+        _write_failed(cache, slots, exc)
+
+
 class StemAttentionImpl(CPUAttentionBackendImpl):
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes,
                  sliding_window, kv_cache_dtype, logits_soft_cap=None,
@@ -515,6 +559,7 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         self.held = None  # speculative decoding: (step, key, value, slots, tags) held back
         self.ordinal = _LAYER_COUNT[0]
         _LAYER_COUNT[0] += 1
+        _WRITING_LAYERS[0] += not self.layer_reason
         STATS.layers = _LAYER_COUNT[0]
         STATS.log_requests = _tp_rank() == 0
 
@@ -555,6 +600,7 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                 written = torch.full_like(slot_mapping, -1)
             else:
                 cache = self._index_cache(kv_cache)
+                flush_staged(step)
                 if step is not None:
                     self._flush(cache, step)
                 if step is not None and step.write is not None:
@@ -564,9 +610,14 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                 tags = None if step is None else step.tags
                 if tags is not None and tags.shape[0] < n:  # padding tokens have no slot
                     tags = torch.nn.functional.pad(tags, (0, n - tags.shape[0]))
-                # One plan of the step's slots serves every layer (checked to fit).
-                _WRITE_PLAN[0] = cache.write(key[:n], value[:n], written, _WRITE_PLAN[0],
-                                             tags=tags)
+                stage = _STAGE[0]
+                if step is not None and step.stage and stage is not None \
+                        and stage.takes(cache, key[:n], value[:n]):
+                    stage.put(step, cache, key[:n], value[:n], written, tags)
+                else:
+                    # One plan of the step's slots serves every layer (checked to fit).
+                    _WRITE_PLAN[0] = cache.write(key[:n], value[:n], written, _WRITE_PLAN[0],
+                                                 tags=tags)
                 if step is not None and step.held is not None:
                     held = step.held[:n]
                     self.held = (step.held_as, key[:held.shape[0]][held].clone(),
@@ -576,7 +627,7 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
             for fn in _WRITE_OBSERVERS:
                 fn(getattr(layer, "layer_name", ""), key[:n], value[:n], slot_mapping, written)
         except Exception as exc:  # the engine goes on; the pages written run vLLM's kernel
-            self._write_failed(slot_mapping if written is None else written, exc)
+            _write_failed(self.index_cache, slot_mapping if written is None else written, exc)
 
     def _flush(self, cache: IndexCache, step: StepPlan) -> None:
         """Speculative decoding: write the tokens held back at the last step
@@ -593,20 +644,6 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         if bool(accepted.any()):
             _FLUSH_PLAN[0] = cache.write(key[accepted], value[accepted], slots[accepted],
                                          _FLUSH_PLAN[0], tags=tags[accepted])
-
-    def _write_failed(self, slots: torch.Tensor, exc: Exception) -> None:
-        """A failed indexer-cache write: its pages become unusable (only
-        those), counted and logged once."""
-        cache = self.index_cache
-        if cache is not None:
-            try:
-                cache.invalidate(slots)
-            except Exception:  # the pages cannot be told apart: none is usable
-                cache.filled.fill_(-1)
-        STATS.count(f"dense:error:{type(exc).__name__}")
-        _report_once(f"write:{type(exc).__name__}", "Stem: writing the indexer cache "
-                     "failed (%s); the pages it left unwritten run vLLM's kernel",
-                     exc, exc=exc)
 
     def bind_index_cache(self, kv_cache: torch.Tensor) -> None:
         """Allocate this layer's indexer cache for its KV cache (when vLLM
@@ -625,6 +662,14 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                          "indexer cache (%s); the layers without one run vLLM's kernel "
                          "(counted as dense:%s)", exc, self.layer_reason, exc=exc)
             return
+        if _STAGE[0] is None:
+            try:
+                _STAGE[0] = WriteStage(_WRITING_LAYERS[0], STAGE_TOKENS, self.num_kv_heads,
+                                       self.head_size, kv_cache.dtype)
+                STATS.bound(_STAGE[0].nbytes, 0, "write_stage_bytes")
+            except Exception as exc:  # every write is then made at once
+                _report_once("stage", "Stem could not allocate its write stage (%s); each "
+                             "layer writes its indexer cache on its own", exc, exc=exc)
         kv_bytes = kv_cache.numel() * kv_cache.element_size()
         STATS.bound(self.index_cache.nbytes, kv_bytes)
         key = "cache size"
@@ -651,6 +696,14 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
             return 0
         return index_cache_bytes(num_pages, page, self.settings.stride, self.num_kv_heads,
                                  self.head_size)
+
+    def write_stage_bytes(self, dtype: torch.dtype) -> int:
+        """This layer's share of the write stage (``STAGE_TOKENS`` keys and
+        values of ``dtype``; 0 where the layer never runs Stem)."""
+        if self.layer_reason:
+            return 0
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * STAGE_TOKENS * self.num_kv_heads * self.head_size * itemsize
 
     # Attention --------------------------------------------------------------
 
@@ -684,6 +737,7 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         they run Stem)."""
         reason = self._reason(layer, kv_cache)
         if not reason:
+            flush_staged(step)
             cache = self.index_cache
             if cache is None or not cache.complete(step.pages, step.fill, step.page_tags):
                 reason = "indexer cache incomplete"

@@ -138,9 +138,10 @@ def reserve_index_cache(ours) -> None:
 
     * ``CPUWorker.determine_available_memory``: of the memory vLLM gives its
       KV cache (``VLLM_CPU_KVCACHE_SPACE``, ``--kv-cache-memory-bytes`` or the
-      free memory), the share the Stem layers' indexer caches need per KV
-      page is kept back, so that the KV pages and their indexer cache
-      together fit the budget; logged at start-up.
+      free memory), the write stage's fixed size and the share the Stem
+      layers' indexer caches need per KV page are kept back, so that the KV
+      pages, their indexer cache and the stage together fit the budget;
+      logged at start-up.
     * ``CPUModelRunner.initialize_kv_cache``: each Stem layer's indexer cache
       is allocated when its KV cache is bound (``bind_index_cache``).
 
@@ -162,23 +163,25 @@ def reserve_index_cache(ours) -> None:
         try:
             if not ours(self.vllm_config.attention_config.backend):
                 return size
-            kv = index = 0
+            kv = index = stage = 0
             context = self.vllm_config.compilation_config.static_forward_context
             layers = dict(_stem_layers(context))
             for name, spec in self.model_runner.get_kv_cache_spec().items():
                 kv += spec.page_size_bytes
                 if name in layers:
                     index += layers[name].impl.index_cache_bytes(1, spec.block_size)
+                    stage += layers[name].impl.write_stage_bytes(spec.dtype)
             if not index:
                 return size
-            reserved = size * index // (kv + index)
+            reserved = stage + (size - stage) * index // (kv + index)
         except Exception as exc:
             _warn_once("reserve", "Stem could not size its indexer cache (%s); vLLM's "
                        "KV-cache budget is left as it is", exc, exc=exc)
             return size
         _LOG.info("Stem: %.1f MiB of the %.1f MiB KV-cache budget go to the indexer cache "
-                  "(%.1f%%: %d bytes per KV page beside %d of keys and values)",
-                  reserved / 2**20, size / 2**20, 100 * reserved / size, index, kv)
+                  "(%.1f%%: %d bytes per KV page beside %d of keys and values; %.1f MiB of "
+                  "it to the write stage)", reserved / 2**20, size / 2**20,
+                  100 * reserved / size, index, kv, stage / 2**20)
         return size - reserved
 
     @functools.wraps(initialize)

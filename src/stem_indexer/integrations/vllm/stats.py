@@ -48,6 +48,9 @@ class WorkerStats:
     #: speculative decoding: decode tokens held back a step, then written
     #: (accepted) or dropped (rejected drafts, or their request ended)
     held: collections.Counter = field(default_factory=collections.Counter)
+    #: steps without Stem rows whose writes were staged and carried out for
+    #: every layer at once (``steps``), and the layers' writes in them (``layers``)
+    staged: collections.Counter = field(default_factory=collections.Counter)
     layers: int = 0
     log_requests: bool = True
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -59,12 +62,14 @@ class WorkerStats:
             self.layouts.clear()
             self.requests.clear()
             self.held.clear()
+            self.staged.clear()
 
     def snapshot(self) -> dict:
         with self.lock:
             return {"rows": dict(self.rows), "layouts": dict(self.layouts),
                     "pairs": {name: list(p) for name, p in self.pairs.items()},
-                    "memory": dict(self.memory), "held": dict(self.held)}
+                    "memory": dict(self.memory), "held": dict(self.held),
+                    "staged": dict(self.staged)}
 
     # Called by the backend --------------------------------------------------
 
@@ -76,11 +81,19 @@ class WorkerStats:
                 for reason, n in counts:
                     self.rows[f"dense:{reason}"] += n
 
-    def bound(self, index_bytes: int, kv_bytes: int) -> None:
-        """A layer's indexer cache, allocated beside its KV cache."""
+    def bound(self, index_bytes: int, kv_bytes: int, what: str = "index_cache_bytes") -> None:
+        """A layer's indexer cache, allocated beside its KV cache (or, with
+        ``what``, another buffer of the plugin's)."""
         with self.lock:
-            self.memory["index_cache_bytes"] += index_bytes
-            self.memory["kv_cache_bytes"] += kv_bytes
+            self.memory[what] += index_bytes
+            if kv_bytes:
+                self.memory["kv_cache_bytes"] += kv_bytes
+
+    def stage(self, layers: int) -> None:
+        """One staged step, written for ``layers`` layers at once."""
+        with self.lock:
+            self.staged["steps"] += 1
+            self.staged["layers"] += layers
 
     def speculative(self, accepted: int, dropped: int) -> None:
         """One step's held-back decode tokens: written, or dropped."""
@@ -158,17 +171,21 @@ def merge(snapshots: list[dict]) -> dict:
     ``layouts``: the sparse rows by the KV-cache layout they ran on;
     ``memory``: the bytes of the Stem layers' indexer caches and KV caches;
     ``held``: under speculative decoding, the decode tokens held back a step
-    and then written to the indexer cache or dropped (per layer 0 of each worker)."""
+    and then written to the indexer cache or dropped (per layer 0 of each worker);
+    ``staged``: the steps without Stem rows whose writes were carried out for
+    every layer at once, and the layers' writes in them."""
     rows: collections.Counter = collections.Counter()
     layouts: collections.Counter = collections.Counter()
     memory: collections.Counter = collections.Counter()
     held: collections.Counter = collections.Counter()
+    staged: collections.Counter = collections.Counter()
     pairs: dict[str, list[int]] = {}
     for snap in snapshots:
         rows.update(snap["rows"])
         layouts.update(snap.get("layouts", {}))
         memory.update(snap.get("memory", {}))
         held.update(snap.get("held", {}))
+        staged.update(snap.get("staged", {}))
         for name, (kept, visible) in snap["pairs"].items():
             acc = pairs.setdefault(name, [0, 0])
             acc[0] += kept
@@ -180,4 +197,4 @@ def merge(snapshots: list[dict]) -> dict:
     return {"rows": dict(sorted(rows.items())), "layers": layers,
             "density": kept / visible if visible else None,
             "layouts": dict(sorted(layouts.items())), "memory": dict(sorted(memory.items())),
-            "held": dict(sorted(held.items()))}
+            "held": dict(sorted(held.items())), "staged": dict(sorted(staged.items()))}

@@ -101,6 +101,12 @@ INDEX_CACHE = Library("index_cache", {
     "stem_index_write": (ctypes.c_int, [_ptr, ctypes.c_int, _i64, _i64, _ptr, _ptr, _i64, _i64,
                                         _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr,
                                         _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr]),
+    "stem_index_write_layers": (ctypes.c_int, [
+        _i64, _ptr, _ptr, _ptr, _ptr, ctypes.c_int, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64,
+        _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr,
+        _i64]),
+    "stem_stage_rows": (ctypes.c_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
+                                       _i64, _i64, _i64]),
 })
 
 
