@@ -388,14 +388,24 @@ class WriteStage:
     The caches change only at ``flush``, so an engine stages a step only
     where nothing reads the step's tokens before it flushes: the vLLM
     backend stages steps without a Stem row and flushes at the next step's
-    first write, before any layer reads. CPU only (the native writer); a
-    write the stage cannot take (``takes``) is written at once.
+    first write, before any layer reads. CPU only, with the native writer
+    (without it the stage cannot be made: RuntimeError); a write the stage
+    cannot take (``takes``) is written at once.
     """
 
     def __init__(self, layers: int, capacity: int, heads: int, dim: int,
                  dtype: torch.dtype) -> None:
+        self._lib = _native_lib()
+        if self._lib is None:
+            from ..operator.ops import native
+
+            raise RuntimeError("WriteStage needs the native indexer-cache writer: "
+                               + native.status(native.INDEX_CACHE))
         self.key = torch.empty(layers, capacity, heads, dim, dtype=dtype)
         self.value = torch.empty_like(self.key)
+        self._rows = [(self.key[i].data_ptr(), self.value[i].data_ptr())
+                      for i in range(layers)]
+        self._fits: dict[int, tuple[IndexCache, bool]] = {}  # id(cache) -> (cache, fits)
         self.caches: list[IndexCache] = []
         self.owner: object = None  #: the step the staged writes belong to
         self.slots: torch.Tensor | None = None
@@ -413,15 +423,24 @@ class WriteStage:
         """Whether ``put`` can take this layer's write (else write it at once)."""
         layers, capacity, heads, dim = self.key.shape
         return (len(self.caches) < layers and key.dim() == 3 and key.shape[0] <= capacity
-                and tuple(key.shape[1:]) == tuple(cache.ksum.shape[2:]) == (heads, dim)
-                and value.shape == key.shape
+                and value.shape == key.shape and key.shape[1] == heads and key.shape[2] == dim
                 and key.dtype == value.dtype == self.key.dtype
-                and key.device.type == value.device.type == cache.ksum.device.type == "cpu"
-                and key.stride(-1) == value.stride(-1) == 1 and cache.tag is not None
-                and all(t.is_contiguous() for t in (cache.ksum, cache.vmax, cache.filled))
+                and key.device.type == value.device.type == "cpu"
+                and key.stride(-1) == value.stride(-1) == 1 and self._cache_fits(cache)
                 and (not self.caches or (cache.ksum.shape == self.caches[0].ksum.shape
-                                         and cache.vmax.shape == self.caches[0].vmax.shape))
-                and _native_lib() is not None)
+                                         and cache.vmax.shape == self.caches[0].vmax.shape)))
+
+    def _cache_fits(self, cache: "IndexCache") -> bool:
+        """Whether the native writer can write ``cache`` with this stage's
+        rows (its tensors do not change after allocation: asked once)."""
+        known = self._fits.get(id(cache))
+        if known is None or known[0] is not cache:
+            heads, dim = self.key.shape[2:]
+            fits = (cache.ksum.device.type == "cpu" and cache.tag is not None
+                    and tuple(cache.ksum.shape[2:]) == (heads, dim)
+                    and all(t.is_contiguous() for t in (cache.ksum, cache.vmax, cache.filled)))
+            known = self._fits[id(cache)] = (cache, fits)
+        return known[1]
 
     def put(self, owner: object, cache: "IndexCache", key: torch.Tensor, value: torch.Tensor,
             slots: torch.Tensor, tags: torch.Tensor | None = None) -> None:
@@ -437,11 +456,12 @@ class WriteStage:
         elif slots.shape[0] != self.slots.shape[0]:
             raise ValueError(f"WriteStage.put: slots ({slots.shape[0]}) must be the step's "
                              f"({self.slots.shape[0]})")
-        i, n = len(self.caches), key.shape[0]
-        _native_lib().stem_stage_rows(
-            self.key[i].data_ptr(), self.value[i].data_ptr(), key.data_ptr(), value.data_ptr(),
-            key.element_size(), n, key.shape[1], key.shape[2], key.stride(0), key.stride(1),
-            value.stride(0), value.stride(1))
+        dst_key, dst_value = self._rows[len(self.caches)]
+        k_t, k_h = key.stride()[:2]
+        v_t, v_h = value.stride()[:2]
+        n, heads, dim = key.shape
+        self._lib.stem_stage_rows(dst_key, dst_value, key.data_ptr(), value.data_ptr(),
+                                  key.element_size(), n, heads, dim, k_t, k_h, v_t, v_h)
         self.caches.append(cache)
 
     def flush(self) -> list[tuple["IndexCache", Exception]]:

@@ -149,6 +149,17 @@ class StepPlan:
     #: no layer reads the step's tokens in the step (it has no Stem row): its
     #: writes may be staged and carried out at the next step's first write
     stage: bool = False
+    _padded: tuple = ()  #: (tokens, tags padded to them), made once per step
+
+    def tags_for(self, n: int) -> torch.Tensor | None:
+        """``tags`` for a write of ``n`` slots: padding tokens (past the
+        step's own) have no slot and tag 0."""
+        tags = self.tags
+        if tags is None or tags.shape[0] >= n:
+            return tags
+        if not self._padded or self._padded[0] != n:
+            self._padded = (n, torch.nn.functional.pad(tags, (0, n - tags.shape[0])))
+        return self._padded[1]
 
 
 @dataclass
@@ -607,17 +618,14 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                     written = slot_mapping.clone()
                     keep = step.write[:n]
                     written[:keep.shape[0]].masked_fill_(~keep, -1)
-                tags = None if step is None else step.tags
-                if tags is not None and tags.shape[0] < n:  # padding tokens have no slot
-                    tags = torch.nn.functional.pad(tags, (0, n - tags.shape[0]))
-                stage = _STAGE[0]
+                tags = None if step is None else step.tags_for(n)
+                k, v, stage = key[:n], value[:n], _STAGE[0]
                 if step is not None and step.stage and stage is not None \
-                        and stage.takes(cache, key[:n], value[:n]):
-                    stage.put(step, cache, key[:n], value[:n], written, tags)
+                        and stage.takes(cache, k, v):
+                    stage.put(step, cache, k, v, written, tags)
                 else:
                     # One plan of the step's slots serves every layer (checked to fit).
-                    _WRITE_PLAN[0] = cache.write(key[:n], value[:n], written, _WRITE_PLAN[0],
-                                                 tags=tags)
+                    _WRITE_PLAN[0] = cache.write(k, v, written, _WRITE_PLAN[0], tags=tags)
                 if step is not None and step.held is not None:
                     held = step.held[:n]
                     self.held = (step.held_as, key[:held.shape[0]][held].clone(),
