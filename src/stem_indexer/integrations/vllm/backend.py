@@ -568,6 +568,7 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         self.layer_reason = engine_reason(config) or self._layer_reason()
         self.index_cache: IndexCache | None = None
         self.held = None  # speculative decoding: (step, key, value, slots, tags) held back
+        self.staged_for = None  # the KV cache this layer's staged writes were checked for
         self.ordinal = _LAYER_COUNT[0]
         _LAYER_COUNT[0] += 1
         _WRITING_LAYERS[0] += not self.layer_reason
@@ -602,9 +603,12 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         written = None
         try:
+            step = _step_of(layer)
+            if step is not None and step.stage and self._stage_turn(layer, key, value, kv_cache,
+                                                                     slot_mapping, step):
+                return
             if self._reason(layer, kv_cache):
                 return
-            step = _step_of(layer)
             n = slot_mapping.shape[0]
             written = slot_mapping  # the slots the indexer cache takes (-1: none)
             if step is not None and step.write_nothing:  # a decode-only step, no prefix caching
@@ -636,6 +640,30 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                 fn(getattr(layer, "layer_name", ""), key[:n], value[:n], slot_mapping, written)
         except Exception as exc:  # the engine goes on; the pages written run vLLM's kernel
             _write_failed(self.index_cache, slot_mapping if written is None else written, exc)
+
+    def _stage_turn(self, layer, key, value, kv_cache, slot_mapping, step: StepPlan) -> bool:
+        """A step without Stem rows, every token written (prefix caching, no
+        drafts held): this layer's keys and values go to the write stage,
+        with as little as can be checked per layer (a decode step's whole
+        cost here). False: the general path takes the write."""
+        stage, cache = _STAGE[0], self.index_cache
+        if stage is None or cache is None or step.write is not None or self.held is not None:
+            return False
+        if self.staged_for is not kv_cache:  # asked once per KV cache
+            if self._reason(layer, kv_cache) or cache.ksum.shape[0] != kv_cache.shape[0]:
+                return False
+            self.staged_for = kv_cache
+        n = slot_mapping.shape[0]
+        if key.shape[0] != n:
+            key, value = key[:n], value[:n]
+        if stage.owner is not step:
+            flush_staged(step)
+        if not stage.takes(cache, key, value):
+            return False
+        stage.put(step, cache, key, value, slot_mapping, step.tags_for(n))
+        for fn in _WRITE_OBSERVERS:
+            fn(getattr(layer, "layer_name", ""), key, value, slot_mapping, slot_mapping)
+        return True
 
     def _flush(self, cache: IndexCache, step: StepPlan) -> None:
         """Speculative decoding: write the tokens held back at the last step
