@@ -533,16 +533,9 @@ def _native_write(cache: IndexCache, key: torch.Tensor, norms: torch.Tensor, pla
     norms = norms.contiguous()
     if tags is not None:
         tags = tags.to(torch.int64).contiguous()
-    ptr = native.pointer
-    lib.stem_index_write(
-        ptr(key), _KEY_DTYPES[key.dtype], key.stride(0), key.stride(1), ptr(norms),
-        ptr(plan.sources), plan.k_index.shape[0], key.shape[1], key.shape[2],
-        ptr(plan.k_index), ptr(plan.v_index), ptr(plan.restart), plan.restart.shape[0],
-        cache.stride, cache.vmax.shape[1], ptr(plan.touched), ptr(plan.after),
-        plan.touched.shape[0], ptr(plan.tag_pages), ptr(plan.tag_rows), ptr(tags),
-        plan.tag_pages.shape[0], ptr(cache.ksum), ptr(cache.vmax), ptr(cache.filled),
-        ptr(cache.tag))
-    return True
+    ok = torch.zeros(1, dtype=torch.int32)  # the plan fits the cache (WritePlan.fits): 1
+    _native_layers([cache], key[None], norms[None], plan, tags, ok)
+    return bool(ok[0])
 
 
 def _native_lib():

@@ -98,9 +98,6 @@ SELECT_ROWS = Library("select_rows", {
 
 # The indexer cache's write (stem_indexer/pipeline/index_cache.py).
 INDEX_CACHE = Library("index_cache", {
-    "stem_index_write": (ctypes.c_int, [_ptr, ctypes.c_int, _i64, _i64, _ptr, _ptr, _i64, _i64,
-                                        _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr,
-                                        _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr]),
     "stem_index_write_layers": (ctypes.c_int, [
         _i64, _ptr, _ptr, _ptr, _ptr, ctypes.c_int, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64,
         _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr,

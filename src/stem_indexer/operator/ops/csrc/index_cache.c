@@ -15,9 +15,10 @@
  *   4. each token's value norms (computed by the caller with torch, the
  *      reduction the one-shot path uses) raise its run's maxima.
  *
- * stem_index_write_layers does the same for several layers of one step
- * (WriteStage.flush: one call where a decode step would make one per layer),
- * and stem_stage_rows copies a layer's keys and values aside until then.
+ * stem_index_write_layers carries it out for one layer (IndexCache.write)
+ * or for several layers of one step (WriteStage.flush: one call where a
+ * decode step would make one per layer); stem_stage_rows copies a layer's
+ * keys and values aside until then.
  *
  * Keys are float32, bfloat16 or float16, any token and head strides, unit
  * stride along the head dimension. Every index was checked by the plan
@@ -111,21 +112,6 @@ static void write_one(
             if (n[h] > vm[h] || n[h] != n[h])  /* amax propagates NaN */
                 vm[h] = n[h];
     }
-}
-
-int stem_index_write(
-    const void *key, int dtype, int64_t key_t_stride, int64_t key_h_stride,
-    const float *norms, const int64_t *sources, int64_t tokens, int64_t heads, int64_t dim,
-    const int64_t *k_index, const int64_t *v_index,
-    const int64_t *restart, int64_t restarts, int64_t stride, int64_t runs,
-    const int64_t *touched, const int32_t *after, int64_t num_touched,
-    const int64_t *tag_pages, const int64_t *tag_rows, const int64_t *tags, int64_t num_tags,
-    float *ksum, float *vmax, int32_t *filled, int64_t *tag)
-{
-    write_one(key, dtype, key_t_stride, key_h_stride, norms, sources, tokens, heads, dim,
-              k_index, v_index, restart, restarts, stride, runs, touched, after, num_touched,
-              tag_pages, tag_rows, tags, num_tags, ksum, vmax, filled, tag);
-    return 0;
 }
 
 /*
