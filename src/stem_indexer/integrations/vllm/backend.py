@@ -146,8 +146,9 @@ class StepPlan:
     flush_from: int = -1
     #: no token of the step goes into the indexer cache
     write_nothing: bool = False
-    #: no layer reads the step's tokens in the step (it has no Stem row): its
-    #: writes may be staged and carried out at the next step's first write
+    #: no layer reads the step's tokens in the step (it has no Stem row), every
+    #: token is written and no draft is held: its writes may be staged and
+    #: carried out at the next step's first write
     stage: bool = False
     _padded: tuple = ()  #: (tokens, tags padded to them), made once per step
 
@@ -356,7 +357,7 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
                 plan.tags = tags
         if self.speculative:
             self._hold(plan, decode, context, q_lens)
-        plan.stage = not stem and not self.speculative
+        plan.stage = not stem and not self.speculative and plan.write is None
         if stem:
             plan.pages = torch.cat([s.pages for s in stem])
             plan.fill = torch.cat([s.fill for s in stem])
@@ -623,13 +624,9 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                     keep = step.write[:n]
                     written[:keep.shape[0]].masked_fill_(~keep, -1)
                 tags = None if step is None else step.tags_for(n)
-                k, v, stage = key[:n], value[:n], _STAGE[0]
-                if step is not None and step.stage and stage is not None \
-                        and stage.takes(cache, k, v):
-                    stage.put(step, cache, k, v, written, tags)
-                else:
-                    # One plan of the step's slots serves every layer (checked to fit).
-                    _WRITE_PLAN[0] = cache.write(k, v, written, _WRITE_PLAN[0], tags=tags)
+                # One plan of the step's slots serves every layer (checked to fit).
+                _WRITE_PLAN[0] = cache.write(key[:n], value[:n], written, _WRITE_PLAN[0],
+                                             tags=tags)
                 if step is not None and step.held is not None:
                     held = step.held[:n]
                     self.held = (step.held_as, key[:held.shape[0]][held].clone(),
@@ -642,12 +639,12 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
             _write_failed(self.index_cache, slot_mapping if written is None else written, exc)
 
     def _stage_turn(self, layer, key, value, kv_cache, slot_mapping, step: StepPlan) -> bool:
-        """A step without Stem rows, every token written (prefix caching, no
-        drafts held): this layer's keys and values go to the write stage,
-        with as little as can be checked per layer (a decode step's whole
-        cost here). False: the general path takes the write."""
+        """A step the plan lets stage (``StepPlan.stage``): this layer's keys
+        and values go to the write stage, with as little as can be checked
+        per layer (a decode step's whole cost here). False: the general path
+        takes the write."""
         stage, cache = _STAGE[0], self.index_cache
-        if stage is None or cache is None or step.write is not None or self.held is not None:
+        if stage is None or cache is None:
             return False
         if self.staged_for is not kv_cache:  # asked once per KV cache
             if self._reason(layer, kv_cache) or cache.ksum.shape[0] != kv_cache.shape[0]:
@@ -738,8 +735,7 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         values of ``dtype``; 0 where the layer never runs Stem)."""
         if self.layer_reason:
             return 0
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * STAGE_TOKENS * self.num_kv_heads * self.head_size * itemsize
+        return 2 * STAGE_TOKENS * self.num_kv_heads * self.head_size * dtype.itemsize
 
     # Attention --------------------------------------------------------------
 
