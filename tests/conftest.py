@@ -28,10 +28,16 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 
 import pytest
 
 _DEVICES = ("cpu", "cuda")
+# The suite allocates many objects that live until its processes end (torch's,
+# its compilers'): collecting the young generation less often than Python's
+# default (700, 10, 10) takes about 5% off a run's CPU time (the processes
+# that run tests: xdist's workers and tests/_interpreter.py's children).
+GC_THRESHOLDS = (200_000, 50, 1000)
 
 
 def _devices() -> list[str]:
@@ -57,6 +63,8 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER") or sys.argv[0].endswith("_interpreter.py"):
+        gc.set_threshold(*GC_THRESHOLDS)  # a process of the run's own
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
     if workers > 1:  # an xdist worker: the cores are shared
         import torch
@@ -118,8 +126,6 @@ def pytest_generate_tests(metafunc):
 def _fresh_plans():
     """Each test plans anew: a plan ``stem_attention`` kept from another test
     would not see what this one patches (``contract``'s rules, a kernel)."""
-    import sys
-
     plan = sys.modules.get("stem_indexer.pipeline.plan")
     if plan is not None:
         plan.cached_plan.cache_clear()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -186,16 +187,19 @@ def _call_op(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, num_prompt_tokens, at
 # limits are raised -- with a hard failure instead of a silent eager fallback.
 _graph_fns: dict[tuple, Callable] = {}
 # Older torch releases name the first limit ``cache_size_limit``; only the
-# options this torch has are set.
-_GRAPH_DYNAMO_CONFIG = {
-    name: value
-    for name, value in (("recompile_limit", 512), ("cache_size_limit", 512),
-                        ("accumulated_recompile_limit", 4096),
-                        ("accumulated_cache_size_limit", 4096),
-                        ("fail_on_recompile_limit_hit", True),
-                        ("fail_on_cache_limit_hit", True))
-    if hasattr(torch._dynamo.config, name)
-}
+# options this torch has are set. (Read when graph mode first runs: importing
+# torch._dynamo takes about a second.)
+@functools.cache
+def _graph_dynamo_config() -> dict:
+    import torch._dynamo
+
+    return {name: value
+            for name, value in (("recompile_limit", 512), ("cache_size_limit", 512),
+                                ("accumulated_recompile_limit", 4096),
+                                ("accumulated_cache_size_limit", 4096),
+                                ("fail_on_recompile_limit_hit", True),
+                                ("fail_on_cache_limit_hit", True))
+            if hasattr(torch._dynamo.config, name)}
 
 
 def _graph_fn(params: IndexerParams) -> Callable:
@@ -221,7 +225,7 @@ def op_outputs(case: Case, inputs: dict, device: str | torch.device = "cpu",
     if mode == "eager":
         out = _call_op(*args, case.op_kwargs())
     else:
-        with torch._dynamo.config.patch(**_GRAPH_DYNAMO_CONFIG):
+        with torch._dynamo.config.patch(**_graph_dynamo_config()):
             out = _graph_fn(case.params)(*args)
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
