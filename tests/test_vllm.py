@@ -161,6 +161,30 @@ LAYOUTS = [("vec", "float32"), ("vec", "bfloat16"), ("vec16", "bfloat16"),
                not HAS_AMX, reason="the amx layout needs a CPU with AMX (amx_bf16)"))]
 
 
+@pytest.mark.parametrize("page", [16, 128])
+@pytest.mark.parametrize("isa, dtype", LAYOUTS)
+def test_pages_read_back_are_what_vllms_writer_packed(isa, dtype, page):
+    """kv_read.PageReader, probed with vLLM's own writer in each layout,
+    reads back exactly the keys and values that writer packed on shuffled
+    pages (the decoded pages a Stem row rebuilds its entries from)."""
+    import torch
+
+    from stem_indexer.integrations.vllm.backend import page_reader
+
+    if isa == "vec" and page % 32:
+        pytest.skip("vLLM's vec layout takes pages of a multiple of 32 tokens")
+    dtype = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(page)
+    k = torch.randn(2, 3 * page + 7, 64, generator=gen).to(dtype)
+    v = torch.randn(2, 3 * page + 7, 64, generator=gen).to(dtype)
+    kv, _, pages = _paged(k, v, page, 9, page, isa)
+    reader = page_reader(isa, dtype, page, 2, 64)
+    assert reader is not None
+    keys, values = reader.read(kv, pages)
+    n = k.shape[1]
+    assert torch.equal(keys[:n], k.transpose(0, 1)) and torch.equal(values[:n], v.transpose(0, 1))
+
+
 @pytest.mark.parametrize("tail", [0, 200], ids=["no-tail", "tail"])
 @pytest.mark.parametrize("isa, dtype", LAYOUTS)
 @pytest.mark.parametrize("context, q_len", [(0, 900), (1000, 333), (2047, 1), (1601, 700)])
@@ -350,7 +374,8 @@ def test_stem_path_keeping_every_block_matches_vllm(model):
 def test_sparse_rows_equal_stem_attention_on_the_same_inputs(model):
     run = cached(model, "sparse", SPARSE, check_rows=True)
     _assert_rows_match_stem(run, 1e-5)
-    assert run["record"]["writes_left_out"] == 0  # prefix caching: every token written
+    # Decoded tokens are left out (read back from vLLM's cache where a row needs them).
+    assert run["record"]["writes_left_out"] > 0
     stats = run["stats"]
     assert stats["density"] < 0.7, stats
     assert set(stats["layers"]) == {f"model.layers.{i}.self_attn.attn" for i in range(2)}
@@ -454,17 +479,25 @@ def test_amx_engine_runs_stem_on_the_amx_layout(model):
     assert assert_close_tokens(run, plain(model, BF16), long_prompts=False)
 
 
-@pytest.mark.parametrize("speculative", [False, True], ids=["staged", "speculative"])
-def test_the_decoded_pages_are_usable_at_the_next_turn(model, speculative):
+@pytest.mark.parametrize("decoded, speculative", [
+    ("read_back", False), ("read_back", True), ("write", False), ("write", True)],
+    ids=["read-back", "read-back-speculative", "staged", "speculative"])
+def test_the_decoded_pages_are_usable_at_the_next_turn(model, decoded, speculative):
     """A chat's first turn decodes 120 tokens with prefix caching; its second
     turn hits the pages the first decoded, and its rows run Stem on them (no
     row finds its pages incomplete), each equal to ``stem_attention`` on the
     keys vLLM wrote.
 
-    * Plain decoding: the decode steps' writes are staged and carried out for
-      every layer at once, at the next step's first write.
-    * ngram speculative decoding, many drafts rejected: the drafts are held
-      back a step and only the accepted ones reach the indexer cache."""
+    * ``decoded_pages="read_back"`` (the default): decode steps write nothing
+      to the indexer cache; the pages they filled are rebuilt from vLLM's
+      cache when the second turn's rows read them, with or without ngram
+      speculative decoding (whose rejected drafts never reach vLLM's cache
+      for good).
+    * ``"write"``, plain decoding: the decode steps' writes are staged and
+      carried out for every layer at once, at the next step's first write.
+    * ``"write"``, ngram speculative decoding, many drafts rejected: the
+      drafts are held back a step and only the accepted ones reach the
+      indexer cache."""
     rng = random.Random(3)
     motif = [rng.randrange(3, 512) for _ in range(40)]
     # The tiny model soon repeats token 221; ngram then proposes "17 18 19" from
@@ -476,18 +509,26 @@ def test_the_decoded_pages_are_usable_at_the_next_turn(model, speculative):
     engine = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
                                      "prompt_lookup_max": 4, "prompt_lookup_min": 2}
               } if speculative else {}
-    run = run_engine(model, SPARSE, engine=engine, check_rows=True, batches=[first],
-                     follow_up=follow)
-    held, staged = run["stats"]["held"], run["stats"]["staged"]
-    if speculative:
+    run = run_engine(model, {**SPARSE, "decoded_pages": decoded}, engine=engine,
+                     check_rows=True, batches=[first], follow_up=follow)
+    stats = run["stats"]
+    held, staged, read_back = stats["held"], stats["staged"], stats["read_back"]
+    if decoded == "read_back":
+        # The pages the first turn's decode filled (about 120 tokens: at least
+        # 3 of 32 tokens), rebuilt in both layers; no decode step writes: the
+        # steps staged are the first turn's prefill chunks (97 tokens a step).
+        assert read_back.get("pages", 0) >= 2 * 3, read_back
+        assert staged.get("steps", 0) <= -(-len(first[0]["prompt"]) // 97), staged
+        assert not held, held
+    elif speculative:
         # Beyond the last step's 4 tokens (held when the request ended), drafts
         # were rejected along the way; held steps are never staged.
         assert held.get("dropped", 0) > 4 and held.get("written", 0) > 0, held
-        assert not staged, staged
+        assert not staged and not read_back, (staged, read_back)
     else:  # every decode step but the last, both layers at once
         assert staged["steps"] >= 118 and staged["layers"] == 2 * staged["steps"], staged
-        assert not held, held
-    rows = run["stats"]["rows"]
+        assert not held and not read_back, (held, read_back)
+    rows = stats["rows"]
     assert rows.get("sparse:prefix hit", 0) > 0, rows
     assert not rows.get("dense:indexer cache incomplete"), rows
     rec = run["record"]
@@ -525,7 +566,7 @@ def assert_close_tokens(run: dict, want: dict, *, long_prompts: bool = True) -> 
 
 @pytest.mark.parametrize("where, counted", [
     ("select", "dense:error:RuntimeError"),
-    ("write", "dense:indexer cache incomplete"),
+    ("write", "dense:error:RuntimeError"),
     ("stage", None),
     ("hook", "dense:error:RuntimeError"),
     ("plan", "dense:error:RuntimeError"),
@@ -537,16 +578,22 @@ def assert_close_tokens(run: dict, want: dict, *, long_prompts: bool = True) -> 
 def test_a_stem_failure_runs_vllms_kernel_and_is_counted(model, where, counted):
     """Stem raises, from the engine's start on, at one place of the plugin:
     a row's selection, the indexer-cache write (at once, or staged for every
-    layer of a step without Stem rows), the step hook, the metadata
-    builder's plan, the checks atop ``forward`` and the cache write, the
-    indexer cache's check, its allocation (never retried), or the counting
-    of a layer's rows. The engine answers exactly as vLLM's own backend
-    (after a staged write, as without the failure: no row reads the decoded
-    pages it leaves unusable), counts the rows (where counting itself works), and logs each failure
-    once with its traceback."""
-    run = run_engine(model, {**SPARSE, "dense_above": 1.0}, fail=(where, 0))
+    layer of a step without Stem rows, here decode steps with
+    ``decoded_pages="write"``), the step hook, the metadata builder's plan,
+    the checks atop ``forward`` and the cache write, the indexer cache's
+    check, its allocation (never retried), or the counting of a layer's
+    rows. The engine answers exactly as vLLM's own backend (after a staged
+    write, as without the failure: no row reads the decoded pages it leaves
+    unusable), counts the rows (where counting itself works), and logs each
+    failure once with its traceback. A failed write leaves its pages to be
+    read back from vLLM's cache, which writes them too: that fails likewise,
+    and the rows over them run vLLM's kernel."""
+    stem = {**SPARSE, "dense_above": 1.0}
+    if where == "stage":
+        stem["decoded_pages"] = "write"
+    run = run_engine(model, stem, fail=(where, 0))
     if where == "stage":  # only the decoded tokens' pages are lost; no row here reads them
-        assert run["outputs"] == run_engine(model, {**SPARSE, "dense_above": 1.0})["outputs"]
+        assert run["outputs"] == run_engine(model, stem)["outputs"]
     else:
         assert run["outputs"] == plain(model)["outputs"]
     rows = run["stats"]["rows"]

@@ -19,6 +19,7 @@ import torch
 import stem_indexer
 from stem_indexer import StemIndexerInputError
 from stem_indexer.pipeline.index_cache import IndexCache
+from stem_indexer.integrations.vllm.kv_read import PageReader
 from stem_indexer.integrations.vllm.rows import (Row, RowKinds, decode_tokens_left_out,
                                                   plan_row, plan_stem_row, select_blocks,
                                                   virtual_rows)
@@ -46,6 +47,9 @@ def test_settings_take_a_preset_and_overrides():
     assert "preset=tight" in s.describe() and "alpha=0.5" in s.describe()
     assert s.exact_tail == 128 and "exact_tail=128" in s.describe()  # the default
     assert StemSettings.from_mapping({"exact_tail": 0}).exact_tail == 0
+    assert s.decoded_pages == "read_back" and "decoded_pages" not in s.describe()
+    written = StemSettings.from_mapping({"decoded_pages": "write"})
+    assert written.decoded_pages == "write" and "decoded_pages=write" in written.describe()
 
 
 @pytest.mark.parametrize("section, key", [
@@ -56,6 +60,7 @@ def test_settings_take_a_preset_and_overrides():
     ({"dense_above": 0}, "dense_above"), ({"dense_above": True}, "dense_above"),
     ({"topk_score_precision": 3}, "topk_score_precision"), ({"block": 4}, "'block'"),
     ({"exact_tail": -1}, "exact_tail"), ({"exact_tail": 1.5}, "exact_tail"),
+    ({"decoded_pages": "lazy"}, "decoded_pages"), ({"decoded_pages": None}, "decoded_pages"),
 ])
 def test_bad_settings_name_the_key(section, key):
     with pytest.raises(StemIndexerInputError, match=rf"^additional_config\['stem'\]: {key} "):
@@ -346,3 +351,69 @@ def test_chunked_rows_agree_with_one_shot_within_the_contracts_bounds(seed):
     assert mean >= JACCARD_AT_LEAST, (
         f"seed {seed}: mean Jaccard overlap {mean:.3f}, below {JACCARD_AT_LEAST} "
         f"(0.941 to 0.966 measured over seeds 0-4)")
+
+
+# --------------------------------------------------------------------------- #
+# Reading pages back (kv_read.PageReader), with stand-ins for vLLM's writer
+# --------------------------------------------------------------------------- #
+
+
+def _vec_writer(key, value, key_cache, value_cache, slots):
+    """vLLM's ``vec`` packing as docs describe it: per (page, head), the keys
+    transposed ([D, page]) and the values row-major."""
+    page, dim = key_cache.shape[2], key_cache.shape[3]
+    for i, slot in enumerate(slots.tolist()):
+        p, t = divmod(slot, page)
+        key_cache[p].view(-1, dim * page)[:, torch.arange(dim) * page + t] = key[i]
+        value_cache[p, :, t] = value[i]
+
+
+def _shuffled_pages(write, dtype, page=16, heads=3, dim=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_pages, n = 6, 3 * page + 5
+    kv = torch.full((num_pages, heads, page, 2 * dim), float("nan"), dtype=dtype)
+    key_cache, value_cache = kv.view(num_pages, heads, 2 * page, dim).chunk(2, dim=2)
+    pages = torch.randperm(num_pages, generator=gen)[:4]
+    slots = pages[torch.arange(n) // page] * page + torch.arange(n) % page
+    keys = torch.randn(n, heads, dim, generator=gen).to(dtype)
+    values = torch.randn(n, heads, dim, generator=gen).to(dtype)
+    write(keys, values, key_cache, value_cache, slots)
+    return kv, pages, keys, values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page, dim", [(16, 8), (32, 20), (128, 64)])
+def test_the_reader_reads_back_what_the_writer_packed(dtype, page, dim):
+    reader = PageReader.probe(_vec_writer, page, 3, dim, dtype)
+    kv, pages, keys, values = _shuffled_pages(_vec_writer, dtype, page, 3, dim)
+    k, v = reader.read(kv, pages)
+    n = keys.shape[0]
+    assert torch.equal(k[:n], keys) and torch.equal(v[:n], values)
+
+
+def _scaled(key, value, key_cache, value_cache, slots):  # a packing that changes values
+    _vec_writer(key * 2, value, key_cache, value_cache, slots)
+
+
+def _dropping(key, value, key_cache, value_cache, slots):  # one token never stored
+    _vec_writer(key[1:], value[1:], key_cache, value_cache, slots[1:])
+
+
+def _heads_apart(key, value, key_cache, value_cache, slots):  # head 1 packed otherwise
+    _vec_writer(key, value, key_cache, value_cache, slots)
+    key_cache[:, 1] = key_cache[:, 1].flip(-1).clone()
+
+
+@pytest.mark.parametrize("write, why", [(_scaled, "values other than|different places|one "
+                                         "place"), (_dropping, "one place"),
+                                        (_heads_apart, "heads differently")])
+def test_a_packing_that_is_not_one_place_per_element_is_refused(write, why):
+    with pytest.raises(ValueError, match=why):
+        PageReader.probe(write, 16, 3, 8, torch.bfloat16)
+
+
+def test_the_reader_takes_only_its_own_cache_shape():
+    reader = PageReader.probe(_vec_writer, 16, 3, 8, torch.float32)
+    kv, pages, _, _ = _shuffled_pages(_vec_writer, torch.bfloat16)
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        reader.read(kv, pages)

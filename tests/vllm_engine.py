@@ -141,7 +141,7 @@ def _failure_points():
         "hook": (backend._KINDS, "kind"),  # the step hook (_record_step)
         "plan": (backend, "plan_stem_row"),  # the metadata builder's plan
         "reason": (backend.StemAttentionImpl, "_reason"),  # checks atop forward and write
-        "complete": (IndexCache, "complete"),  # the indexer cache's check (forward)
+        "complete": (IndexCache, "usable"),  # the indexer cache's check (forward)
         "count": (backend.STATS, "row"),  # counting a layer's rows (forward)
         "allocate": (IndexCache, "allocate"),  # the indexer cache's allocation
     }

@@ -21,11 +21,13 @@ sorts the rows and does all their host work.
 * ``do_kv_cache_update`` writes the step's keys and values into vLLM's cache
   (vLLM's own writer, for its layout) and into the layer's indexer cache
   (``stem_indexer/pipeline/index_cache.py``: per page, the keys' group sums and the values' run
-  maxima). Without prefix caching, decode rows' tokens are left out of the
-  indexer cache: nothing reads them (a request's later rows are decodes too,
-  and a recomputed request rewrites its pages from the start), so a
-  decode-only step writes nothing there. With prefix caching every token is
-  written, as a later prompt may share those pages;
+  maxima). Decode rows' tokens are left out of it, so a decode-only step
+  writes nothing there. Without prefix caching nothing reads them (a
+  request's later rows are decodes too, and a recomputed request rewrites
+  its pages from the start); with it a later prompt may share their pages,
+  which a Stem row then rebuilds from vLLM's own cache when it first reads
+  them (``kv_read.PageReader``; where a layout cannot be read back, or with
+  ``decoded_pages="write"``, every token is written, staged per step);
 * ``forward`` runs, for each Stem row, the indexer on the row's queries and
   the indexer cache's entries of its pages (its keys and values are never
   read back), then vLLM's own paged kernel on *virtual rows* that list only
@@ -62,6 +64,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from ...pipeline.index_cache import IndexCache, WriteStage, index_cache_bytes, row_tags, token_tags
+from .kv_read import PageReader
 from .patches import engine_reason, install_step_hook
 from .rows import (Row, RowKinds, StemRow, decode_tokens_left_out, plan_row, plan_stem_row,
                    select_blocks, virtual_rows)
@@ -270,22 +273,31 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.settings = StemSettings.from_config(vllm_config.additional_config)
         self.settings.check_kv_block_size(self.block_size)
-        # Without prefix caching no page outlives its request: decode tokens'
-        # indexer-cache entries would never be read.
-        self.write_decodes = bool(vllm_config.cache_config.enable_prefix_caching)
-        # With speculative decoding a decode row's drafts may be rejected: its
-        # tokens are held back one step and written as far as accepted.
-        spec = vllm_config.speculative_config
-        self.speculative = self.write_decodes and spec is not None
-        self.rewind = getattr(spec, "num_speculative_tokens", None) or 0 if spec else 0
-        self.held: list[tuple[str, int, int]] = []  # (request, first position, tokens)
-        self.held_as = 0
         # Why none of this group's layers can run Stem ("" when some can): their
         # rows are then sorted, not planned.
         self.group_reason = ("sliding window" if self.window_size != -1 else
                              engine_reason(vllm_config)
                              or _layout_reason(self.isa, self.block_size, self.settings)
                              or _cache_dtype_reason(self.kv_cache_dtype))
+        # Decode tokens' indexer-cache entries: without prefix caching no page
+        # outlives its request and they would never be read; with it a later
+        # prompt may share their pages, which are then read back from vLLM's
+        # cache when a Stem row first reads them (``decoded_pages``), or, where
+        # the layout cannot be read back, written at their step.
+        self.write_decodes = bool(vllm_config.cache_config.enable_prefix_caching)
+        if (self.write_decodes and not self.group_reason
+                and self.settings.decoded_pages == "read_back"
+                and page_reader(self.isa, self.dtype, self.block_size, self.num_kv_heads,
+                                self.head_dim) is not None):
+            self.write_decodes = False
+        # With speculative decoding a decode row's drafts may be rejected: where
+        # they are written, they are held back one step and written as far as
+        # accepted.
+        spec = vllm_config.speculative_config
+        self.speculative = self.write_decodes and spec is not None
+        self.rewind = getattr(spec, "num_speculative_tokens", None) or 0 if spec else 0
+        self.held: list[tuple[str, int, int]] = []  # (request, first position, tokens)
+        self.held_as = 0
         if self.group_reason and self.window_size == -1:
             _report_once(f"group:{self.group_reason}", "Stem: %s is not supported; these "
                          "layers run vLLM's kernel for every row (counted as dense:%s)",
@@ -470,6 +482,30 @@ _FLUSH_PLAN: list = [None]
 _STAGE: list = [None]
 #: the most tokens a staged step writes per layer (more: written at once)
 STAGE_TOKENS = 256
+# Per (layout, dtype, page, KV heads, head size): the reader of vLLM's cache
+# pages (kv_read.PageReader), or None where that layout cannot be read back.
+_READERS: dict = {}
+
+
+def page_reader(isa: str, dtype: torch.dtype, page: int, heads: int,
+                dim: int) -> PageReader | None:
+    """The reader of this cache layout's pages, probed once per process with
+    vLLM's own writer (None, said once, where it cannot be read back)."""
+    key = (isa, dtype, page, heads, dim)
+    if key not in _READERS:
+        _READERS[key] = None
+        try:
+            if isa == "amx":  # the probe's writer runs tile instructions
+                torch._C._cpu._init_amx()
+            _READERS[key] = PageReader.probe(
+                lambda k, v, kc, vc, slots: ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots,
+                                                                           isa),
+                page, heads, dim, dtype)
+        except Exception as exc:
+            _report_once(f"reader:{isa}", "Stem cannot read back vLLM's %s cache pages (%s); "
+                         "decoded tokens are written to the indexer cache at their step",
+                         isa, exc)
+    return _READERS[key]
 
 
 @dataclass(frozen=True)
@@ -605,6 +641,11 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         written = None
         try:
             step = _step_of(layer)
+            if step is not None and step.write_nothing:  # a step of decodes only
+                if _WRITE_OBSERVERS and not self._reason(layer, kv_cache):
+                    self._observed(layer, key, value, slot_mapping,
+                                   torch.full_like(slot_mapping, -1))
+                return
             if step is not None and step.stage and self._stage_turn(layer, key, value, kv_cache,
                                                                      slot_mapping, step):
                 return
@@ -612,29 +653,25 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                 return
             n = slot_mapping.shape[0]
             written = slot_mapping  # the slots the indexer cache takes (-1: none)
-            if step is not None and step.write_nothing:  # a decode-only step, no prefix caching
-                written = torch.full_like(slot_mapping, -1)
-            else:
-                cache = self._index_cache(kv_cache)
-                flush_staged(step)
-                if step is not None:
-                    self._flush(cache, step)
-                if step is not None and step.write is not None:
-                    written = slot_mapping.clone()
-                    keep = step.write[:n]
-                    written[:keep.shape[0]].masked_fill_(~keep, -1)
-                tags = None if step is None else step.tags_for(n)
-                # One plan of the step's slots serves every layer (checked to fit).
-                _WRITE_PLAN[0] = cache.write(key[:n], value[:n], written, _WRITE_PLAN[0],
-                                             tags=tags)
-                if step is not None and step.held is not None:
-                    held = step.held[:n]
-                    self.held = (step.held_as, key[:held.shape[0]][held].clone(),
-                                 value[:held.shape[0]][held].clone(),
-                                 slot_mapping[:held.shape[0]][held].clone(),
-                                 step.tags[:held.shape[0]][held].clone())
-            for fn in _WRITE_OBSERVERS:
-                fn(getattr(layer, "layer_name", ""), key[:n], value[:n], slot_mapping, written)
+            cache = self._index_cache(kv_cache)
+            flush_staged(step)
+            if step is not None:
+                self._flush(cache, step)
+            if step is not None and step.write is not None:
+                written = slot_mapping.clone()
+                keep = step.write[:n]
+                written[:keep.shape[0]].masked_fill_(~keep, -1)
+            tags = None if step is None else step.tags_for(n)
+            # One plan of the step's slots serves every layer (checked to fit).
+            _WRITE_PLAN[0] = cache.write(key[:n], value[:n], written, _WRITE_PLAN[0],
+                                         tags=tags)
+            if step is not None and step.held is not None:
+                held = step.held[:n]
+                self.held = (step.held_as, key[:held.shape[0]][held].clone(),
+                             value[:held.shape[0]][held].clone(),
+                             slot_mapping[:held.shape[0]][held].clone(),
+                             step.tags[:held.shape[0]][held].clone())
+            self._observed(layer, key[:n], value[:n], slot_mapping, written)
         except Exception as exc:  # the engine goes on; the pages written run vLLM's kernel
             _write_failed(self.index_cache, slot_mapping if written is None else written, exc)
 
@@ -658,9 +695,13 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         if not stage.takes(cache, key, value):
             return False
         stage.put(step, cache, key, value, slot_mapping, step.tags_for(n))
-        for fn in _WRITE_OBSERVERS:
-            fn(getattr(layer, "layer_name", ""), key, value, slot_mapping, slot_mapping)
+        self._observed(layer, key, value, slot_mapping, slot_mapping)
         return True
+
+    @staticmethod
+    def _observed(layer, key, value, slot_mapping, written) -> None:
+        for fn in _WRITE_OBSERVERS:
+            fn(getattr(layer, "layer_name", ""), key, value, slot_mapping, written)
 
     def _flush(self, cache: IndexCache, step: StepPlan) -> None:
         """Speculative decoding: write the tokens held back at the last step
@@ -771,9 +812,39 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         if not reason:
             flush_staged(step)
             cache = self.index_cache
-            if cache is None or not cache.complete(step.pages, step.fill, step.page_tags):
+            if cache is None:
+                return "indexer cache incomplete"
+            usable = cache.usable(step.pages, step.fill, step.page_tags)
+            if not bool(usable.all()) and not self._read_back(layer, cache, kv_cache, step,
+                                                              usable):
                 reason = "indexer cache incomplete"
         return reason
+
+    def _read_back(self, layer, cache: IndexCache, kv_cache: torch.Tensor, step: StepPlan,
+                   usable: torch.Tensor) -> bool:
+        """Rebuild the entries of the pages the step's Stem rows read that the
+        indexer cache does not hold as they expect (``usable`` False: pages
+        that decode steps filled, say) from the tokens in vLLM's own cache,
+        which this step's keys have already reached. Returns whether the
+        cache is then complete (False where the layout cannot be read back)."""
+        num_pages, heads, page, width = kv_cache.shape
+        reader = _READERS.get((getattr(layer, "isa", ""), kv_cache.dtype, page, heads,
+                               width // 2))
+        if reader is None:
+            return False
+        wanted = {}  # page -> its first place in the step's list (rows may share a page)
+        for i, p in enumerate(step.pages[~usable.cpu()].tolist()):
+            wanted.setdefault(p, i)
+        at = (~usable.cpu()).nonzero().flatten()[list(wanted.values())]
+        pages, fill = step.pages[at].to(torch.int64), step.fill[at].to(torch.int64)
+        keys, values = reader.read(kv_cache, pages)
+        offsets = torch.arange(page)
+        took = (offsets[None, :] < fill[:, None]).flatten()
+        slots = (pages[:, None] * page + offsets).flatten()[took]
+        tags = step.page_tags[at][:, None].expand(-1, page).flatten()[took]
+        cache.write(keys[took], values[took], slots, tags=tags)
+        STATS.read_back(pages.shape[0])
+        return cache.complete(step.pages, step.fill, step.page_tags)
 
     def _count(self, layer, step: StepPlan, reason: str, sparse=()) -> None:
         """One layer's rows into the stats: the bulk rows at once, the prefill

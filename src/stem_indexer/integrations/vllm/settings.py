@@ -29,6 +29,8 @@ _WHO = f"additional_config['{SETTINGS_KEY}']"
 # (benchmarks/VLLM.md, "One attention layer: cost per block pair, and the
 # `dense_above` default").
 DEFAULT_DENSE_ABOVE = 0.9
+#: the values of the ``decoded_pages`` setting
+DECODED_PAGES = ("read_back", "write")
 
 # The indexer parameters a user may set (causal is the layer's).
 _INDEXER_KEYS = tuple(n for n in PARAM_NAMES if n != "causal")
@@ -63,7 +65,14 @@ class StemSettings:
       query block a chunk boundary cuts attends every block it can see, the
       Output-Aware Metric's statistic is taken over a fixed window, and
       ``dense_above`` does not apply (a chunk's share of pairs depends on
-      the cut); every other query block keeps what a one-shot prefill keeps.
+      the cut); every other query block keeps what a one-shot prefill keeps;
+    * ``decoded_pages`` (``"read_back"``): how the indexer cache learns the
+      tokens that decode steps add (a later prompt may share their pages
+      through prefix caching). ``"read_back"``: decode steps write nothing
+      there; a page they filled is rebuilt from vLLM's own cache when a Stem
+      row first reads it (``kv_read.PageReader``; where the cache's layout
+      cannot be read back, as ``"write"``). ``"write"``: every decoded token
+      is written at its step (staged for every layer at once).
     """
 
     params: IndexerParams = IndexerParams()
@@ -74,6 +83,7 @@ class StemSettings:
     dense_above: float = DEFAULT_DENSE_ABOVE
     exact_tail: int = DEFAULT_EXACT_TAIL
     chunk_invariant: bool = False
+    decoded_pages: str = "read_back"
 
     @property
     def block_size(self) -> int:
@@ -99,7 +109,7 @@ class StemSettings:
     @classmethod
     def from_mapping(cls, section: Mapping[str, Any]) -> "StemSettings":
         known = ("preset", "oam", "oam_lambda", "min_prompt_tokens",
-                 "dense_above", "exact_tail", "chunk_invariant") + _INDEXER_KEYS
+                 "dense_above", "exact_tail", "chunk_invariant", "decoded_pages") + _INDEXER_KEYS
         for key in section:
             if key not in known:
                 fail(_WHO, repr(key), f"is not a Stem setting (those are {', '.join(known)})",
@@ -134,8 +144,12 @@ class StemSettings:
         invariant = section.get("chunk_invariant", False)
         if not isinstance(invariant, bool):
             fail(_WHO, "chunk_invariant", "must be true or false", repr(invariant))
+        decoded = section.get("decoded_pages", "read_back")
+        if decoded not in DECODED_PAGES:
+            fail(_WHO, "decoded_pages", f"must be one of {', '.join(map(repr, DECODED_PAGES))}",
+                 repr(decoded))
         return cls(params, preset, oam, float(oam_lambda), min_prompt, float(dense_above),
-                   exact_tail, invariant)
+                   exact_tail, invariant, decoded)
 
     def check_kv_block_size(self, kv_block_size: int) -> None:
         """Stem's blocks must be whole KV-cache pages (the kernel reads pages)."""
@@ -153,4 +167,6 @@ class StemSettings:
                  f"dense_above={self.dense_above}", f"exact_tail={self.exact_tail}"]
         if self.chunk_invariant:
             extra.append("chunk_invariant=True")
+        if self.decoded_pages != "read_back":
+            extra.append(f"decoded_pages={self.decoded_pages}")
         return f"preset={self.preset} " + " ".join(changed + extra)

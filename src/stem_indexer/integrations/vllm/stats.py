@@ -51,6 +51,9 @@ class WorkerStats:
     #: steps without Stem rows whose writes were staged and carried out for
     #: every layer at once (``steps``), and the layers' writes in them (``layers``)
     staged: collections.Counter = field(default_factory=collections.Counter)
+    #: indexer-cache pages rebuilt from vLLM's cache when a Stem row read them
+    #: (``pages``, summed over layers)
+    read_back_pages: collections.Counter = field(default_factory=collections.Counter)
     layers: int = 0
     log_requests: bool = True
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -63,13 +66,14 @@ class WorkerStats:
             self.requests.clear()
             self.held.clear()
             self.staged.clear()
+            self.read_back_pages.clear()
 
     def snapshot(self) -> dict:
         with self.lock:
             return {"rows": dict(self.rows), "layouts": dict(self.layouts),
                     "pairs": {name: list(p) for name, p in self.pairs.items()},
                     "memory": dict(self.memory), "held": dict(self.held),
-                    "staged": dict(self.staged)}
+                    "staged": dict(self.staged), "read_back": dict(self.read_back_pages)}
 
     # Called by the backend --------------------------------------------------
 
@@ -94,6 +98,11 @@ class WorkerStats:
         with self.lock:
             self.staged["steps"] += 1
             self.staged["layers"] += layers
+
+    def read_back(self, pages: int) -> None:
+        """One layer's ``pages`` rebuilt from vLLM's cache."""
+        with self.lock:
+            self.read_back_pages["pages"] += pages
 
     def speculative(self, accepted: int, dropped: int) -> None:
         """One step's held-back decode tokens: written, or dropped."""
@@ -173,12 +182,14 @@ def merge(snapshots: list[dict]) -> dict:
     ``held``: under speculative decoding, the decode tokens held back a step
     and then written to the indexer cache or dropped (per layer 0 of each worker);
     ``staged``: the steps without Stem rows whose writes were carried out for
-    every layer at once, and the layers' writes in them."""
+    every layer at once, and the layers' writes in them; ``read_back``: the
+    indexer-cache pages rebuilt from vLLM's cache, summed over layers."""
     rows: collections.Counter = collections.Counter()
     layouts: collections.Counter = collections.Counter()
     memory: collections.Counter = collections.Counter()
     held: collections.Counter = collections.Counter()
     staged: collections.Counter = collections.Counter()
+    read_back: collections.Counter = collections.Counter()
     pairs: dict[str, list[int]] = {}
     for snap in snapshots:
         rows.update(snap["rows"])
@@ -186,6 +197,7 @@ def merge(snapshots: list[dict]) -> dict:
         memory.update(snap.get("memory", {}))
         held.update(snap.get("held", {}))
         staged.update(snap.get("staged", {}))
+        read_back.update(snap.get("read_back", {}))
         for name, (kept, visible) in snap["pairs"].items():
             acc = pairs.setdefault(name, [0, 0])
             acc[0] += kept
@@ -197,4 +209,5 @@ def merge(snapshots: list[dict]) -> dict:
     return {"rows": dict(sorted(rows.items())), "layers": layers,
             "density": kept / visible if visible else None,
             "layouts": dict(sorted(layouts.items())), "memory": dict(sorted(memory.items())),
-            "held": dict(sorted(held.items())), "staged": dict(sorted(staged.items()))}
+            "held": dict(sorted(held.items())), "staged": dict(sorted(staged.items())),
+            "read_back": dict(read_back)}
