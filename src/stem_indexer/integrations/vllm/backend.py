@@ -29,10 +29,10 @@ sorts the rows and does all their host work.
   them (``kv_read.PageReader``; where a layout cannot be read back, or with
   ``decoded_pages="write"``, every token is written, staged per step);
 * ``forward`` runs, for each Stem row, the indexer on the row's queries and
-  the indexer cache's entries of its pages (its keys and values are never
-  read back), then vLLM's own paged kernel on *virtual rows* that list only
-  the kept pages, in the layer's own cache layout (``amx``, ``vec`` or
-  ``vec16``).
+  the indexer cache's entries of its pages (its keys and values are read
+  back only for pages decode steps filled), then vLLM's own paged kernel
+  on *virtual rows* that list only the kept pages, in the layer's own
+  cache layout (``amx``, ``vec`` or ``vec16``).
 
 A layer Stem cannot serve (sliding window, ALiBi, attention sinks, encoder or
 cross attention, KV sharing, a quantised KV cache, a cache layout other than

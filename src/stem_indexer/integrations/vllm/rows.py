@@ -21,8 +21,9 @@ What a Stem row computes (docs/CONTRACT.md section 8):
 * **The keys' block representations and the Output-Aware Metric** come
   from the indexer cache (``stem_indexer/pipeline/index_cache.py``): per-page sums and run maxima
   of the prompt's first ``context + q_len`` tokens, written as vLLM wrote
-  them into its paged cache. The keys and values themselves are never read
-  back. The OAM standardises value norms over those tokens only, where a
+  them into its paged cache. The keys and values themselves are read back
+  only for pages that decode steps filled (``kv_read.py``, by the backend).
+  The OAM standardises value norms over those tokens only, where a
   one-shot prefill sees the whole prompt.
 
 The row itself is the engine-neutral paged pipeline's (``paged.py``): its
