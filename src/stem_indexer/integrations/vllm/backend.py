@@ -832,10 +832,11 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                                width // 2))
         if reader is None:
             return False
-        wanted = {}  # page -> its first place in the step's list (rows may share a page)
-        for i, p in enumerate(step.pages[~usable.cpu()].tolist()):
-            wanted.setdefault(p, i)
-        at = (~usable.cpu()).nonzero().flatten()[list(wanted.values())]
+        missing = (~usable).cpu().nonzero().flatten()
+        first = {}  # page -> its first place in the step's list (rows may share a page)
+        for i, p in zip(missing.tolist(), step.pages[missing].tolist()):
+            first.setdefault(p, i)
+        at = torch.tensor(list(first.values()), dtype=torch.int64)
         pages, fill = step.pages[at].to(torch.int64), step.fill[at].to(torch.int64)
         keys, values = reader.read(kv_cache, pages)
         offsets = torch.arange(page)
