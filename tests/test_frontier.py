@@ -1,0 +1,215 @@
+"""benchmarks/engines/frontier.py: settings are named and checked, a part runs only the cells
+the results file lacks, the tables judge "at dense's accuracy" as their legend says (against
+hand-computed rates, perplexities and speed-ups), and the oracle's attention masses are the
+exact ones (uniform and one-hot attention, computed by hand)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import frontier as fr
+from stem_indexer import StemIndexerInputError
+
+
+# --------------------------------------------------------------------------- #
+# Settings
+# --------------------------------------------------------------------------- #
+
+
+def test_a_setting_is_a_preset_with_overrides():
+    assert fr.parse_setting("vllm") is None
+    assert fr.parse_setting("tight") == {"preset": "tight"}
+    assert fr.parse_setting("tight+exact_tail=0+oam=false") == {
+        "preset": "tight", "exact_tail": 0, "oam": False}
+    assert fr.parse_setting("balanced+k_block_num_bias_large=24") == {
+        "preset": "balanced", "k_block_num_bias_large": 24}
+
+
+@pytest.mark.parametrize("name, words", [
+    ("loose", "preset"),                      # no such preset
+    ("tight+exact_tail", "KEY=VALUE"),        # no value
+    ("tight+exact_tail=zero", "JSON"),        # not a JSON value
+    ("tight+no_such_key=1", "no_such_key"),   # not a Stem setting
+    ("tight+exact_tail=-1", "exact_tail"),    # a setting's own rule
+])
+def test_a_bad_setting_is_refused_by_name(name, words):
+    with pytest.raises(StemIndexerInputError, match=words):
+        fr.parse_setting(name)
+
+
+# --------------------------------------------------------------------------- #
+# Parts
+# --------------------------------------------------------------------------- #
+
+
+def _row(setting, task, trial, nominal=16384, model="smollm2", **extra):
+    return dict(model=model, nominal=nominal, setting=setting, task=task, trial=trial, **extra)
+
+
+def test_a_part_runs_only_missing_cells_and_reruns_the_reference_for_timing():
+    done = [_row("vllm", "passkey", 0), _row("tight", "passkey", 0),
+            _row("vllm", "passkey", 1),
+            _row("vllm", "perplexity", 0)]
+    trials = {"perplexity": 1, "passkey": 2, "multikey": 1}
+    plan = fr.todo(done, "smollm2", [16384], trials, ["vllm", "tight", "default"])
+    assert plan == [
+        # perplexity first; its reference is not rerun (perplexity is not timed)
+        (16384, "perplexity", 0, ["tight", "default"]),
+        # vLLM's backend reruns its trial beside the settings that lack it
+        (16384, "passkey", 0, ["vllm", "default"]),
+        (16384, "multikey", 0, ["vllm", "tight", "default"]),
+        (16384, "passkey", 1, ["vllm", "tight", "default"]),
+    ]
+    # another model's or length's cells do not count as done
+    assert len(fr.todo(done, "gemma3", [16384], trials, ["vllm"])) == 4
+    everything = done + [_row(s, t, i) for s in ("tight", "default")
+                         for t, i in (("perplexity", 0), ("passkey", 0), ("passkey", 1),
+                                      ("multikey", 0))] + [_row("vllm", "multikey", 0)]
+    assert fr.todo(everything, "smollm2", [16384], trials, ["vllm", "tight", "default"]) == []
+
+
+def test_trial_orders_rotate():
+    names = ["vllm", "a", "b"]
+    assert [fr.rotate(names, t)[0] for t in range(4)] == ["vllm", "a", "b", "vllm"]
+
+
+def test_trials_argument():
+    assert fr.parse_trials("passkey=20,perplexity=2") == {"passkey": 20, "perplexity": 2}
+    with pytest.raises(SystemExit, match="TASK=N"):
+        fr.parse_trials("needle=3")
+
+
+class _Logprob(SimpleNamespace):
+    pass
+
+
+def test_perplexity_of_a_window_from_prompt_logprobs():
+    ids = [5, 6, 7, 8, 9, 10, 11, 12]
+    # position p's prompt token has log-probability -p/10; the top token is
+    # the prompt's own at even positions, token 0 at odd ones
+    logprobs = [None]
+    for p in range(1, len(ids)):
+        entry = {ids[p]: _Logprob(logprob=-p / 10, rank=1 if p % 2 == 0 else 2)}
+        if p % 2:
+            entry[0] = _Logprob(logprob=-0.01, rank=1)
+        logprobs.append(entry)
+    row = fr.perplexity_row(logprobs, ids)
+    assert row["tokens"] == 7 and row["nll"] == pytest.approx(sum(range(1, 8)) / 10)
+    assert row["tail_tokens"] == 2 and row["tail_nll"] == pytest.approx((6 + 7) / 10)
+    assert row["greedy"] == [0, 7, 0, 9, 0, 11, 0]
+
+
+# --------------------------------------------------------------------------- #
+# Tables
+# --------------------------------------------------------------------------- #
+
+
+def _ppl_row(setting, ppl, tail_ppl, trial=0, greedy=(1, 2, 3, 4)):
+    return _row(setting, "perplexity", trial, nll=1000 * math.log(ppl), tokens=1000,
+                tail_nll=250 * math.log(tail_ppl), tail_tokens=250, greedy=list(greedy))
+
+
+def _hits(setting, task, found, run="r1", ttft=None):
+    return [_row(setting, task, t, found=f, run=run, ttft=ttft[t] if ttft else None)
+            for t, f in enumerate(found)]
+
+
+def _results(tight_ppl=10.05, tight_found=9):
+    rows = [_ppl_row("vllm", 10.0, 20.0), _ppl_row("tight", tight_ppl, 21.0, greedy=(1, 2, 0, 4))]
+    rows += _hits("vllm", "passkey", [True] * 10, ttft=[10.0] * 10)
+    rows += _hits("tight", "passkey", [True] * tight_found + [False] * (10 - tight_found),
+                  ttft=[4.0] * 5 + [5.0] * 5)
+    rows += _hits("vllm", "multikey", [True] * 5 + [False] * 5)
+    rows += _hits("tight", "multikey", [True] * 4 + [False] * 6)
+    return rows
+
+
+def test_the_summary_is_the_hand_computed_one():
+    entries = {e["setting"]: e for e in fr.summary(_results())}
+    tight = entries["tight"]
+    assert tight["passkey"] == (9, 10) and tight["multikey"] == (4, 10)
+    assert tight["ppl"] == pytest.approx(10.05)
+    assert tight["ppl_change"] == pytest.approx(0.005)
+    assert tight["tail_change"] == pytest.approx(0.05)
+    assert tight["agreement"] == pytest.approx(3 / 1000)
+    assert sorted(tight["speedup"]) == [2.0] * 5 + [2.5] * 5
+    # 9/10 lies inside 10/10's Wilson interval [72%, 100%], 4/10 inside 5/10's
+    # [24%, 76%], and +0.5% perplexity is within +1%
+    assert tight["accurate"] is True
+    assert entries["vllm"]["accurate"] is True
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(tight_ppl=10.2), "perplexity +2%"),
+    (dict(tight_found=6), "6/10 passkeys, below 10/10's interval (72%)"),
+])
+def test_a_setting_off_dense_accuracy_is_marked(change, reason):
+    entries = {e["setting"]: e for e in fr.summary(_results(**change))}
+    assert entries["tight"]["accurate"] is False, reason
+
+
+def test_a_rerun_of_the_reference_counts_once_and_times_only_its_run():
+    rows = _results()
+    # a second run: vLLM's backend reruns passkey trial 0 (missed this time)
+    # beside a new setting; that trial still counts once for vLLM's accuracy
+    rows += [_row("vllm", "passkey", 0, found=False, run="r2", ttft=12.0),
+             _row("default", "passkey", 0, found=True, run="r2", ttft=8.0),
+             _row("balanced", "passkey", 0, found=True, run="r3", ttft=8.0)]
+    entries = {e["setting"]: e for e in fr.summary(rows)}
+    assert entries["vllm"]["passkey"] == (10, 10)
+    assert entries["default"]["speedup"] == [1.5]  # 12 / 8, the same run's
+    assert entries["balanced"]["speedup"] == []  # no reference in its run
+    assert entries["default"]["accurate"] is None  # no perplexity measured
+
+
+def test_the_frontier_keeps_only_undominated_accurate_settings():
+    def entry(name, up, change, accurate=True):
+        return dict(setting=name, speedup=[up], ppl_change=change, accurate=accurate)
+    entries = [entry("slow", 1.2, 0.001), entry("fast", 1.8, 0.004),
+               entry("dominated", 1.5, 0.006), entry("fastest", 2.5, 0.03, accurate=False)]
+    assert fr.frontier(entries) == {"slow", "fast"}
+
+
+def test_the_table_shows_the_verdicts():
+    text = "\n".join(fr.table_lines(_results(tight_ppl=10.2)))
+    assert "| `tight` | 2.25x [2.00, 2.50] (10) |" in text
+    assert "(+2.00%)" in text and "| no |" in text
+    assert "| vLLM's backend |" in text and "(the reference)" in text
+
+
+# --------------------------------------------------------------------------- #
+# Oracle
+# --------------------------------------------------------------------------- #
+
+
+def test_block_mass_of_uniform_attention():
+    """Zero queries attend uniformly: position p gives each of its p + 1
+    visible keys 1 / (p + 1)."""
+    q = torch.zeros(1, 2, 6, 4)
+    k = torch.randn(1, 1, 6, 4)
+    mass = fr.block_mass(q, k, 0.5, row=1, bs=2)  # positions 2 and 3
+    expected = torch.tensor([(2 / 3 + 2 / 4) / 2, (1 / 3 + 2 / 4) / 2], dtype=torch.float64)
+    assert torch.allclose(mass, expected.expand(2, 2))
+    mass = fr.block_mass(q, k, 0.5, row=2, bs=2)  # positions 4 and 5
+    expected = torch.tensor([(2 / 5 + 2 / 6) / 2, (2 / 5 + 2 / 6) / 2, (1 / 5 + 2 / 6) / 2],
+                            dtype=torch.float64)
+    assert torch.allclose(mass[0], expected)
+
+
+def test_block_mass_follows_a_dominant_key_per_head():
+    q = torch.zeros(1, 2, 4, 2)
+    q[0, 0, :, 0] = 1.0  # head 0 looks along dimension 0, head 1 along 1
+    q[0, 1, :, 1] = 1.0
+    k = torch.zeros(1, 2, 4, 2)
+    k[0, 0, 0, 0] = 100.0  # head 0's key 0 (block 0)
+    k[0, 1, 3, 1] = 100.0  # head 1's key 3 (block 1)
+    mass = fr.block_mass(q, k, 1.0, row=1, bs=2)
+    assert mass[0, 0] > 0.999 and mass[1, 1] > 0.49  # key 3 is visible to position 3 only
+    got, best = fr.kept_mass(mass, [[1], [0]])
+    assert got == pytest.approx((float(mass[0, 1]) + float(mass[1, 0])) / 2)
+    assert best == pytest.approx((float(mass[0].max()) + float(mass[1].max())) / 2)
+    assert best > got
