@@ -114,8 +114,8 @@ def _ppl_row(setting, ppl, tail_ppl, trial=0, greedy=(1, 2, 3, 4)):
 
 
 def _hits(setting, task, found, run="r1", ttft=None):
-    return [_row(setting, task, t, found=f, run=run, ttft=ttft[t] if ttft else None)
-            for t, f in enumerate(found)]
+    return [_row(setting, task, t, found=f, run=run, ttft=ttft[t] if ttft else None,
+                 depth=t / 10) for t, f in enumerate(found)]
 
 
 def _results(tight_ppl=10.05, tight_found=9):
@@ -137,6 +137,7 @@ def test_the_summary_is_the_hand_computed_one():
     assert tight["tail_change"] == pytest.approx(0.05)
     assert tight["agreement"] == pytest.approx(3 / 1000)
     assert sorted(tight["speedup"]) == [2.0] * 5 + [2.5] * 5
+    assert tight["missed_at"] == [0.9]  # trial 9's passkey
     # 9/10 lies inside 10/10's Wilson interval [72%, 100%], 4/10 inside 5/10's
     # [24%, 76%], and +0.5% perplexity is within +1%
     assert tight["accurate"] is True
@@ -176,7 +177,7 @@ def test_the_frontier_keeps_only_undominated_accurate_settings():
 
 def test_the_table_shows_the_verdicts():
     text = "\n".join(fr.table_lines(_results(tight_ppl=10.2)))
-    assert "| `tight` | 2.25x [2.00, 2.50] (10) |" in text
+    assert "| `tight` | 2.25x [2.00, 2.50] (10) | - | 9/10 [60%, 98%] | 0.90 |" in text
     assert "(+2.00%)" in text and "| no |" in text
     assert "| vLLM's backend |" in text and "(the reference)" in text
 
