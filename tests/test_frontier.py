@@ -214,3 +214,29 @@ def test_block_mass_follows_a_dominant_key_per_head():
     assert got == pytest.approx((float(mass[0, 1]) + float(mass[1, 0])) / 2)
     assert best == pytest.approx((float(mass[0].max()) + float(mass[1].max())) / 2)
     assert best > got
+
+
+def test_block_mass_of_a_blocks_last_queries():
+    q = torch.zeros(1, 1, 6, 4)
+    k = torch.randn(1, 1, 6, 4)
+    # the last query (position 5) sees 6 keys alike; the last two average 5 and 6
+    last = fr.block_mass(q, k, 1.0, row=2, bs=2, last=1)
+    assert torch.allclose(last[0], torch.tensor([2 / 6] * 3, dtype=torch.float64))
+    two = fr.block_mass(q, k, 1.0, row=2, bs=2, last=2)
+    want = [(2 / 5 + 2 / 6) / 2, (2 / 5 + 2 / 6) / 2, (1 / 5 + 2 / 6) / 2]
+    assert torch.allclose(two[0], torch.tensor(want, dtype=torch.float64))
+
+
+def test_sampled_picks_keep_the_forced_blocks_and_the_count():
+    sampled = torch.tensor([[0.1, 0.5, 0.2, 0.15, 0.05], [0.3, 0.0, 0.0, 0.6, 0.1]])
+    picks = fr.sampled_picks(sampled, [[0, 1, 4], [2, 4]], forced={4})
+    assert picks == [[4, 1, 2], [4, 3]]
+
+
+def test_a_cell_leaves_room_for_its_answer_within_the_window():
+    import ruler
+    # perplexity generates one token; a retrieval task its longest answer
+    assert fr.cell_length("perplexity", 32768, 32768) == 32760
+    assert fr.cell_length("perplexity", 16384, 32768) == 16384
+    longest = max(ruler.ANSWER_TOKENS.values())
+    assert fr.cell_length("passkey", 32768, 32768) == 32768 - longest - 8

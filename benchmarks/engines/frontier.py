@@ -122,10 +122,10 @@ def parse_setting(name: str) -> dict | None:
 
 def cell_length(task: str, nominal: int, window: int) -> int:
     """A cell's prompt tokens: room left within the window for the longest
-    answer (perplexity needs none)."""
+    answer (perplexity's request generates one token)."""
     import ruler
     if task == "perplexity":
-        return min(nominal, window)
+        return min(nominal, window - 8)
     return min(nominal, window - max(ruler.ANSWER_TOKENS.values()) - 8)
 
 
@@ -469,17 +469,19 @@ def plot(args) -> None:
 # --------------------------------------------------------------------------- #
 
 
-def block_mass(q, k, scale: float, row: int, bs: int):
+def block_mass(q, k, scale: float, row: int, bs: int, last: int | None = None):
     """[heads, key blocks] float64: the attention probability each key block
-    gets, averaged over query block ``row``'s queries (causal, exact)."""
+    gets, averaged over query block ``row``'s queries (its ``last`` ones
+    where given; causal, exact)."""
     import torch
 
     group = q.shape[1] // k.shape[1]
     end = (row + 1) * bs
-    qs = q[0, :, row * bs:end].double()
+    first = end - last if last else row * bs
+    qs = q[0, :, first:end].double()
     ks = k[0, :, :end].double().repeat_interleave(group, 0)
     logits = qs @ ks.transpose(1, 2) * scale
-    pos_q = torch.arange(row * bs, end)[:, None]
+    pos_q = torch.arange(first, end)[:, None]
     logits = logits.masked_fill(torch.arange(end)[None, :] > pos_q, -math.inf)
     p = torch.softmax(logits, -1).mean(1)  # [heads, keys]
     return p.view(p.shape[0], row + 1, bs).sum(-1)
@@ -493,6 +495,17 @@ def kept_mass(mass, picked: list[list[int]]) -> tuple[float, float]:
         got += float(mass[h, blocks].sum())
         best += float(mass[h].topk(len(blocks)).values.sum())
     return got / len(picked), best / len(picked)
+
+
+def sampled_picks(sampled, picked: list[list[int]], forced: set[int]) -> list[list[int]]:
+    """Per head, as many blocks as ``picked[h]``: the ``forced`` ones, then
+    the heaviest others by the ``sampled`` mass [heads, blocks]."""
+    out = []
+    for h, blocks in enumerate(picked):
+        free = max(len(blocks) - len(forced), 0)
+        order = [b for b in sampled[h].argsort(descending=True).tolist() if b not in forced]
+        out.append(sorted(forced) + order[:free])
+    return out
 
 
 def oracle(args) -> None:
@@ -519,8 +532,9 @@ def oracle(args) -> None:
     lines = [f"\n#### Attention mass kept, {args.model}, {args.length} tokens (one "
              "documentation window; query blocks sampled past each setting's dense start)\n",
              "| setting | picked blocks' mass | oracle's mass at the same count | budget's cost "
-             "(1 - oracle) | indexer's cost (oracle - picked) | lowest layers (picked) |",
-             "|---|---|---|---|---|---|"]
+             "(1 - oracle) | indexer's cost (oracle - picked) | lowest layers (picked) | "
+             f"picked by the last {args.sampled} queries' exact mass, same count |",
+             "|---|---|---|---|---|---|---|"]
     for name, stem in stems.items():
         params = contract.IndexerParams.from_kwargs(
             "frontier", **{k: v for k, v in stem.items() if k in contract.PARAM_NAMES
@@ -537,22 +551,32 @@ def oracle(args) -> None:
             qb = idx.shape[2]
             rows = [r for r in range(qb) if int(lens[0, 0, r]) < r + 1]  # sparse rows only
             rows = rows[::max(1, len(rows) // args.rows)][:args.rows]
-            got = best = 0.0
+            got = best = by_sample = 0.0
             for r in rows:
                 mass = block_mass(q, k, scale, r, bs)
                 picked = [idx[0, h, r, :int(lens[0, h, r])].tolist() for h in range(q.shape[1])]
                 g, b = kept_mass(mass, picked)
                 got, best = got + g, best + b
+                forced = set(range(min(params.initial_blocks, r + 1)))
+                forced |= set(range(max(r + 1 - params.window_size, 0), r + 1))
+                sample = block_mass(q, k, scale, r, bs, last=args.sampled)
+                by_sample += kept_mass(mass, sampled_picks(sample, picked, forced))[0]
             if rows:
-                per_layer[layer] = (got / len(rows), best / len(rows))
+                per_layer[layer] = (got / len(rows), best / len(rows), by_sample / len(rows))
         if not per_layer:
-            lines.append(f"| `{name}` | - (every row keeps every block) | - | - | - | - |")
+            lines.append(f"| `{name}` | - (every row keeps every block) | - | - | - | - | - |")
             continue
-        got = statistics.mean(g for g, _ in per_layer.values())
-        best = statistics.mean(b for _, b in per_layer.values())
+        got, best, by_sample = (statistics.mean(x[i] for x in per_layer.values())
+                                for i in range(3))
+        append(Path(args.results), dict(
+            kind="oracle", model=args.model, length=args.length, setting=name,
+            rows=args.rows, picked=got, oracle=best, sampled=args.sampled,
+            by_sample=by_sample, cpu=machine().split(";")[0],
+            layers={str(n): [round(x, 4) for x in v] for n, v in per_layer.items()}))
         low = sorted(per_layer, key=lambda n: per_layer[n][0])[:3]
         lines.append(f"| `{name}` | {got:.3f} | {best:.3f} | {1 - best:.3f} | {best - got:.3f} | "
-                     + ", ".join(f"{n}: {per_layer[n][0]:.2f}" for n in low) + " |")
+                     + ", ".join(f"{n}: {per_layer[n][0]:.2f}" for n in low)
+                     + f" | {by_sample:.3f} |")
         print(lines[-1], flush=True)
     text = "\n".join(lines)
     print(text)
@@ -582,7 +606,11 @@ def main(argv=None) -> None:
     p.add_argument("--length", type=int, default=16384)
     p.add_argument("--settings", default="default,balanced,tight")
     p.add_argument("--rows", type=int, default=8, help="query blocks sampled per layer")
+    p.add_argument("--sampled", type=int, default=16,
+                   help="queries (a block's last) whose exact mass picks the last column's blocks")
     p.add_argument("--record", default=None)
+    p.add_argument("--results", default=str(areas.RESULTS / "frontier_oracle.jsonl"),
+                   help="each setting's masses, per layer too, one JSON line each")
     for name in ("run", "table", "plot"):
         sub.choices[name].add_argument("--results", default=str(RESULTS))
     args = parser.parse_args(argv)
