@@ -351,6 +351,33 @@ def test_the_indexer_cache_is_allocated_at_start_inside_the_kv_budget(model):
     assert run["stats"]["memory"] == memory  # nothing allocated later
 
 
+def test_the_first_layers_kept_dense_run_vllms_kernel_and_keep_no_indexer_cache(model):
+    """``dense_layers: 1``: layer 0 runs vLLM's kernel for every row (its
+    pairs all kept, counted as such) and gets no indexer cache; layer 1's
+    rows stay sparse and equal Stem's own functions."""
+    run = cached(model, "sparse-dense-layer", {**SPARSE, "dense_layers": 1}, check_rows=True)
+    stats = run["stats"]
+    assert list(stats["layers"]) == ["model.layers.1.self_attn.attn"], stats  # sparse rows'
+    second = stats["layers"]["model.layers.1.self_attn.attn"]
+    assert 0 < second["kept"] < second["visible"], stats
+    # each row layer 1 ran sparse, layer 0 ran on vLLM's kernel
+    sparse = sum(v for k, v in stats["rows"].items() if k.startswith("sparse"))
+    assert stats["rows"].get("dense:dense layer", 0) == sparse > 10, stats
+    rec = run["record"]
+    assert rec["rows"] == sparse and rec["selection_mismatches"] == 0, rec
+    assert rec["cache_mismatches"] == 0 and rec["max_error"] < 1e-5, rec
+    memory = run["stats_at_start"]["memory"]
+    # One layer's write stage and indexer cache (the sizes of the test above);
+    # the memory counts the KV cache of the layers with an indexer cache
+    index, kv, stage = (memory[k] for k in ("index_cache_bytes", "kv_cache_bytes",
+                                            "write_stage_bytes"))
+    assert stage == 2 * 256 * 2 * 32 * 4, memory
+    per_page_index, per_page_kv = 2 * (8 * 32 + 32 // 8) * 4 + 12, 2 * 32 * 2 * 32 * 4
+    assert index * per_page_kv == kv * per_page_index, memory
+    # both layers' KV cache and one indexer cache fill the budget of 1 GiB
+    assert 2**30 - (per_page_index + 2 * per_page_kv) < index + 2 * kv + stage <= 2**30, memory
+
+
 # --------------------------------------------------------------------------- #
 # Stem's path with a budget that keeps every block: vLLM's results
 # --------------------------------------------------------------------------- #

@@ -48,6 +48,8 @@ def test_settings_take_a_preset_and_overrides():
     assert s.exact_tail == 128 and "exact_tail=128" in s.describe()  # the default
     assert StemSettings.from_mapping({"exact_tail": 0}).exact_tail == 0
     assert s.decoded_pages == "read_back" and "decoded_pages" not in s.describe()
+    assert s.dense_layers == 0 and "dense_layers" not in s.describe()
+    assert StemSettings.from_mapping({"dense_layers": 2}).describe().endswith("dense_layers=2")
     written = StemSettings.from_mapping({"decoded_pages": "write"})
     assert written.decoded_pages == "write" and "decoded_pages=write" in written.describe()
 
@@ -60,6 +62,7 @@ def test_settings_take_a_preset_and_overrides():
     ({"dense_above": 0}, "dense_above"), ({"dense_above": True}, "dense_above"),
     ({"topk_score_precision": 3}, "topk_score_precision"), ({"block": 4}, "'block'"),
     ({"exact_tail": -1}, "exact_tail"), ({"exact_tail": 1.5}, "exact_tail"),
+    ({"dense_layers": -1}, "dense_layers"), ({"dense_layers": True}, "dense_layers"),
     ({"decoded_pages": "lazy"}, "decoded_pages"), ({"decoded_pages": None}, "decoded_pages"),
 ])
 def test_bad_settings_name_the_key(section, key):

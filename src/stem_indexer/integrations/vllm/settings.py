@@ -54,6 +54,10 @@ class StemSettings:
       block carries each query block's causal diagonal);
     * ``oam`` (true), ``oam_lambda`` (0.3): the Output-Aware Metric;
     * ``min_prompt_tokens`` (0): prompts shorter than this run vLLM's kernel;
+    * ``dense_layers`` (0): the model's first ``dense_layers`` attention
+      layers (in the order the model builds them: a decoder's first layers)
+      run vLLM's kernel for every row and keep no indexer cache, a per-layer
+      keep schedule: the first layers stay exact, the others keep the budget;
     * ``dense_above`` (0.9): a row whose budget keeps more than this share of
       its visible block pairs runs vLLM's kernel (1.0: never for that reason);
     * ``exact_tail`` (128, ``contract.DEFAULT_EXACT_TAIL``): the prompt's last
@@ -80,6 +84,7 @@ class StemSettings:
     oam: bool = True
     oam_lambda: float = DEFAULT_OAM_LAMBDA
     min_prompt_tokens: int = 0
+    dense_layers: int = 0
     dense_above: float = DEFAULT_DENSE_ABOVE
     exact_tail: int = DEFAULT_EXACT_TAIL
     chunk_invariant: bool = False
@@ -108,7 +113,7 @@ class StemSettings:
 
     @classmethod
     def from_mapping(cls, section: Mapping[str, Any]) -> "StemSettings":
-        known = ("preset", "oam", "oam_lambda", "min_prompt_tokens",
+        known = ("preset", "oam", "oam_lambda", "min_prompt_tokens", "dense_layers",
                  "dense_above", "exact_tail", "chunk_invariant", "decoded_pages") + _INDEXER_KEYS
         for key in section:
             if key not in known:
@@ -133,6 +138,10 @@ class StemSettings:
         min_prompt = section.get("min_prompt_tokens", 0)
         if isinstance(min_prompt, bool) or not isinstance(min_prompt, int) or min_prompt < 0:
             fail(_WHO, "min_prompt_tokens", "must be an int >= 0", repr(min_prompt))
+        dense_layers = section.get("dense_layers", 0)
+        if (isinstance(dense_layers, bool) or not isinstance(dense_layers, int)
+                or dense_layers < 0):
+            fail(_WHO, "dense_layers", "must be an int >= 0", repr(dense_layers))
         dense_above = section.get("dense_above", DEFAULT_DENSE_ABOVE)
         if (isinstance(dense_above, bool) or not isinstance(dense_above, (int, float))
                 or not (0.0 < dense_above <= 1.0)):
@@ -148,8 +157,8 @@ class StemSettings:
         if decoded not in DECODED_PAGES:
             fail(_WHO, "decoded_pages", f"must be one of {', '.join(map(repr, DECODED_PAGES))}",
                  repr(decoded))
-        return cls(params, preset, oam, float(oam_lambda), min_prompt, float(dense_above),
-                   exact_tail, invariant, decoded)
+        return cls(params, preset, oam, float(oam_lambda), min_prompt, dense_layers,
+                   float(dense_above), exact_tail, invariant, decoded)
 
     def check_kv_block_size(self, kv_block_size: int) -> None:
         """Stem's blocks must be whole KV-cache pages (the kernel reads pages)."""
@@ -165,6 +174,8 @@ class StemSettings:
                    if getattr(self.params, f.name) != getattr(base, f.name)]
         extra = [f"oam={self.oam}", f"min_prompt_tokens={self.min_prompt_tokens}",
                  f"dense_above={self.dense_above}", f"exact_tail={self.exact_tail}"]
+        if self.dense_layers:
+            extra.append(f"dense_layers={self.dense_layers}")
         if self.chunk_invariant:
             extra.append("chunk_invariant=True")
         if self.decoded_pages != "read_back":
