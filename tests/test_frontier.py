@@ -108,9 +108,10 @@ def test_perplexity_of_a_window_from_prompt_logprobs():
 # --------------------------------------------------------------------------- #
 
 
-def _ppl_row(setting, ppl, tail_ppl, trial=0, greedy=(1, 2, 3, 4)):
+def _ppl_row(setting, ppl, tail_ppl, trial=0, greedy=(1, 2, 3, 4), seconds=100.0):
     return _row(setting, "perplexity", trial, nll=1000 * math.log(ppl), tokens=1000,
-                tail_nll=250 * math.log(tail_ppl), tail_tokens=250, greedy=list(greedy))
+                tail_nll=250 * math.log(tail_ppl), tail_tokens=250, greedy=list(greedy),
+                seconds=seconds)
 
 
 def _hits(setting, task, found, run="r1", ttft=None):
@@ -119,7 +120,8 @@ def _hits(setting, task, found, run="r1", ttft=None):
 
 
 def _results(tight_ppl=10.05, tight_found=9):
-    rows = [_ppl_row("vllm", 10.0, 20.0), _ppl_row("tight", tight_ppl, 21.0, greedy=(1, 2, 0, 4))]
+    rows = [_ppl_row("vllm", 10.0, 20.0),
+            _ppl_row("tight", tight_ppl, 21.0, greedy=(1, 2, 0, 4), seconds=40.0)]
     rows += _hits("vllm", "passkey", [True] * 10, ttft=[10.0] * 10)
     rows += _hits("tight", "passkey", [True] * tight_found + [False] * (10 - tight_found),
                   ttft=[4.0] * 5 + [5.0] * 5)
@@ -136,6 +138,7 @@ def test_the_summary_is_the_hand_computed_one():
     assert tight["ppl_change"] == pytest.approx(0.005)
     assert tight["tail_change"] == pytest.approx(0.05)
     assert tight["agreement"] == pytest.approx(3 / 1000)
+    assert tight["ppl_speedup"] == pytest.approx(2.5)  # 100 s / 40 s
     assert sorted(tight["speedup"]) == [2.0] * 5 + [2.5] * 5
     assert tight["missed_at"] == [0.9]  # trial 9's passkey
     # 9/10 lies inside 10/10's Wilson interval [72%, 100%], 4/10 inside 5/10's
@@ -240,3 +243,17 @@ def test_a_cell_leaves_room_for_its_answer_within_the_window():
     assert fr.cell_length("perplexity", 16384, 32768) == 16384
     longest = max(ruler.ANSWER_TOKENS.values())
     assert fr.cell_length("passkey", 32768, 32768) == 32768 - longest - 8
+
+
+def test_a_settings_greedy_agreement_is_kept_as_a_count():
+    """A setting's perplexity row keeps how many greedy tokens equal vLLM's
+    (``same``) rather than its 16K to 32K tokens; both forms give one answer."""
+    rows = _results()
+    as_count = [dict(r, same=3) if r["task"] == "perplexity" and r["setting"] == "tight"
+                else r for r in rows]
+    for r in as_count:
+        if "same" in r:
+            del r["greedy"]
+    assert fr.same_greedy(rows[1], rows[0]) == 3
+    entries = {e["setting"]: e for e in fr.summary(as_count)}
+    assert entries["tight"]["agreement"] == pytest.approx(3 / 1000)

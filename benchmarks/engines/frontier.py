@@ -33,8 +33,9 @@ of a cell is the same token ids for every setting):
 * ``perplexity``: window ``t`` of the Python documentation's text
   (``model_quality.text_windows``), its next-token log-likelihood from
   vLLM's prompt log-probabilities: the whole window's perplexity and that of
-  its last quarter (where every chunk is sparse), and the share of positions
-  whose greedy next token is vLLM's.
+  its last quarter, and the share of positions whose greedy next token is
+  vLLM's (vLLM's rows keep their greedy tokens, a setting's row the count of
+  positions that equal them, ``same``).
 
 **Time to first token** is vLLM's own measure of each retrieval request
 (``RequestOutput.metrics.first_token_latency``). In each trial every
@@ -53,7 +54,9 @@ task, setting, trial) cells already there and stops starting trials after
 successes within vLLM's Wilson 95% interval, and perplexity within +1% of
 vLLM's over the windows both ran. ``(n=3)`` marks a cell of few trials.
 
-**The oracle** (``oracle``): transformers prefills one documentation window
+**The oracle** (``oracle``; one JSON line per setting, its layers' masses
+too, in ``--results``, ``benchmarks/results/frontier_oracle.jsonl``):
+transformers prefills one documentation window
 of ``--length`` tokens through the model (its attention exact) and keeps
 every layer's queries, keys and values; for each setting the indexer picks
 one-shot on them (what a single chunk of the whole prompt would pick; the
@@ -61,7 +64,10 @@ vLLM rows differ only where a chunk boundary cuts OAM's window), and on a
 sample of query blocks past the dense start the exact attention
 probabilities give, per (layer, head, block), the mass of the picked blocks
 and of the same number of heaviest blocks. What the oracle misses is the
-budget's cost; what the selection misses beyond it is the indexer's.
+budget's cost; what the selection misses beyond it is the indexer's. A
+last column picks as many blocks per head by the exact mass of each query
+block's last ``--sampled`` queries (sink and window kept): what a second
+scoring pass of that many queries could keep.
 """
 
 from __future__ import annotations
@@ -194,6 +200,15 @@ def perplexity_row(prompt_logprobs, ids: list[int]) -> dict:
                 greedy=greedy)
 
 
+def same_greedy(row: dict, reference: dict) -> int:
+    """Positions where a perplexity row's greedy next token is the
+    reference's (a row keeps its count, ``same``, once the reference's
+    tokens were known; vLLM's rows keep the tokens themselves)."""
+    if "same" in row:
+        return row["same"]
+    return sum(a == b for a, b in zip(row["greedy"], reference["greedy"]))
+
+
 def run(args) -> None:
     import ruler
     import vllm_bench
@@ -225,6 +240,9 @@ def run(args) -> None:
     common = dict(model=args.model, git=git_sha(), run=f"{time.time():.0f}",
                   cpu=machine().split(";")[0])
     ppl_windows: dict[int, list] = {}
+    greedy = {(r["nominal"], r["trial"]): r["greedy"] for r in read(results)
+              if r["model"] == args.model and r["task"] == "perplexity"
+              and r["setting"] == REFERENCE}
     started = time.perf_counter()
     for nominal, task, t, names in plan:
         if time.perf_counter() - started > args.stop_after:
@@ -241,7 +259,9 @@ def run(args) -> None:
             sample = gen.sample(task, length, seed=t)
             ids = list(sample.ids)
             params = SamplingParams(max_tokens=sample.max_new_tokens, temperature=0.0)
-        for name in rotate(names, t):
+        # vLLM's backend first for perplexity (its greedy tokens are the
+        # reference's); retrieval trials rotate, for the timing
+        for name in (names if task == "perplexity" else rotate(names, t)):
             llm = engines[name]
             if stems[name] is not None:
                 stem_vllm.reset_stats(llm)
@@ -258,6 +278,11 @@ def run(args) -> None:
                            ttft=round(metrics.first_token_latency, 3) if metrics else None)
             else:
                 row.update(perplexity_row(out.prompt_logprobs, ids))
+                if name == REFERENCE:
+                    greedy[nominal, t] = row["greedy"]
+                elif (nominal, t) in greedy:  # the count, not the 32K tokens
+                    row["same"] = same_greedy(row, {"greedy": greedy[nominal, t]})
+                    del row["greedy"]
             if stems[name] is not None:
                 st = stem_vllm.stats(llm)
                 row["density"] = st["density"]
@@ -335,9 +360,11 @@ def summary(rows: list[dict]) -> list[dict]:
                 entry["ppl_change"] = entry["ppl"] / _ppl(refs, "nll", "tokens") - 1
                 entry["tail_change"] = (_ppl(windows, "tail_nll", "tail_tokens")
                                         / _ppl(refs, "tail_nll", "tail_tokens") - 1)
-                same = sum(sum(a == b for a, b in zip(w["greedy"], ref["greedy"]))
-                           for w, ref in zip(windows, refs))
+                same = sum(same_greedy(w, ref) for w, ref in zip(windows, refs))
                 entry["agreement"] = same / sum(w["tokens"] for w in windows)
+                # wall time of the perplexity requests (log-probabilities included)
+                entry["ppl_speedup"] = (sum(r["seconds"] for r in refs)
+                                        / sum(w["seconds"] for w in windows))
             ups = speedups(rows, model, nominal, name) if name != REFERENCE else []
             entry["speedup"] = ups
             dens = [r["density"] for r in mine if r["setting"] == name
@@ -398,7 +425,8 @@ def table_lines(rows: list[dict]) -> list[str]:
         mine = [e for e in entries if e["model"] == model and e["nominal"] == nominal]
         best = frontier(mine)
         lines += [f"\n#### {model}, {nominal} tokens\n",
-                  "| setting | speed-up, median [min, max] (trials) | density | passkey | "
+                  "| setting | speed-up, median [min, max] (trials) | density of Stem's rows | "
+                  "passkey | "
                   "passkeys missed at depth | multi-key | perplexity (change) | last "
                   "quarter's | greedy as vLLM's | at dense's accuracy |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
@@ -447,18 +475,21 @@ def plot(args) -> None:
     fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
     for ax, (model, nominal) in zip(axes[0], groups):
         for e in (e for e in entries if e["model"] == model and e["nominal"] == nominal):
-            ups = e["speedup"] or [1.0]
+            ups = e["speedup"] or [e["ppl_speedup"]]
             x = statistics.median(ups)
             colour = {True: "tab:green", False: "tab:red", None: "tab:gray"}[e["accurate"]]
             ax.errorbar(x, 100 * e["ppl_change"], xerr=[[x - min(ups)], [max(ups) - x]],
-                        fmt="o", color=colour, capsize=3)
-            ax.annotate(e["setting"], (x, 100 * e["ppl_change"]), fontsize=7,
-                        xytext=(4, 4), textcoords="offset points")
+                        fmt="o", color=colour, capsize=3,
+                        markerfacecolor=colour if e["speedup"] or e["setting"] == REFERENCE
+                        else "none")
+            ax.annotate(e["setting"].replace("k_block_num_", ""), (x, 100 * e["ppl_change"]),
+                        fontsize=7, xytext=(4, 4), textcoords="offset points")
         ax.axhline(100 * PPL_TOLERANCE, ls="--", color="gray", lw=0.8)
         ax.set_title(f"{model}, {nominal} tokens")
         ax.set_xlabel("time to first token: speed-up against vLLM's backend")
         ax.set_ylabel("perplexity change against vLLM's backend (%)")
-    fig.suptitle("green: at dense's accuracy; red: not; grey: unmeasured")
+    fig.suptitle("green: at dense's accuracy; red: not; grey: retrieval unmeasured. Hollow: "
+                 "no timed trial, x from the perplexity requests' wall time", fontsize=9)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
     print(f"wrote {args.out}")
