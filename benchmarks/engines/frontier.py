@@ -171,17 +171,6 @@ def rotate(names: list[str], t: int) -> list[str]:
 # --------------------------------------------------------------------------- #
 
 
-def _engine(path: Path, stem: dict | None, limit: int):
-    from vllm import LLM
-
-    kwargs = dict(model=str(path), dtype=os.environ.get("STEM_BENCH_DTYPE", "bfloat16"),
-                  max_model_len=limit, enable_prefix_caching=False, seed=0,
-                  disable_log_stats=False)  # RequestOutput.metrics: the first token's time
-    if stem is not None:
-        kwargs.update(attention_backend="CUSTOM", additional_config={"stem": stem})
-    return LLM(**kwargs)
-
-
 def perplexity_row(prompt_logprobs, ids: list[int]) -> dict:
     """Summed next-token NLL of the whole window and of its last quarter, and
     the greedy next tokens (top-1 of each position), from vLLM's prompt
@@ -236,7 +225,8 @@ def run(args) -> None:
     gen = ruler.Generator(lambda text: tok(text, add_special_tokens=False).input_ids, prefix)
     needed = {s for p in plan for s in p[3]}
     limit = min(max(lengths) + 64, window)
-    engines = {s: _engine(path, stems[s], limit) for s in settings if s in needed}
+    engines = {s: vllm_bench.engine(path, stems[s], max_model_len=limit, log_stats=True)
+               for s in settings if s in needed}
     common = dict(model=args.model, git=git_sha(), run=f"{time.time():.0f}",
                   cpu=machine().split(";")[0])
     ppl_windows: dict[int, list] = {}
@@ -588,8 +578,9 @@ def oracle(args) -> None:
                 picked = [idx[0, h, r, :int(lens[0, h, r])].tolist() for h in range(q.shape[1])]
                 g, b = kept_mass(mass, picked)
                 got, best = got + g, best + b
-                forced = set(range(min(params.initial_blocks, r + 1)))
-                forced |= set(range(max(r + 1 - params.window_size, 0), r + 1))
+                sink_end, cand_end = (int(x) for x in contract.candidate_range(
+                    torch.tensor(r + 1), params.initial_blocks, params.window_size))
+                forced = set(range(sink_end)) | set(range(cand_end, r + 1))
                 sample = block_mass(q, k, scale, r, bs, last=args.sampled)
                 by_sample += kept_mass(mass, sampled_picks(sample, picked, forced))[0]
             if rows:

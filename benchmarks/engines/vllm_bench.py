@@ -143,11 +143,14 @@ def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
 
 
 def engine(model: Path, stem: dict | None, *, max_model_len: int, prefix_caching: bool = False,
-           max_num_batched_tokens: int | None = None):
+           max_num_batched_tokens: int | None = None, log_stats: bool = False):
+    """One engine; ``log_stats``: vLLM's statistics on, so that each
+    ``RequestOutput.metrics`` says when its first token came."""
     from vllm import LLM
 
     kwargs = dict(model=str(model), dtype=os.environ.get("STEM_BENCH_DTYPE", "bfloat16"),
-                  max_model_len=max_model_len, enable_prefix_caching=prefix_caching, seed=0)
+                  max_model_len=max_model_len, enable_prefix_caching=prefix_caching, seed=0,
+                  disable_log_stats=not log_stats)
     if max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = max_num_batched_tokens
     if stem is not None:

@@ -602,14 +602,14 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                          kv_sharing_target_layer_name, sinks)
         config = get_current_vllm_config()
         self.settings = StemSettings.from_config(config.additional_config)
-        self.ordinal = _LAYER_COUNT[0]
-        _LAYER_COUNT[0] += 1
         # This layer's place in its model: the layers vLLM registered before it
         self.index = len(getattr(config.compilation_config, "static_forward_context", ()))
         self.layer_reason = engine_reason(config) or self._layer_reason()
         self.index_cache: IndexCache | None = None
         self.held = None  # speculative decoding: (step, key, value, slots, tags) held back
         self.staged_for = None  # the KV cache this layer's staged writes were checked for
+        self.ordinal = _LAYER_COUNT[0]
+        _LAYER_COUNT[0] += 1
         _WRITING_LAYERS[0] += not self.layer_reason
         STATS.layers = _LAYER_COUNT[0]
         STATS.log_requests = _tp_rank() == 0
