@@ -24,7 +24,7 @@ from stem_indexer.testing import reference_attention, token_mask
 pytestmark = pytest.mark.skipif(not sa.available(), reason=sa.status())
 
 ISAS = ["avx512bf16", "avx512", "avx2", "scalar"]
-BF16_MODES = ["amx", "widen"] if torch_blas.amx_available() else ["widen"]
+BF16_MODES = ["brgemm", "widen"] if torch_blas.bf16_brgemm()[0] is not None else ["widen"]
 
 
 def selection(gen, batch, hq, qmax, kmax, *, p=0.4, diagonal=True, empty=0.1):
@@ -161,7 +161,7 @@ def test_empty_rows_and_empty_lists():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_lists_span_steps(dtype):
     """Lists longer than one online-softmax step (512 keys), in many pieces
-    (with AMX, also pieces across the packed 512-key chunks of K)."""
+    (packed, also pieces across the packed 512-key chunks of K)."""
     check(make_case(14, hq=2, hkv=1, sq=1200, bs=16, p=0.6, dim=32, dtype=dtype))
     check(make_case(15, hq=2, hkv=1, sq=1200, bs=128, p=0.9, dim=32, dtype=dtype))
 
@@ -214,7 +214,7 @@ def test_rejects_what_it_cannot_run():
         sa.sparse_attention(**{**case, "lengths": case["lengths"][..., :1]})
     odd = make_case(22, sq=64, bs=32, dim=33, dtype=torch.bfloat16)
     with pytest.raises(ValueError):
-        sa.sparse_attention(**odd, bf16="amx")
+        sa.sparse_attention(**odd, bf16="brgemm")
     check(odd)  # "auto" widens
 
 
@@ -312,7 +312,7 @@ def test_keys_a_query_does_not_see_never_reach_it(dtype):
 
 
 # --------------------------------------------------------------------------- #
-# The AMX micro-kernel's probe
+# The bfloat16 micro-kernel's probe
 # --------------------------------------------------------------------------- #
 
 needs_cpublas = pytest.mark.skipif(
@@ -350,10 +350,10 @@ def test_probe_calls_cover_the_kernels_calls():
 ])
 def test_probe_reports_a_child_that_fails(fresh_probe, monkeypatch, code, how):
     monkeypatch.setattr(torch_blas, "PROBE_CODE", code)
-    why = sa.amx_probe(64, 32)
+    why = sa.brgemm_probe(64, 32)
     assert why is not None and how in why, why
-    assert "AMX micro-kernel unusable for D=64, block 32" in sa.status()
-    assert sa.amx_probe(64, 32) == why  # once per (D, block size)
+    assert "bfloat16 micro-kernel unusable for D=64, block 32" in sa.status()
+    assert sa.brgemm_probe(64, 32) == why  # once per (D, block size)
 
 
 @needs_cpublas
@@ -373,45 +373,62 @@ def test_a_clean_probe_is_remembered_in_the_cache(fresh_probe, monkeypatch, tmp_
 
 
 @needs_cpublas
-def test_unusable_amx_widens_with_the_reason(fresh_probe, monkeypatch):
-    """A CPU that could pack for AMX but whose micro-kernel fails its probe:
+def test_an_unusable_micro_kernel_widens_with_the_reason(fresh_probe, monkeypatch):
+    """A CPU with bfloat16 dot products whose micro-kernel fails its probe:
     bf16 runs widened (bit for bit as bf16='widen'), with one warning and
-    the reason in status(); bf16='amx' is refused with it."""
-    monkeypatch.setattr(torch_blas, "amx_available", lambda: True)
+    the reason in status(); bf16='brgemm' is refused with it."""
+    monkeypatch.setattr(torch_blas, "bf16_brgemm", lambda: ((1, 2), "a bfloat16 CPU"))
     monkeypatch.setattr(torch_blas, "PROBE_CODE", "import os; os.abort()")
     case = make_case(41, sq=100, bs=16, dim=32, dtype=torch.bfloat16)
-    with pytest.warns(RuntimeWarning, match="AMX micro-kernel unusable for D=32, block 16"):
+    with pytest.warns(RuntimeWarning,
+                      match="bfloat16 micro-kernel unusable for D=32, block 16"):
         out = check(case)
     assert torch.equal(out, sa.sparse_attention(**case, bf16="widen"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert torch.equal(sa.sparse_attention(**case), out)  # no second warning
-    assert "AMX micro-kernel unusable for D=32, block 16" in sa.status()
+    assert "bfloat16 micro-kernel unusable for D=32, block 16" in sa.status()
     with pytest.raises(ValueError, match="signal"):
-        sa.sparse_attention(**case, bf16="amx")
+        sa.sparse_attention(**case, bf16="brgemm")
+
+
+def test_a_cpu_without_bfloat16_dot_products_widens(monkeypatch):
+    """No bfloat16 dot products (an AVX2 CPU): "auto" widens without a probe
+    or a warning, and bf16='brgemm' is refused naming why."""
+    monkeypatch.setattr(torch_blas, "cpu_flags", lambda: "fpu avx2 fma")
+    monkeypatch.setattr(sa, "brgemm_probe", lambda *a: pytest.fail("probed"))
+    assert torch_blas.bf16_brgemm() == (None, "the CPU has no bfloat16 dot product instructions")
+    case = make_case(43, sq=64, bs=32, dim=32, dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = check(case)
+    assert torch.equal(out, sa.sparse_attention(**case, bf16="widen"))
+    with pytest.raises(ValueError, match="no bfloat16 dot product"):
+        sa.sparse_attention(**case, bf16="brgemm")
 
 
 @needs_cpublas
 @pytest.mark.parametrize("causal", [True, False])
-def test_amx_path_through_the_micro_kernel_here(fresh_probe, monkeypatch, causal):
-    """The AMX path (packed K/V, torch's brgemm, bfloat16 P) forced on this
-    CPU, where oneDNN's micro-kernel passes its probe without AMX too:
-    accuracy, NaN and inf as dense attention, padding and unseen keys."""
-    if torch_blas.amx_available():
-        pytest.skip("AMX here: the other tests run this path")
-    if sa.amx_probe(24, 16) is not None or sa.amx_probe(32, 32) is not None:
-        pytest.skip(f"the micro-kernel does not run here: {sa.amx_probe(24, 16)}")
-    monkeypatch.setattr(torch_blas, "amx_available", lambda: True)
-    check(make_case(42, sq=150, skv=170, bs=32, dim=32, causal=causal, dtype=torch.bfloat16,
-                    q_lens=[150], kv_lens=[161]), bf16="amx")
-    check_nonfinite("auto", torch.bfloat16, causal, ["amx"], seeds=range(2))
+def test_the_micro_kernel_path_on_edges(fresh_probe, causal):
+    """The packed path (packed K/V, torch's brgemm, bfloat16 P), the default
+    on a CPU with bfloat16 dot products: accuracy, NaN and inf as dense
+    attention, padding and unseen keys."""
+    if torch_blas.bf16_brgemm()[0] is None:
+        pytest.skip(torch_blas.bf16_brgemm()[1])
+    if sa.brgemm_probe(24, 16) is not None or sa.brgemm_probe(32, 32) is not None:
+        pytest.skip(f"the micro-kernel does not run here: {sa.brgemm_probe(24, 16)}")
+    edge = make_case(42, sq=150, skv=170, bs=32, dim=32, causal=causal, dtype=torch.bfloat16,
+                     q_lens=[150], kv_lens=[161])
+    out = check(edge, bf16="brgemm")
+    assert torch.equal(sa.sparse_attention(**edge), out)  # the default here
+    check_nonfinite("auto", torch.bfloat16, causal, ["brgemm"], seeds=range(2))
     case = make_case(40, hq=2, hkv=1, sq=64, dim=32, bs=32, dtype=torch.bfloat16, p=1.0,
                      empty=0.0, causal=causal)
     for name in ("k", "v"):
         x = case[name].clone()
         x[:, :, 40] = math.nan  # key 40: seen by queries 40.. only (all, without causal)
         case[name] = x
-    out = sa.sparse_attention(**case, bf16="amx")
+    out = sa.sparse_attention(**case, bf16="brgemm")
     assert bool(out[:, :, 40:].isnan().all())
     assert bool(out[:, :, :40].isfinite().all()) == causal
 

@@ -257,7 +257,8 @@ def main() -> None:
     args = ap.parse_args()
     if not sa.available():
         raise SystemExit(f"kernel unavailable: {sa.status()}")
-    bf16 = "amx (brgemm)" if torch_blas.amx_available() else "widen (sgemm)"
+    bf16 = ("brgemm (torch's micro-kernel)" if torch_blas.bf16_brgemm()[0] is not None
+            else "widen (sgemm)")
     print(f"machine: {machine()}; threads {torch.get_num_threads()}; torch {torch.__version__}; "
           f"git {git_sha()}; bf16 path: {bf16}; load average at start "
           f"{os.getloadavg()[0]:.2f}", flush=True)

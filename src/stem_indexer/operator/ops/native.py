@@ -291,22 +291,9 @@ def _compile(lib: Library, compiler: list[str], out: str) -> str | None:
 # bfloat16 products of the scores
 # --------------------------------------------------------------------------- #
 
-BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo: bfloat16 dot products
 SCORE_ROWS, SCORE_COLS = 32, 64  # as csrc/select_rows.c
 _bf16_lock = threading.Lock()
 _bf16_probed: dict[int, str | None] = {}  # Df -> why unusable, or None
-
-
-def _bf16_base() -> tuple[tuple[int, int] | None, str]:
-    """torch's brgemm and brgemm_release, or None and why not."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, f"no oneDNN micro-kernel in torch on {platform.machine()}"
-    if not set(torch_blas.cpu_flags().split()) & set(BF16_CPU_FLAGS):
-        return None, "the CPU has no bfloat16 dot product instructions"
-    fns = torch_blas.brgemm()
-    if fns is None:
-        return None, "torch exports no cpublas::brgemm"
-    return fns, "torch's cpublas::brgemm (oneDNN)"
 
 
 def dp_scores() -> bool:
@@ -325,7 +312,7 @@ def dp_scores() -> bool:
 
 def bf16_scores_status() -> str:
     """How the CPU path multiplies bfloat16 scores, and why."""
-    fns, why = _bf16_base()
+    fns, why = torch_blas.bf16_brgemm()
     if fns is None or load(SELECT_ROWS) is None:
         return f"float32 GEMM ({why if fns is None else 'no selection kernel'})"
     if dp_scores():
@@ -342,7 +329,7 @@ def bf16_scores_available(df: int) -> bool:
     this Df made once in a child process (``torch_blas.probe``: an
     exception in them would abort the process). A failed probe is reported
     (status(), one warning) and the float32 GEMMs run instead."""
-    fns = _bf16_base()[0]
+    fns = torch_blas.bf16_brgemm()[0]
     if fns is None or df % 2 or df < 2 or load(SELECT_ROWS) is None:
         return False
     with _bf16_lock:
@@ -398,7 +385,7 @@ def scores_bf16(a: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, scale: f
     if dp_scores():
         name, code = "stem_scores_dp", lib.stem_scores_dp(*args)
     else:
-        fns = (ctypes.c_void_p * 2)(*_bf16_base()[0])
+        fns = (ctypes.c_void_p * 2)(*torch_blas.bf16_brgemm()[0])
         name, code = "stem_scores_bf16", lib.stem_scores_bf16(fns, *args)
     if code == -2:
         raise MemoryError(f"{name}: no memory for its packed keys")

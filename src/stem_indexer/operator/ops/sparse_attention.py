@@ -15,21 +15,22 @@ Each row multiplies its query block by its listed key blocks (adjacent blocks
 in one GEMM) with an online softmax in float32. How the products are made:
 
 * float32: MKL's ``sgemm_`` on Q, K, V where they lie;
-* bfloat16, ``bf16="amx"``: K^T and V of each (batch, KV head) packed once
-  into the VNNI layout, then torch's ``at::native::cpublas::brgemm`` (oneDNN's
-  AMX micro-kernel, the one behind torch's own CPU flash attention):
-  bfloat16 products, float32 accumulation, probabilities rounded to bfloat16
-  before P V as torch's flash kernel does. The default where oneDNN can pack
-  for AMX (``cpublas::could_pack``), D and the block size are even;
+* bfloat16, ``bf16="brgemm"``: K^T and V of each (batch, KV head) packed
+  once into the VNNI layout, then torch's ``at::native::cpublas::brgemm``
+  (oneDNN's micro-kernel, the one behind torch's own CPU flash attention: AMX
+  tiles, or AVX512-BF16's vdpbf16ps): bfloat16 products, float32
+  accumulation, probabilities rounded to bfloat16 before P V as torch's flash
+  kernel does. The default on CPUs with bfloat16 dot products
+  (``torch_blas.bf16_brgemm``) where D and the block size are even;
 * bfloat16, ``bf16="widen"``: Q and each step's K/V pieces widened to float32
   in thread scratch, then ``sgemm_`` (float32 probabilities). The default
-  elsewhere (AVX2 / AVX-512 CPUs without AMX).
+  elsewhere (AVX2 CPUs; odd D or block size).
 
-The AMX micro-kernel is tried in a child process before the first AMX call
+The micro-kernel is tried in a child process before the first such call
 for a (D, block size), with every call of the shapes the kernel will make
-(``amx_probe``, through ``torch_blas.probe``); where the child does not
+(``brgemm_probe``, through ``torch_blas.probe``); where the child does not
 finish cleanly, bfloat16 is widened instead, with one warning and the reason
-in ``status()`` (and ``bf16="amx"`` is refused). The CPU indexer's bfloat16
+in ``status()`` (and ``bf16="brgemm"`` is refused). The CPU indexer's bfloat16
 scores use the same micro-kernel and the same probe
 (``native.bf16_scores_available``).
 
@@ -59,9 +60,9 @@ LIB = native.Library("sparse_attention", {
 })
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-BF16_MODES = ("auto", "amx", "widen")
+BF16_MODES = ("auto", "brgemm", "widen")
 ISAS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
-_MODE_SGEMM, _MODE_WIDEN, _MODE_AMX = 0, 1, 2
+_MODE_SGEMM, _MODE_WIDEN, _MODE_BRGEMM = 0, 1, 2
 _ERR_MEMORY = 1
 
 
@@ -72,11 +73,11 @@ def available() -> bool:
 
 def status() -> str:
     """Whether the kernel is in use, and why (builds it on first call); the
-    (D, block size) pairs for which the AMX micro-kernel failed its probe."""
+    (D, block size) pairs for which the bfloat16 micro-kernel failed its probe."""
     found, why = torch_blas.symbols()
     if found is None:
         return "torch fallback: " + why
-    failed = [f"AMX micro-kernel unusable for D={d}, block {bs}, bfloat16 widened instead "
+    failed = [f"bfloat16 micro-kernel unusable for D={d}, block {bs}, bfloat16 widened instead "
               f"({reason})" for (d, bs), reason in sorted(_probed.items()) if reason]
     return "; ".join([native.status(LIB) + f"; {why}", *failed])
 
@@ -87,7 +88,7 @@ def report_fallback() -> None:
 
 
 # --------------------------------------------------------------------------- #
-# The AMX micro-kernel's probe
+# The bfloat16 micro-kernel's probe
 # --------------------------------------------------------------------------- #
 
 STEP_KEYS = 512  # as csrc/sparse_attention.c
@@ -115,8 +116,8 @@ def _probe_calls(dim: int, block_size: int) -> tuple[list[tuple[int, ...]], tupl
     return calls, sizes
 
 
-def amx_probe(dim: int, block_size: int) -> str | None:
-    """Why the AMX micro-kernel cannot be used for (D, block size), or None:
+def brgemm_probe(dim: int, block_size: int) -> str | None:
+    """Why the bfloat16 micro-kernel cannot be used for (D, block size), or None:
     its calls made in a child process (once per pair in this process)."""
     key = (dim, block_size)
     with _probe_lock:
@@ -132,17 +133,18 @@ def _run_probe(dim: int, block_size: int) -> str | None:
 def _mode(dtype: torch.dtype, bf16: str, dim: int, block_size: int) -> int:
     if dtype == torch.float32:
         return _MODE_SGEMM
-    amx_fits = dim % 2 == 0 and block_size % 2 == 0
-    if bf16 == "amx" and not (amx_fits and torch_blas.amx_available()):
-        raise ValueError("sparse_attention: bf16='amx' needs an AMX CPU with torch's oneDNN "
-                         f"enabled and even D and block size (D={dim}, block={block_size})")
-    if bf16 == "amx" or (bf16 == "auto" and amx_fits and torch_blas.amx_available()):
-        why = amx_probe(dim, block_size)
+    fns, why = torch_blas.bf16_brgemm()
+    usable = fns is not None and dim % 2 == 0 and block_size % 2 == 0
+    if bf16 == "brgemm" and not usable:
+        raise ValueError("sparse_attention: bf16='brgemm' needs torch's bfloat16 micro-kernel "
+                         f"({why}) and even D and block size (D={dim}, block={block_size})")
+    if bf16 == "brgemm" or (bf16 == "auto" and usable):
+        why = brgemm_probe(dim, block_size)
         if why is None:
-            return _MODE_AMX
-        if bf16 == "amx":
-            raise ValueError(f"sparse_attention: bf16='amx' unusable here: {why}")
-        native.report_fallback("attention AMX", status())
+            return _MODE_BRGEMM
+        if bf16 == "brgemm":
+            raise ValueError(f"sparse_attention: bf16='brgemm' unusable here: {why}")
+        native.report_fallback("attention bfloat16 micro-kernel", status())
     return _MODE_WIDEN
 
 
@@ -166,7 +168,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: tor
     * scale: any finite number; softcap: None or > 0 (scaled scores become
       ``softcap * tanh(score / softcap)`` before the softmax).
 
-    ``bf16``: how bfloat16 is multiplied (``"amx"`` or ``"widen"``, see the
+    ``bf16``: how bfloat16 is multiplied (``"brgemm"`` or ``"widen"``, see the
     module doc; ``"auto"`` picks by hardware). ``isa``: the instruction set of
     the softmax (``"auto"``, or one of ``ISAS`` to test the others on one
     machine). Returns [B, Hq, Sq, D] in q's dtype; with ``lse`` also the

@@ -38,7 +38,6 @@ MKL = ("sgemm_", "MKL_Set_Num_Threads_Local")
 CPUBLAS = ("_ZN2at6native7cpublas6brgemmEllllllbPKN3c108BFloat16ES5_Pfb",
            "_ZN2at6native7cpublas14brgemm_releaseEb",
            "_ZN2at6native7cpublas10could_packEN3c1010ScalarTypeE")
-_BFLOAT16 = 15  # c10::ScalarType::BFloat16
 PROBE_SECONDS = 120
 
 
@@ -79,14 +78,21 @@ def brgemm() -> tuple[int, int] | None:
     return found[CPUBLAS[0]], found[CPUBLAS[1]]
 
 
-def amx_available() -> bool:
-    """torch's oneDNN can pack bfloat16 for AMX here (an AMX CPU, oneDNN
-    enabled): asked at each call, as ``torch.backends.mkldnn`` may change."""
-    found = symbols()[0]
-    if not found or not all(found[n] for n in CPUBLAS):
-        return False
-    could_pack = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_int8)(found[CPUBLAS[2]])
-    return bool(could_pack(_BFLOAT16))
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo: bfloat16 dot products
+
+
+def bf16_brgemm() -> tuple[tuple[int, int] | None, str]:
+    """torch's ``cpublas::brgemm`` and ``brgemm_release`` where its bfloat16
+    micro-kernel can run (an x86-64 CPU with bfloat16 dot products: AMX
+    tiles, or AVX512-BF16's vdpbf16ps), or None; and what runs, or why not."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"no oneDNN micro-kernel in torch on {platform.machine()}"
+    if not set(cpu_flags().split()) & set(BF16_CPU_FLAGS):
+        return None, "the CPU has no bfloat16 dot product instructions"
+    fns = brgemm()
+    if fns is None:
+        return None, "torch exports no cpublas::brgemm"
+    return fns, "torch's cpublas::brgemm (oneDNN)"
 
 
 @functools.cache

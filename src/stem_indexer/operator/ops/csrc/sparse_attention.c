@@ -31,14 +31,17 @@
  * libtorch_cpu.so and are passed in as function pointers):
  *
  *   MODE_SGEMM  float32: MKL sgemm_ on Q, K, V where they lie.
- *   MODE_WIDEN  bfloat16 without AMX: each row's Q and each step's K/V pieces
- *               widened to float32 in thread scratch, then sgemm_.
- *   MODE_AMX    bfloat16 with AMX: per (batch, KV head), K^T and V are packed
+ *   MODE_WIDEN  bfloat16 where torch's micro-kernel does not run (no
+ *               bfloat16 dot products: AVX2): each row's Q and each step's
+ *               K/V pieces widened to float32 in thread scratch, then sgemm_.
+ *   MODE_BRGEMM bfloat16 on a CPU with bfloat16 dot products (AMX, or
+ *               AVX512-BF16): per (batch, KV head), K^T and V are packed
  *               once into VNNI layout (pairs of rows interleaved) in shared
  *               buffers, keys past kv_len as zeros; rows then call torch's
- *               at::native::cpublas::brgemm (oneDNN's AMX micro-kernel, the
- *               one torch's own flash attention uses) on whole blocks, and P
- *               is rounded to bfloat16 as torch's flash kernel does.
+ *               at::native::cpublas::brgemm (oneDNN's micro-kernel, the one
+ *               torch's own flash attention uses: AMX tiles, or vdpbf16ps)
+ *               on whole blocks, and P is rounded to bfloat16 as torch's
+ *               flash kernel does.
  *
  * The rows already share the cores, so MKL must run serially in each thread:
  * inside an active libgomp region it does by itself (MKL_Get_Max_Threads()
@@ -67,7 +70,7 @@
 #endif
 
 enum { F32 = 0, BF16 = 1 };                   /* dtype of q, k, v, out */
-enum { MODE_SGEMM, MODE_WIDEN, MODE_AMX };
+enum { MODE_SGEMM, MODE_WIDEN, MODE_BRGEMM };
 enum { ISA_AUTO = -1, ISA_SCALAR, ISA_AVX2, ISA_AVX512, ISA_AVX512BF16 };
 enum { ERR_MEMORY = 1, ERR_ARGS = 2 };
 
@@ -404,12 +407,12 @@ struct job {
     int causal, dtype, mode;
     float alpha;               /* scale * log2(e): scores in base-2 units */
     float cap_in, cap_out;     /* soft-capping: s -> cap_out * tanh(s * cap_in); 0: none */
-    int step_blocks, step_keys; /* per step; the K chunk of MODE_AMX */
+    int step_blocks, step_keys; /* per step; the K chunk of MODE_BRGEMM */
     int ld_s, ld_p;            /* row strides of the score and bf16 P tiles */
     sgemm_t sgemm;
     brgemm_t brgemm;
     struct rowops ops;
-    uint16_t *kp, *vp; /* MODE_AMX: the current KV head packed (see pack_chunk) */
+    uint16_t *kp, *vp; /* MODE_BRGEMM: the current KV head packed (see pack_chunk) */
 };
 
 struct piece {
@@ -454,7 +457,7 @@ static void scratch_free(struct scratch *sc)
 static int scratch_init(const struct job *jb, struct scratch *sc)
 {
     size_t bs = (size_t)jb->bs, d = (size_t)jb->dim, keys = (size_t)jb->ld_s;
-    int amx = jb->mode == MODE_AMX, widen = jb->mode == MODE_WIDEN;
+    int packed = jb->mode == MODE_BRGEMM, widen = jb->mode == MODE_WIDEN;
     memset(sc, 0, sizeof *sc);
     sc->s = alloc(bs * (size_t)jb->ld_s * sizeof(float));
     sc->o = alloc(bs * d * sizeof(float));
@@ -462,11 +465,11 @@ static int scratch_init(const struct job *jb, struct scratch *sc)
     sc->l = alloc(bs * sizeof(float));
     sc->seen = alloc(bs);
     sc->pieces = alloc((size_t)jb->step_blocks * sizeof(struct piece));
-    sc->p = amx ? alloc(bs * (size_t)jb->ld_p * sizeof(uint16_t)) : NULL;
+    sc->p = packed ? alloc(bs * (size_t)jb->ld_p * sizeof(uint16_t)) : NULL;
     sc->q32 = widen ? alloc(bs * d * sizeof(float)) : NULL;
     sc->k32 = widen ? alloc(keys * d * sizeof(float)) : NULL;
     sc->v32 = widen ? alloc(keys * d * sizeof(float)) : NULL;
-    int ok = sc->s && sc->o && sc->m && sc->l && sc->seen && sc->pieces && (!amx || sc->p) &&
+    int ok = sc->s && sc->o && sc->m && sc->l && sc->seen && sc->pieces && (!packed || sc->p) &&
              (!widen || (sc->q32 && sc->k32 && sc->v32));
     if (!ok)
         scratch_free(sc);
@@ -474,7 +477,7 @@ static int scratch_init(const struct job *jb, struct scratch *sc)
 }
 
 /* --------------------------------------------------------------------------
- * MODE_AMX packing, one chunk of step_keys keys of one KV head at a time, into
+ * MODE_BRGEMM packing, one chunk of step_keys keys of one KV head at a time, into
  * the VNNI layout brgemm reads for B (pairs along the reduced dimension):
  *   kp[c][d / 2][j][d % 2] = K[c * step_keys + j][d]   (K^T, pairs of d)
  *   vp[key / 2][d][key % 2] = V[key][d]                (pairs of keys)
@@ -542,7 +545,7 @@ static void sgemm_pv(const struct job *jb, int nq, int n, const float *p, const 
 
 /* S for keys [key, key + n) of the packed KV head, n whole blocks, split
  * where the keys cross a chunk of kp. */
-static void amx_qk(const struct job *jb, const struct row *rw, int64_t key, int n, float *s)
+static void brgemm_qk(const struct job *jb, const struct row *rw, int64_t key, int n, float *s)
 {
     int64_t d = jb->dim, kc = jb->step_keys;
     while (n > 0) {
@@ -643,7 +646,7 @@ static int finite_rows(const struct job *jb, const char *x, int64_t n)
 /* Whether P V may go through a GEMM: no query has an invisible column whose
  * V row holds NaN or inf (weighted 0, it would still give NaN). The columns
  * some query does not see are those from the first query's count up to
- * `ncols` (past the last visible key: whole blocks with MODE_AMX, keys past
+ * `ncols` (past the last visible key: whole blocks with MODE_BRGEMM, keys past
  * kv_len packed as zeros there). */
 static int gemm_pv_ok(const struct job *jb, const struct scratch *sc, const struct row *rw,
                       int ncols, int64_t kv_len)
@@ -695,15 +698,15 @@ static void pv_exact(const struct job *jb, const struct scratch *sc, const struc
     }
 }
 
-/* MODE_AMX: whole blocks (the row's last piece may end inside one; the rest
+/* MODE_BRGEMM: whole blocks (the row's last piece may end inside one; the rest
  * of that block is computed on packed keys and weighted 0). */
-static void step_amx(const struct job *jb, struct scratch *sc, const struct row *rw)
+static void step_brgemm(const struct job *jb, struct scratch *sc, const struct row *rw)
 {
     int bs = (int)jb->bs, d = (int)jb->dim;
     int n = (rw->ncols + bs - 1) / bs * bs;
     for (int p = 0; p < rw->np; p++) {
         const struct piece *pc = &sc->pieces[p];
-        amx_qk(jb, rw, pc->key, (pc->n + bs - 1) / bs * bs, sc->s + pc->col);
+        brgemm_qk(jb, rw, pc->key, (pc->n + bs - 1) / bs * bs, sc->s + pc->col);
     }
     softmax_step(jb, sc, rw, n);
     if (!gemm_pv_ok(jb, sc, rw, n, jb->kv_lens[rw->b])) {
@@ -755,8 +758,8 @@ static void step_sgemm(const struct job *jb, struct scratch *sc, const struct ro
 
 static void step(const struct job *jb, struct scratch *sc, struct row *rw)
 {
-    if (jb->mode == MODE_AMX)
-        step_amx(jb, sc, rw);
+    if (jb->mode == MODE_BRGEMM)
+        step_brgemm(jb, sc, rw);
     else if (jb->mode == MODE_WIDEN)
         step_widen(jb, sc, rw);
     else
@@ -878,7 +881,7 @@ static void attend_row(const struct job *jb, struct scratch *sc, int64_t row)
 }
 
 /* --------------------------------------------------------------------------
- * Scheduling. MODE_AMX goes one (batch, KV head) at a time: its K/V packed by
+ * Scheduling. MODE_BRGEMM goes one (batch, KV head) at a time: its K/V packed by
  * all threads, then its rows; the other modes share all rows at once.
  * -------------------------------------------------------------------------- */
 
@@ -906,7 +909,7 @@ static int run_slices(const struct job *jb, const int64_t *order, int64_t nslice
     int64_t padded = (jb->skv + jb->bs - 1) / jb->bs * jb->bs;
     int64_t nchunks = (padded + jb->step_keys - 1) / jb->step_keys;
     for (int64_t sl = 0; sl < nslices; sl++) {
-        if (jb->mode == MODE_AMX) {
+        if (jb->mode == MODE_BRGEMM) {
 #pragma omp for schedule(static)
             for (int64_t c = 0; c < nchunks; c++)
                 pack_chunk(jb, sl, c);
@@ -924,7 +927,7 @@ static int run_slices(const struct job *jb, const int64_t *order, int64_t nslice
 static int run(const struct job *jb, threads_t threads, release_t release, int nthreads)
 {
     int64_t nrows = jb->batch * jb->hq * jb->qmax;
-    int64_t nslices = jb->mode == MODE_AMX ? jb->batch * jb->hkv : 1;
+    int64_t nslices = jb->mode == MODE_BRGEMM ? jb->batch * jb->hkv : 1;
     int64_t per_slice = nslices ? nrows / nslices : 0;
     int64_t *order = malloc((size_t)(nrows ? nrows : 1) * sizeof(int64_t));
     int64_t *count = malloc((size_t)(jb->width + 2) * sizeof(int64_t));
@@ -940,8 +943,8 @@ static int run(const struct job *jb, threads_t threads, release_t release, int n
     {
         int prev = threads ? threads(1) : 0; /* MKL serial inside this thread */
         int ok = run_slices(jb, order, nslices, per_slice);
-        if (jb->mode == MODE_AMX)
-            release(true); /* the AMX tile state brgemm configured */
+        if (jb->mode == MODE_BRGEMM)
+            release(true); /* the tile state brgemm configured (AMX) */
         if (threads)
             threads(prev);
         if (!ok) {
@@ -956,10 +959,10 @@ static int run(const struct job *jb, threads_t threads, release_t release, int n
 /* q [B, Hq, Sq, D], k and v [B, Hkv, Skv, D], out [B, Hq, Sq, D]: contiguous,
  * one dtype (F32 or BF16). idx [B, Hq, Qmax, width] int64, each row's first
  * lengths[b, h, i] entries ascending, in [0, ceil(Skv / bs)), no duplicates;
- * q_lens, kv_lens [B]. mode: MODE_SGEMM for F32, MODE_WIDEN or MODE_AMX for
- * BF16 (MODE_AMX needs an AMX CPU, even D and bs). blas: {sgemm_, brgemm,
- * brgemm_release, MKL_Set_Num_Threads_Local}, the last may be NULL and the
- * brgemm pair when not MODE_AMX. isa: ISA_AUTO, or a set to force (tests).
+ * q_lens, kv_lens [B]. mode: MODE_SGEMM for F32, MODE_WIDEN or MODE_BRGEMM
+ * for BF16 (MODE_BRGEMM needs bfloat16 dot products, even D and bs). blas:
+ * {sgemm_, brgemm, brgemm_release, MKL_Set_Num_Threads_Local}, the last may
+ * be NULL and the brgemm pair when not MODE_BRGEMM. isa: ISA_AUTO, or a set to force (tests).
  * Returns 0, ERR_MEMORY, or ERR_ARGS (bad sizes, missing GEMM, isa not here). */
 int stem_sparse_attention(const void *q, const void *k, const void *v, void *out, float *lse,
                           int64_t batch, int64_t hq, int64_t hkv, int64_t sq, int64_t skv,
@@ -977,13 +980,13 @@ int stem_sparse_attention(const void *q, const void *k, const void *v, void *out
                      .cap_in = softcap > 0 ? (float)(scale / softcap) : 0.0f,
                      .cap_out = softcap > 0 ? (float)(softcap / scale) : 0.0f,
                      .sgemm = (sgemm_t)blas[0], .brgemm = (brgemm_t)blas[1]};
-    int amx = mode == MODE_AMX;
+    int packed = mode == MODE_BRGEMM;
     if (batch < 0 || hq < 1 || hkv < 1 || hq % hkv || sq < 0 || skv < 0 || dim < 1 ||
         softcap < 0 || (softcap > 0 && scale == 0) ||
         bs < 1 || width < 0 || dim > 65536 || bs > 65536 ||
         (dtype == F32) != (mode == MODE_SGEMM) || (dtype != F32 && dtype != BF16) ||
-        (mode != MODE_SGEMM && mode != MODE_WIDEN && !amx) ||
-        (amx ? !jb.brgemm || !blas[2] || dim % 2 || bs % 2 : !jb.sgemm) ||
+        (mode != MODE_SGEMM && mode != MODE_WIDEN && !packed) ||
+        (packed ? !jb.brgemm || !blas[2] || dim % 2 || bs % 2 : !jb.sgemm) ||
         pick_rowops(isa, &jb.ops))
         return ERR_ARGS;
     jb.qmax = (sq + bs - 1) / bs;
@@ -992,12 +995,12 @@ int stem_sparse_attention(const void *q, const void *k, const void *v, void *out
     /* Strides off powers of two (cache sets), rows on 64-byte lines (AMX loads). */
     jb.ld_s = (jb.step_keys + 15) / 16 * 16 + 16;
     jb.ld_p = (jb.step_keys + 31) / 32 * 32 + 32;
-    if (amx) {
+    if (packed) {
         int64_t keys = ((skv + bs - 1) / bs * bs + jb.step_keys - 1) / jb.step_keys * jb.step_keys;
         jb.kp = alloc((size_t)keys * dim * sizeof(uint16_t));
         jb.vp = alloc((size_t)keys * dim * sizeof(uint16_t));
     }
-    int err = amx && (!jb.kp || !jb.vp)
+    int err = packed && (!jb.kp || !jb.vp)
                   ? ERR_MEMORY
                   : run(&jb, (threads_t)blas[3], (release_t)blas[2], nthreads < 1 ? 1 : nthreads);
     free(jb.kp), free(jb.vp);
