@@ -155,7 +155,10 @@ def test_the_server_survives_mixed_hostile_load_with_stem(model, tmp_path):  # n
         assert server.metric("vllm:num_preemptions") > 0, "the load preempted nothing"
     finally:
         server.stop()
-    log = server.text()
+    # vLLM's own shutdown (SIGTERM: abort mode, no grace period) may kill
+    # its engine core while the API server still reads from it, and log that
+    # EngineDeadError: only what the server logged while it served counts.
+    log = server.text().split("[shutdown] API server: shutdown triggered")[0]
     assert "Traceback" not in log, log[-5000:]
     assert "dense:error" not in log and "Stem failed" not in log, log[-5000:]
     assert re.search(r"rows sparse \([^)]*continuation [1-9]", log), log[-3000:]
