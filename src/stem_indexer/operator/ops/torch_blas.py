@@ -33,11 +33,10 @@ from .. import _env
 from .._files import untrusted, write_atomic
 
 # MKL (C names), then at::native::cpublas (C++ names: brgemm for bfloat16 with
-# B in VNNI, brgemm_release, could_pack).
+# B in VNNI, brgemm_release).
 MKL = ("sgemm_", "MKL_Set_Num_Threads_Local")
 CPUBLAS = ("_ZN2at6native7cpublas6brgemmEllllllbPKN3c108BFloat16ES5_Pfb",
-           "_ZN2at6native7cpublas14brgemm_releaseEb",
-           "_ZN2at6native7cpublas10could_packEN3c1010ScalarTypeE")
+           "_ZN2at6native7cpublas14brgemm_releaseEb")
 PROBE_SECONDS = 120
 
 
@@ -66,14 +65,14 @@ def symbols() -> tuple[dict[str, int | None] | None, str]:
     found = {name: _address(lib, name) for name in MKL + CPUBLAS}
     if found["sgemm_"] is None:
         return None, f"{path} exports no sgemm_ (torch built without MKL)"
-    amx = "with" if all(found[n] for n in CPUBLAS) else "without"
-    return found, f"MKL from {path}, {amx} cpublas::brgemm"
+    brgemm = "with" if all(found[n] for n in CPUBLAS) else "without"
+    return found, f"MKL from {path}, {brgemm} cpublas::brgemm"
 
 
 def brgemm() -> tuple[int, int] | None:
     """The addresses of ``cpublas::brgemm`` and ``brgemm_release``, or None."""
     found = symbols()[0]
-    if not found or not all(found[n] for n in CPUBLAS[:2]):
+    if not found or not all(found[n] for n in CPUBLAS):
         return None
     return found[CPUBLAS[0]], found[CPUBLAS[1]]
 
