@@ -257,3 +257,14 @@ def test_a_settings_greedy_agreement_is_kept_as_a_count():
     assert fr.same_greedy(rows[1], rows[0]) == 3
     entries = {e["setting"]: e for e in fr.summary(as_count)}
     assert entries["tight"]["agreement"] == pytest.approx(3 / 1000)
+
+
+def test_perplexity_that_would_not_fit_in_memory_is_refused_before_any_engine():
+    """Two float32 [tokens, vocab] arrays: Gemma-3's vocabulary at 16K tokens
+    is 32 GiB (2 x 16384 x 262144 x 4 bytes); SmolLM2's at 32K is 12 GiB."""
+    gib = 2**30
+    with pytest.raises(SystemExit, match=r"gemma3 at 16384 tokens needs about 32.0 GiB"):
+        fr.logprob_memory_check("gemma3", 16384, 262144, 20 * gib)
+    fr.logprob_memory_check("smollm2", 32760, 49152, 20 * gib)  # 12.0 GiB: fits
+    with pytest.raises(SystemExit, match="12.0 GiB"):
+        fr.logprob_memory_check("smollm2", 32768, 49152, 11 * gib)

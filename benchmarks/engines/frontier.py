@@ -135,6 +135,33 @@ def cell_length(task: str, nominal: int, window: int) -> int:
     return min(nominal, window - max(ruler.ANSWER_TOKENS.values()) - 8)
 
 
+def logprob_memory_check(model: str, length: int, vocab: int, available: int) -> None:
+    """Refuse a perplexity cell whose prompt log-probabilities would not fit:
+    vLLM holds the logits of every prompt token over the whole vocabulary in
+    float32, and a log-softmax of them (two [tokens, vocab] float32 arrays).
+    Gemma-3's 262,144 entries make that 32 GiB at 16K tokens, and its engine
+    dies of it (killed by the kernel) rather than failing the request."""
+    need = 2 * length * vocab * 4
+    if need > available:
+        raise SystemExit(
+            f"--trials perplexity: {model} at {length} tokens needs about {need / 2**30:.1f} "
+            f"GiB for its prompt log-probabilities ({vocab} vocabulary entries x 4 bytes x 2 "
+            f"per token) and {available / 2**30:.1f} GiB is available; leave perplexity out "
+            "for this model and length")
+
+
+def available_memory() -> int:
+    """MemAvailable of /proc/meminfo, in bytes (where there is none: no limit)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 2**62
+
+
 def cell_key(row: dict) -> tuple:
     return row["model"], row["nominal"], row["task"], row["setting"], row["trial"]
 
@@ -220,7 +247,11 @@ def run(args) -> None:
     if not plan:
         return
     tok = AutoTokenizer.from_pretrained(path)
-    window = AutoConfig.from_pretrained(path).max_position_embeddings
+    config = AutoConfig.from_pretrained(path)
+    window = config.max_position_embeddings
+    for nominal in {p[0] for p in plan if p[1] == "perplexity"}:
+        logprob_memory_check(args.model, cell_length("perplexity", nominal, window),
+                             config.vocab_size, available_memory())
     prefix = mq.model_prefix(args.model, tok)
     gen = ruler.Generator(lambda text: tok(text, add_special_tokens=False).input_ids, prefix)
     needed = {s for p in plan for s in p[3]}
