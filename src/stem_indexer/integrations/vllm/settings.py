@@ -36,6 +36,14 @@ DECODED_PAGES = ("read_back", "write")
 _INDEXER_KEYS = tuple(n for n in PARAM_NAMES if n != "causal")
 
 
+def _count(section: Mapping[str, Any], key: str, default: int) -> int:
+    """``section[key]`` (``default`` where absent), refused unless an int >= 0."""
+    value = section.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        fail(_WHO, key, "must be an int >= 0", repr(value))
+    return value
+
+
 @dataclass(frozen=True)
 class StemSettings:
     """What the vLLM backend runs with, from ``additional_config["stem"]``.
@@ -135,21 +143,14 @@ class StemSettings:
         if (isinstance(oam_lambda, bool) or not isinstance(oam_lambda, (int, float))
                 or not math.isfinite(oam_lambda)):
             fail(_WHO, "oam_lambda", "must be a finite number", repr(oam_lambda))
-        min_prompt = section.get("min_prompt_tokens", 0)
-        if isinstance(min_prompt, bool) or not isinstance(min_prompt, int) or min_prompt < 0:
-            fail(_WHO, "min_prompt_tokens", "must be an int >= 0", repr(min_prompt))
-        dense_layers = section.get("dense_layers", 0)
-        if (isinstance(dense_layers, bool) or not isinstance(dense_layers, int)
-                or dense_layers < 0):
-            fail(_WHO, "dense_layers", "must be an int >= 0", repr(dense_layers))
+        min_prompt = _count(section, "min_prompt_tokens", 0)
+        dense_layers = _count(section, "dense_layers", 0)
         dense_above = section.get("dense_above", DEFAULT_DENSE_ABOVE)
         if (isinstance(dense_above, bool) or not isinstance(dense_above, (int, float))
                 or not (0.0 < dense_above <= 1.0)):
             fail(_WHO, "dense_above", "must be a number with 0 < dense_above <= 1",
                  repr(dense_above))
-        exact_tail = section.get("exact_tail", DEFAULT_EXACT_TAIL)
-        if isinstance(exact_tail, bool) or not isinstance(exact_tail, int) or exact_tail < 0:
-            fail(_WHO, "exact_tail", "must be an int >= 0", repr(exact_tail))
+        exact_tail = _count(section, "exact_tail", DEFAULT_EXACT_TAIL)
         invariant = section.get("chunk_invariant", False)
         if not isinstance(invariant, bool):
             fail(_WHO, "chunk_invariant", "must be true or false", repr(invariant))
