@@ -91,7 +91,48 @@ class _Recorder:
             self.results[report.nodeid] = {"outcome": report.outcome, "text": text}
 
 
+def _patch_language_once_per_launch() -> None:
+    """Triton's interpreter patches ``triton.language`` at each launch (and
+    restores it after), and again at every call of a ``@triton.jit`` helper
+    inside the kernel: about a millisecond per call, a quarter of these runs.
+    The helper's patch repeats the launch's, so inside a launch it is
+    skipped, wherever the helper sees no language module the kernel does not.
+    (A Triton without these internals runs as it is.)"""
+    try:
+        from triton.runtime import interpreter as ti
+        patch_lang, launch = ti._patch_lang, ti.GridExecutor.__call__
+        languages = (ti.tl, ti.tl.core)
+    except (ImportError, AttributeError):
+        return
+    patched: list = []  # per running launch: the language modules it patched, once it has
+
+    def seen(fn) -> set:
+        return {id(v) for v in fn.__globals__.values() if any(v is m for m in languages)}
+
+    class _Unchanged:
+        def restore(self):
+            pass
+
+    def patch_once(fn):
+        if patched and patched[-1] is not None and seen(fn) <= patched[-1]:
+            return _Unchanged()  # a helper inside a launch that patched its modules
+        scope = patch_lang(fn)
+        if patched:  # the launch's own patch, or a helper's of modules it had not
+            patched[-1] = (patched[-1] or set()) | seen(fn)
+        return scope
+
+    def launch_once(self, *args, **kwargs):
+        patched.append(None)
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    ti._patch_lang, ti.GridExecutor.__call__ = patch_once, launch_once
+
+
 if __name__ == "__main__":  # the child run: results file, then the test ids
+    _patch_language_once_per_launch()
     recorder = _Recorder()
     pytest.main(["-q", "-p", "no:cacheprovider", "-n", "0", "--run-slow", "--run-large",
                  *sys.argv[2:]],
