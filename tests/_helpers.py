@@ -300,3 +300,35 @@ def host_reads(fn) -> list[str]:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
     return seen
+
+
+class LazyModule:
+    """A module imported at its first attribute access. Every xdist worker
+    collects every test file, and transformers (with this package's
+    integration of it) takes about two seconds to import: only the worker
+    that runs its tests pays. (To patch the module, name it:
+    ``monkeypatch.setattr("package.module.name", ...)``.)"""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    # What pytest's collection asks of each module global (a mock's name, and
+    # special names such as __wrapped__): answered without the import.
+    _PROBES = ("_mock_name",)
+
+    def __getattr__(self, attr: str):
+        special = attr.startswith("__") and attr.endswith("__") and attr != "__version__"
+        if special or attr in self._PROBES:
+            raise AttributeError(attr)
+        import importlib
+        return getattr(importlib.import_module(self._name), attr)
+
+
+def needs(package: str):
+    """Skip a test module, saying so, where ``package`` is not installed
+    (``pytest.importorskip`` without importing it)."""
+    import importlib.util
+
+    import pytest
+    return pytest.mark.skipif(importlib.util.find_spec(package) is None,
+                              reason=f"{package} is not installed")

@@ -1,12 +1,14 @@
-"""Triton interpreter tests in one child process, for every test file.
+"""Triton interpreter tests in one child process.
 
 Triton decides once per process, when it jits the kernels, whether they are
 interpreted (``TRITON_INTERPRET=1``) or compiled. A test marked
 ``@interpreted`` therefore runs in a child pytest with ``TRITON_INTERPRET=1``:
-the first such test of a file starts one child for all of that file's (so
-files spread over the test run's workers), and in this process each reports
-its own child result, failure text included. In a process that has ``TRITON_INTERPRET=1`` set
-already, they simply run.
+the first such test starts one child for all of those in ``FILES`` (a child
+costs about two seconds before its first test: torch, Triton, collection),
+and in this process each reports its own child result, failure text
+included. Under xdist, ``FILES`` are one unit of work, given to one worker
+(``tests/conftest.py``'s scheduler), so that one child serves them all. In a
+process that has ``TRITON_INTERPRET=1`` set already, they simply run.
 
     python tests/_interpreter.py RESULTS.json TEST_ID...   # the child run
 """
@@ -24,7 +26,10 @@ from pathlib import Path
 
 import pytest
 
-_children: dict = {}  # test file -> its child's results and log
+# The test files with interpreter tests (tests/test_layout.py checks the list).
+FILES = ("test_paged.py", "test_paged_attention.py", "test_triton.py",
+         "test_index_write_triton.py")
+_children: dict = {}  # test file, or FILES -> its child's results and log
 
 
 def interpreted(test):
@@ -50,9 +55,10 @@ def interpreted(test):
 
 
 def _report_child_result(node) -> None:
-    if node.path not in _children:
-        _children[node.path] = _run_child(node.session, node.path)
-    child = _children[node.path]
+    group = FILES if node.path.name in FILES else (node.path.name,)
+    if group not in _children:
+        _children[group] = _run_child(node.session, group)
+    child = _children[group]
     result = child["results"].get(node.nodeid)
     if result is None:
         pytest.fail(f"the interpreter run gave no result for {node.nodeid}; its output:\n"
@@ -63,9 +69,9 @@ def _report_child_result(node) -> None:
         pytest.skip(result["text"])
 
 
-def _run_child(session, path) -> dict:
-    """Run every selected interpreter test of the file ``path`` in one child pytest."""
-    ids = [item.nodeid for item in session.items if item.path == path
+def _run_child(session, files: tuple[str, ...]) -> dict:
+    """Run every selected interpreter test of these test files in one child pytest."""
+    ids = [item.nodeid for item in session.items if item.path.name in files
            and getattr(getattr(item, "function", None), "interpreted", False)]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
@@ -106,8 +112,14 @@ def _patch_language_once_per_launch() -> None:
         return
     patched: list = []  # per running launch: the language modules it patched, once it has
 
+    modules: dict = {}  # id of a function's globals -> the language modules in them
+
     def seen(fn) -> set:
-        return {id(v) for v in fn.__globals__.values() if any(v is m for m in languages)}
+        key = id(fn.__globals__)
+        if key not in modules:
+            modules[key] = {id(v) for v in fn.__globals__.values()
+                            if any(v is m for m in languages)}
+        return modules[key]
 
     class _Unchanged:
         def restore(self):

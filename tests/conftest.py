@@ -5,7 +5,7 @@
 * ``--run-slow``: tests marked ``slow`` (the full matrices: every Triton
   configuration under the interpreter, every model family, graph mode for
   the whole representative subset, ...) are deselected without it. The
-  default run keeps one test of each concern.
+  default run keeps the fast cases (``.ci/run`` lists the others CI runs).
 * ``--run-model``: tests marked ``model`` (a real pretrained model,
   ``tests/test_real_model.py``) are deselected without it.
 * ``device`` fixture: "cpu", plus "cuda" where a GPU is usable (so nothing is
@@ -96,6 +96,37 @@ COSTLIEST_FIRST = ("test_paged.py", "test_paged_attention.py", "test_triton.py",
                    "test_docs.py", "test_cases_single.py", "test_reliability.py",
                    "test_plan.py", "test_properties.py", "test_native.py",
                    "test_metadata.py", "test_attention.py", "test_triton_aot.py")
+
+
+# Test files that xdist gives one worker as one unit of work: the Triton
+# interpreter's (one child process runs their interpreter tests,
+# tests/_interpreter.py) and transformers' users (its import, two seconds, made
+# once). tests/test_suite_setup.py keeps both lists whole.
+TRANSFORMERS_USERS = ("test_dense_above.py", "test_eval_plot.py", "test_flash.py",
+                      "test_hf_models.py", "test_plan.py", "test_real_model.py",
+                      "test_transformers.py", "test_vllm.py", "test_window.py")
+
+
+def shared_unit(name: str) -> str | None:
+    """The unit of work the test file ``name`` shares with others, or None."""
+    from _interpreter import FILES
+    if name in FILES:
+        return "the Triton interpreter's files"
+    return "transformers' users" if name in TRANSFORMERS_USERS else None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's one-file-at-a-time scheduling, with the files of each
+    ``shared_unit`` together."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return shared_unit(path.rsplit("/", 1)[-1]) or path
+
+    return Scheduling(config, log) if config.getoption("dist") == "loadfile" else None
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,9 +6,9 @@ Selection follows the reference suite's environment variables:
   large cases are marked ``large`` and need ``--run-large``, unless named);
 * ``STEM_INDEXER_MODE`` -- ``eager`` or ``graph`` for the whole selection.
 
-With neither set (the default run) every base case and a quarter of the
-bfloat16 mirrors run eager (all of them with ``--run-slow`` or a mode given,
-as ``tests/run.sh`` does), and the
+With neither set (the default run) every base case shorter than 64K tokens
+and a quarter of the bfloat16 mirrors run eager (all of them with
+``--run-slow`` or a mode given, as ``tests/run.sh`` does), and the
 representative ``cases.GRAPH_SUBSET`` also runs in graph mode (torch.compile),
 so the default suite exercises compilation too.
 
@@ -41,7 +41,7 @@ def _params(subset=None) -> list:
         if subset is not None and not subset(case):
             continue
         marks = [pytest.mark.large] if case.large and not named else []
-        if _slow_mirror(case) and not named and not _MODE_GIVEN:  # run.sh: the whole table
+        if (_slow_mirror(case) or _long(case)) and not named and not _MODE_GIVEN:  # run.sh: all
             marks.append(pytest.mark.slow)
         case_id = case.label if mode == "eager" else f"{case.label}-graph"
         out.append(pytest.param(case, mode, id=case_id, marks=marks))
@@ -59,6 +59,14 @@ def _slow_mirror(case: cases.Case) -> bool:
     itself is pinned by the hand cases and properties of test_semantics and
     test_properties on every shape they build."""
     return (case.params.topk_score_precision == 2 and case.number % 4 != 0
+            and case.id not in cases.GRAPH_SUBSET)
+
+
+def _long(case: cases.Case) -> bool:
+    """Cases of 64K tokens and more (a few tenths of a second each) run in the
+    slow tier, but for those of the representative subset: a 131K-token
+    prefill and a chunk over 1M keys stay in the default run."""
+    return (max((*case.q_lens, *case.kv_lens), default=0) >= 65536
             and case.id not in cases.GRAPH_SUBSET)
 
 

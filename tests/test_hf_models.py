@@ -20,13 +20,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+import stem_indexer
+from stem_indexer import PRESETS
+from stem_indexer.operator.contract import DEFAULT_EXACT_TAIL
+from stem_indexer.testing import reference_attention
 
-import stem_indexer  # noqa: E402
-import stem_indexer.integrations.transformers as stem_hf  # noqa: E402
-from stem_indexer import PRESETS  # noqa: E402
-from stem_indexer.operator.contract import DEFAULT_EXACT_TAIL  # noqa: E402
-from stem_indexer.testing import reference_attention  # noqa: E402
+from _helpers import LazyModule, needs
+
+pytestmark = needs("transformers")
+transformers = LazyModule("transformers")
+stem_hf = LazyModule("stem_indexer.integrations.transformers")
 
 BLOCKING = dict(stem_block_size=16, stem_stride=4)
 KEEP_ALL = dict(k_block_num_bias_medium=10**6, k_block_num_bias_large=10**6)
@@ -123,7 +126,7 @@ def test_family_runs_stem_on_full_attention_layers(family, registered, monkeypat
         calls.append((q, k, v, kwargs, result))
         return result
 
-    monkeypatch.setattr(stem_hf, "stem_attention", recording)
+    monkeypatch.setattr("stem_indexer.integrations.transformers.stem_attention", recording)
     fn = registered["tight"]
     before = dict(fn.stats)
     sparse = _logits(model, fn.name, ids)

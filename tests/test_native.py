@@ -343,8 +343,8 @@ def test_overflowing_dots_select_as_the_reference(selection, cached, monkeypatch
     check_overflowing_dots_equal_the_reference()
 
 
-@pytest.mark.parametrize("mkl,aten", [
-    ("AVX2", "avx2"), pytest.param("SSE4_2", "default", marks=pytest.mark.slow)])
+@pytest.mark.slow  # a process of its own each: two seconds and more
+@pytest.mark.parametrize("mkl,aten", [("AVX2", "avx2"), ("SSE4_2", "default")])
 def test_overflowing_dots_select_as_the_reference_on_other_instruction_sets(mkl, aten):
     """The same under another instruction set of MKL and of torch's kernels
     (in a process of its own: the choice is made at start-up)."""

@@ -297,7 +297,8 @@ def _runs_alike(step, **kw):
 
 
 @interpreted
-@pytest.mark.parametrize("softcap", [None, pytest.param(5.0, marks=pytest.mark.slow)])
+@pytest.mark.slow  # the default run: the same kernel in test_the_triton_backend_attends_as_...
+@pytest.mark.parametrize("softcap", [None, 5.0])
 def test_triton_run_attends_as_the_torch_run(softcap):
     # Short rows (dense lists): the paged kernel against the gathered pages.
     step = make_step([200, 150, 90], [0, 77, 89], [200, 73, 1], page=8, stride=4, hq=2,

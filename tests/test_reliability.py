@@ -151,6 +151,7 @@ def test_cache_others_can_write_is_refused(cache, mode, capsys):
 
 
 @needs_cc
+@pytest.mark.slow  # two builds and a child that imports torch: three seconds
 def test_concurrent_builds_agree(tmp_path, capsys):
     """A child process and this one build into one empty cache at once (the
     child imports first, then both start on a signal; the build publishes by

@@ -17,19 +17,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from stem_indexer import StemIndexerInputError
+from stem_indexer.operator import contract
+from stem_indexer.surfaces.attention import stem_attention
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-from transformers.masking_utils import (  # noqa: E402
-    causal_mask_function,
-    sdpa_mask,
-    sliding_window_causal_mask_function,
-)
+from _helpers import LazyModule, needs
 
-import stem_indexer.integrations.transformers as stem_hf  # noqa: E402
-from stem_indexer import StemIndexerInputError  # noqa: E402
-from stem_indexer.operator import contract  # noqa: E402
-from stem_indexer.surfaces.attention import stem_attention  # noqa: E402
+pytestmark = needs("transformers")
+transformers = LazyModule("transformers")
+masking = LazyModule("transformers.masking_utils")
+stem_hf = LazyModule("stem_indexer.integrations.transformers")
 
 BLOCKING = dict(stem_block_size=16, stem_stride=4)
 TIGHT = dict(k_block_num_rate_medium=0.125, k_block_num_bias_medium=0,
@@ -62,10 +59,10 @@ def _models(registered):
 def model(_models, device):
     if device not in _models:
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                              max_position_embeddings=2048, pad_token_id=0)
-        _models[device] = LlamaForCausalLM(config).eval().to(device)
+        _models[device] = transformers.LlamaForCausalLM(config).eval().to(device)
     return _models[device]
 
 
@@ -261,7 +258,7 @@ def _qkv(batch, q_len, kv_len, seed, device="cpu"):
 
 
 def _sdpa_reference(q, k, v, valid):
-    mask = sdpa_mask(batch_size=q.shape[0], q_length=q.shape[2], kv_length=k.shape[2],
+    mask = masking.sdpa_mask(batch_size=q.shape[0], q_length=q.shape[2], kv_length=k.shape[2],
                      q_offset=k.shape[2] - q.shape[2], attention_mask=valid,
                      allow_is_causal_skip=False, device=q.device)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
@@ -341,13 +338,13 @@ def test_mask_function_is_compact_only_for_plain_causal_masks():
     assert torch.equal(stem_hf.stem_mask(**common, attention_mask=pad), pad)
     ones = stem_hf.stem_mask(batch_size=2, q_length=4, kv_length=12, q_offset=8)
     assert ones.shape == (2, 12) and bool(ones.all())
-    sliding = sliding_window_causal_mask_function(4)
+    sliding = masking.sliding_window_causal_mask_function(4)
     got = stem_hf.stem_mask(**common, mask_function=sliding, attention_mask=pad)
-    want = sdpa_mask(**common, mask_function=sliding, attention_mask=pad)
+    want = masking.sdpa_mask(**common, mask_function=sliding, attention_mask=pad)
     assert got.dim() == 4 and torch.equal(got, want)
     # A static cache's offsets (more keys than seen tokens) also go to sdpa_mask.
     got = stem_hf.stem_mask(batch_size=2, q_length=4, kv_length=16, q_offset=8,
-                            mask_function=causal_mask_function, attention_mask=pad,
+                            mask_function=masking.causal_mask_function, attention_mask=pad,
                             allow_is_causal_skip=False)
     assert got.dim() == 4
 
@@ -415,4 +412,4 @@ def test_declared_transformers_floor_is_the_one_the_code_checks():
 
     with pytest.raises(ImportError, match=r"needs transformers>=5\.4 .*found"):
         stem_hf._check_mask_signature(old_sdpa_mask)
-    stem_hf._check_mask_signature(sdpa_mask)  # the installed one is accepted
+    stem_hf._check_mask_signature(masking.sdpa_mask)  # the installed one is accepted

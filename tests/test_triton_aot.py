@@ -6,10 +6,12 @@ run its ``main`` here (through Triton's compile cache) and fail on any
 register spill, or on a score kernel without tensor-core MMA instructions.
 Under ``TRITON_INTERPRET=1`` the kernels of this process are interpreted and
 cannot be compiled: the tests skip and say so.
-The default run compiles the two GPU benchmark shapes (the 128K prefill and
-the 8K chunk over 1M keys, Df 2048: both selection kernels, both score
-kernel specialisations) for sm_90, the H100/H200 target; ``--run-slow``
-compiles every shape and Df for sm_90 and sm_80.
+All in the slow tier (``--run-slow``; CI runs the first): the two GPU
+benchmark shapes (the 128K prefill and the 8K chunk over 1M keys, Df 2048:
+both selection kernels, both score kernel specialisations) for sm_90, the
+H100/H200 target, then every shape and Df for sm_90 and sm_80. The default
+run compiles the paged attention kernel ahead of time
+(``tests/test_paged_attention.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from stem_indexer.operator.ops.triton import aot, launch  # noqa: E402
 FIELDS = {"kernel", "signature", "constexprs", "options", "regs", "stack_bytes",
           "spill_stores", "spill_loads", "mma", "shape"}
 # (arch, shape keys, Dfs); None: all of them
-TARGETS = [pytest.param((90, ("prefill", "chunk"), (2048,)), id="sm_90-gpu-benchmarks"),
+TARGETS = [pytest.param((90, ("prefill", "chunk"), (2048,)), id="sm_90-gpu-benchmarks",
+                        marks=pytest.mark.slow),
            pytest.param((90, None, None), id="sm_90", marks=pytest.mark.slow),
            pytest.param((80, None, None), id="sm_80", marks=pytest.mark.slow)]
 

@@ -21,19 +21,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-transformers = pytest.importorskip("transformers")
+from stem_indexer import StemIndexerInputError
+from stem_indexer.pipeline import window as window_mod
+from stem_indexer.pipeline.window import sliding_window_attention
 
-from transformers.masking_utils import (  # noqa: E402
-    and_masks,
-    chunked_causal_mask_function,
-    sdpa_mask,
-    sliding_window_causal_mask_function,
-)
+from _helpers import LazyModule, needs
 
-import stem_indexer.integrations.transformers as stem_hf  # noqa: E402
-from stem_indexer import StemIndexerInputError  # noqa: E402
-from stem_indexer.pipeline import window as window_mod  # noqa: E402
-from stem_indexer.pipeline.window import sliding_window_attention  # noqa: E402
+pytestmark = needs("transformers")
+transformers = LazyModule("transformers")
+masking = LazyModule("transformers.masking_utils")
+stem_hf = LazyModule("stem_indexer.integrations.transformers")
 
 # bfloat16: an absolute bound, not one unit in the last place (module docstring).
 TOL = {torch.float32: dict(atol=1e-6, rtol=1e-6),
@@ -52,9 +49,11 @@ def _qkv(b, hq, hkv, sq, skv, d, dtype, seed, device="cpu"):
 def _hf_sliding_mask(valid, q_len, window):
     """transformers' own sliding mask for queries that are the last keys."""
     b, kv_len = valid.shape
-    return sdpa_mask(batch_size=b, q_length=q_len, kv_length=kv_len, q_offset=kv_len - q_len,
-                     mask_function=sliding_window_causal_mask_function(window),
-                     attention_mask=valid, allow_is_causal_skip=False, device=valid.device)
+    return masking.sdpa_mask(batch_size=b, q_length=q_len, kv_length=kv_len,
+                             q_offset=kv_len - q_len,
+                             mask_function=masking.sliding_window_causal_mask_function(window),
+                             attention_mask=valid, allow_is_causal_skip=False,
+                             device=valid.device)
 
 
 def _left_padded(b, kv_len, pads, device="cpu"):
@@ -172,7 +171,7 @@ def test_windowed_attention_refuses_bad_arguments(kwargs, rule):
 
 def _mask_call(**kw):
     base = dict(batch_size=2, q_length=40, kv_length=40, local_size=16,
-                mask_function=sliding_window_causal_mask_function(16))
+                mask_function=masking.sliding_window_causal_mask_function(16))
     return {**base, **kw}
 
 
@@ -192,15 +191,15 @@ def test_mask_function_gives_the_window_form_for_transformers_sliding_mask():
 @pytest.mark.parametrize("kind", ["extra-and-function", "chunked", "window-differs-from-local"])
 def test_mask_function_leaves_other_local_masks_to_sdpa_mask(kind):
     mask_function = {
-        "extra-and-function": and_masks(sliding_window_causal_mask_function(16),
+        "extra-and-function": masking.and_masks(masking.sliding_window_causal_mask_function(16),
                                         lambda b, h, q, kv: kv != 3),
-        "chunked": chunked_causal_mask_function(16, torch.zeros(2, dtype=torch.long)),
-        "window-differs-from-local": sliding_window_causal_mask_function(8),
+        "chunked": masking.chunked_causal_mask_function(16, torch.zeros(2, dtype=torch.long)),
+        "window-differs-from-local": masking.sliding_window_causal_mask_function(8),
     }[kind]
     call = _mask_call(mask_function=mask_function, attention_mask=_left_padded(2, 40, (0, 3)),
                       allow_is_causal_skip=False)
     got = stem_hf.stem_mask(**call)
-    assert got.dim() == 4 and torch.equal(got, sdpa_mask(**call))
+    assert got.dim() == 4 and torch.equal(got, masking.sdpa_mask(**call))
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +223,7 @@ def test_attention_function_on_the_window_form_equals_sdpa(fn, q_len, device):
     valid = _left_padded(2, kv_len, (0, 30), device)
     form = stem_hf.stem_mask(batch_size=2, q_length=q_len, kv_length=kv_len,
                              q_offset=kv_len - q_len, local_size=w, attention_mask=valid,
-                             mask_function=sliding_window_causal_mask_function(w),
+                             mask_function=masking.sliding_window_causal_mask_function(w),
                              device=valid.device)  # as transformers calls it
     before = fn.stats.copy()
     out, _ = fn(_Module(), q, k, v, form, scaling=0.3, sliding_window=w)
