@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-# The test files with interpreter tests (tests/test_layout.py checks the list).
+# The test files with interpreter tests (tests/test_suite_setup.py checks the list).
 FILES = ("test_paged.py", "test_paged_attention.py", "test_triton.py",
          "test_index_write_triton.py")
 _children: dict = {}  # test file, or FILES -> its child's results and log
@@ -111,7 +111,6 @@ def _patch_language_once_per_launch() -> None:
     except (ImportError, AttributeError):
         return
     patched: list = []  # per running launch: the language modules it patched, once it has
-
     modules: dict = {}  # id of a function's globals -> the language modules in them
 
     def seen(fn) -> set:
