@@ -31,6 +31,7 @@ import os
 import sys
 
 import pytest
+from _interpreter import FILES as INTERPRETER_FILES
 
 _DEVICES = ("cpu", "cuda")
 # The suite allocates many objects that live until its processes end (torch's,
@@ -109,8 +110,7 @@ TRANSFORMERS_USERS = ("test_dense_above.py", "test_eval_plot.py", "test_flash.py
 
 def shared_unit(name: str) -> str | None:
     """The unit of work the test file ``name`` shares with others, or None."""
-    from _interpreter import FILES
-    if name in FILES:
+    if name in INTERPRETER_FILES:
         return "the Triton interpreter's files"
     return "transformers' users" if name in TRANSFORMERS_USERS else None
 
