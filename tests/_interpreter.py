@@ -142,8 +142,34 @@ def _patch_language_once_per_launch() -> None:
     ti._patch_lang, ti.GridExecutor.__call__ = patch_once, launch_once
 
 
+def _numpy_dtypes_looked_up_once() -> None:
+    """The interpreter maps a Triton dtype to numpy's by building a table of
+    twenty entries at every call, some 200,000 calls in these runs. The
+    mapping depends only on the (element) dtype, so each answer is kept.
+    (A Triton without this internal runs as it is.)"""
+    try:
+        from triton.runtime import interpreter as ti
+        lookup, block = ti._get_np_dtype, ti.tl.block_type
+    except (ImportError, AttributeError):
+        return
+    known: dict = {}
+
+    def looked_up(tt_dtype):
+        key = tt_dtype.element_ty if isinstance(tt_dtype, block) else tt_dtype
+        try:
+            return known[key]
+        except KeyError:
+            known[key] = value = lookup(key)
+            return value
+        except TypeError:  # an unhashable type: no shortcut
+            return lookup(tt_dtype)
+
+    ti._get_np_dtype = looked_up
+
+
 if __name__ == "__main__":  # the child run: results file, then the test ids
     _patch_language_once_per_launch()
+    _numpy_dtypes_looked_up_once()
     recorder = _Recorder()
     pytest.main(["-q", "-p", "no:cacheprovider", "-n", "0", "--run-slow", "--run-large",
                  *sys.argv[2:]],

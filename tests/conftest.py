@@ -41,6 +41,21 @@ _DEVICES = ("cpu", "cuda")
 GC_THRESHOLDS = (200_000, 50, 1000)
 
 
+def _keep_bytecode() -> None:
+    """Where ``PYTHONDONTWRITEBYTECODE`` is set, every process of the run
+    would compile the package and rewrite the test modules' asserts anew:
+    about 2 CPU seconds per worker, most of a worker's collection. The run
+    keeps that bytecode, as Python and pytest do by default, in the
+    ``__pycache__`` folders git ignores (installed packages ship theirs).
+    The variable is dropped here, in the process that starts the workers
+    and children, so that they inherit its absence."""
+    if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+        sys.dont_write_bytecode = False
+
+
+_keep_bytecode()
+
+
 def _devices() -> list[str]:
     import torch
 
@@ -103,9 +118,9 @@ COSTLIEST_FIRST = ("test_paged.py", "test_paged_attention.py", "test_triton.py",
 # interpreter's (one child process runs their interpreter tests,
 # tests/_interpreter.py) and transformers' users (its import, two seconds, made
 # once). tests/test_suite_setup.py keeps both lists whole.
-TRANSFORMERS_USERS = ("test_dense_above.py", "test_eval_plot.py", "test_flash.py",
-                      "test_hf_models.py", "test_plan.py", "test_real_model.py",
-                      "test_transformers.py", "test_vllm.py", "test_window.py")
+TRANSFORMERS_USERS = ("test_attention.py", "test_dense_above.py", "test_eval_plot.py",
+                      "test_flash.py", "test_hf_models.py", "test_plan.py", "test_real_model.py",
+                      "test_ruler.py", "test_transformers.py", "test_vllm.py", "test_window.py")
 
 
 def shared_unit(name: str) -> str | None:

@@ -24,7 +24,8 @@ def test_every_file_with_interpreter_tests_is_in_the_shared_child():
 
 
 def test_every_file_that_imports_transformers_shares_a_worker():
-    imports = re.compile(r'(importorskip|needs)\("transformers"\)|^\s*import transformers\b', re.M)
+    imports = re.compile(r'(importorskip|needs)\("transformers"\)|^\s*(import|from) transformers\b'
+                         r'|stem_indexer\.integrations\.transformers\b', re.M)
     using = {p.name for p in TESTS.glob("test_*.py") if imports.search(p.read_text())}
     assert using and using == set(conftest.TRANSFORMERS_USERS), sorted(using)
 
