@@ -170,6 +170,31 @@ def test_a_rerun_of_the_reference_counts_once_and_times_only_its_run():
     assert entries["default"]["accurate"] is None  # no perplexity measured
 
 
+def test_openvino_settings_run_retrieval_only_and_are_timed_against_both_dense_engines():
+    assert fr.parse_setting("ov-xattn-t09") is None  # not a Stem setting: a peer's
+    trials = {"perplexity": 1, "passkey": 1}
+    plan = fr.todo([], "smollm2", [16384], trials, ["vllm", "ov-dense", "ov-xattn"])
+    # the pipeline gives no prompt log-probabilities: no perplexity cell
+    assert plan == [(16384, "perplexity", 0, ["vllm"]),
+                    (16384, "passkey", 0, ["vllm", "ov-dense", "ov-xattn"])]
+    rows = _results()
+    rows += _hits("ov-dense", "passkey", [True] * 10, ttft=[5.0] * 10)
+    rows += _hits("ov-xattn", "passkey", [True] * 6 + [False] * 4, ttft=[2.0] * 10)
+    rows += _hits("ov-xattn", "multikey", [True] * 5 + [False] * 5)
+    entries = {e["setting"]: e for e in fr.summary(rows)}
+    xattn = entries["ov-xattn"]
+    assert xattn["speedup"] == [5.0] * 10  # vLLM's 10 s over its 2 s
+    assert xattn["over_ov_dense"] == [2.5] * 10  # OpenVINO dense's 5 s over its 2 s
+    assert "over_ov_dense" not in entries["ov-dense"]
+    lines = "\n".join(fr.table_lines(rows))
+    # 6/10 passkeys lie below 10/10's Wilson interval (72%); no multi-key for ov-dense
+    assert ("| OpenVINO XAttention, threshold 0.8 | 5.00x [5.00, 5.00] (10); 2.50x over "
+            "OpenVINO dense | - | 6/10") in lines
+    assert "no perplexity; retrieval below dense's interval |" in lines
+    assert ("| OpenVINO GenAI, dense | 2.00x [2.00, 2.00] (10) | - | 10/10 [72%, 100%] | - | - "
+            "| - | - | - | no perplexity; retrieval within dense's interval |") in lines
+
+
 def test_the_frontier_keeps_only_undominated_accurate_settings():
     def entry(name, up, change, accurate=True):
         return dict(setting=name, speedup=[up], ppl_change=change, accurate=accurate)

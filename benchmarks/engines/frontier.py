@@ -18,7 +18,15 @@ an oracle that keeps the heaviest blocks at the same count. Resumable.
 ``stem_indexer.PRESETS`` and any of the vLLM backend's settings
 (``StemSettings``) as JSON values, e.g. ``tight+exact_tail=0``,
 ``default+oam=false``, ``balanced+k_block_num_bias_large=24``. ``vllm`` is
-vLLM's own backend, the reference. Every setting runs in its own engine
+vLLM's own backend, the reference. The OpenVINO GenAI configurations of
+``benchmarks/peers/peer_bench.py`` (``ov-dense``, and XAttention at
+thresholds 0.8, 0.9 and 1.0: ``ov-xattn``, ``ov-xattn-t09``,
+``ov-xattn-t1``) are settings too: each runs in a worker of that script, in
+``.venv-peers`` (``bash benchmarks/peers/peers_setup.sh``), on the same token
+ids and trials, its time to first token OpenVINO's own
+(``perf_metrics.get_ttft()``) and its speed-up against vLLM's backend on the
+same prompt in the same run. Their pipeline returns no prompt
+log-probabilities, so they have no perplexity cells. Every setting runs in its own engine
 (one process holds them all, each with ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV
 cache, 1 unless set), the engine's defaults otherwise: chunked prefill in
 chunks of 4,096 tokens, prefix caching off, pages of 128 tokens, bfloat16,
@@ -94,6 +102,10 @@ PLOT = areas.RESULTS / "frontier.png"
 TASKS = ("passkey", "multikey", "perplexity")
 RETRIEVAL = ("passkey", "multikey")
 REFERENCE = "vllm"
+# OpenVINO GenAI's configurations (peer_bench.CONFIGS), with the table's names
+PEERS = {"ov-dense": "OpenVINO GenAI, dense", "ov-xattn": "OpenVINO XAttention, threshold 0.8",
+         "ov-xattn-t09": "OpenVINO XAttention, threshold 0.9",
+         "ov-xattn-t1": "OpenVINO XAttention, threshold 1.0"}
 PPL_TOLERANCE = 0.01  # "at dense's accuracy": perplexity within +1%
 FEW = 10  # fewer trials than this: the cell is marked (n=...)
 
@@ -104,12 +116,13 @@ FEW = 10  # fewer trials than this: the cell is marked (n=...)
 
 
 def parse_setting(name: str) -> dict | None:
-    """``vllm`` -> None; ``PRESET[+KEY=VALUE...]`` -> the vLLM backend's
-    Stem settings (checked: a bad name raises ``StemIndexerInputError``)."""
+    """``vllm`` or a peer (``PEERS``) -> None; ``PRESET[+KEY=VALUE...]`` ->
+    the vLLM backend's Stem settings (checked: a bad name raises
+    ``StemIndexerInputError``)."""
     from stem_indexer.integrations.vllm.settings import StemSettings
     from stem_indexer.operator.contract import StemIndexerInputError
 
-    if name == REFERENCE:
+    if name == REFERENCE or name in PEERS:
         return None
     preset, *pairs = name.split("+")
     stem = {"preset": preset}
@@ -179,7 +192,8 @@ def todo(done: list[dict], model: str, lengths, trials: dict, settings) -> list[
               for task in RETRIEVAL if t < trials.get(task, 0)]
     for nominal in lengths:
         for task, t in order:
-            missing = [s for s in settings if (model, nominal, task, s, t) not in have]
+            missing = [s for s in settings if (model, nominal, task, s, t) not in have
+                       and not (task == "perplexity" and s in PEERS)]
             stems = [s for s in missing if s != REFERENCE]
             if task in RETRIEVAL and stems and REFERENCE not in missing:
                 missing.insert(0, REFERENCE)
@@ -229,11 +243,9 @@ def run(args) -> None:
     import ruler
     import vllm_bench
     from transformers import AutoConfig, AutoTokenizer
-    from vllm import SamplingParams
 
     import model_quality as mq
-    import stem_indexer.integrations.vllm as stem_vllm
-    from common import git_sha, machine
+    from common import machine
 
     path = {"smollm2": vllm_bench.DEFAULT_MODEL, "gemma3": vllm_bench.GEMMA_MODEL}[args.model]
     vllm_bench._require_model(path)
@@ -241,8 +253,7 @@ def run(args) -> None:
     stems = {s: parse_setting(s) for s in settings}
     trials = parse_trials(args.trials)
     lengths = [int(x) for x in args.lengths.split(",")]
-    results = Path(args.results)
-    plan = todo(read(results), args.model, lengths, trials, settings)
+    plan = todo(read(Path(args.results)), args.model, lengths, trials, settings)
     print(f"{machine()}; {sum(len(p[3]) for p in plan)} requests to run", flush=True)
     if not plan:
         return
@@ -257,7 +268,48 @@ def run(args) -> None:
     needed = {s for p in plan for s in p[3]}
     limit = min(max(lengths) + 64, window)
     engines = {s: vllm_bench.engine(path, stems[s], max_model_len=limit, log_stats=True)
-               for s in settings if s in needed}
+               for s in settings if s in needed and s not in PEERS}
+    peers = start_peers([s for s in settings if s in needed and s in PEERS], args, limit, config)
+    try:
+        _run_plan(args, plan, engines, peers, stems, tok, gen, window, trials, prefix)
+    finally:
+        for worker in peers.values():
+            worker.close()
+
+
+def start_peers(names: list[str], args, max_len: int, config) -> dict:
+    """peer_bench's workers for the OpenVINO settings (none fails quietly:
+    one that does not start stops the run)."""
+    if not names:
+        return {}
+    import peer_bench
+    ns = argparse.Namespace(model=args.model, ov_python=peer_bench.VENVS["ov"] / "bin" / "python",
+                            vllm_python=sys.executable, stem="{}", ov_threads=2, ov_batched=0,
+                            logs=str(Path(args.results).parent / "peer_logs"), vllm_bind="0-1")
+    workers, failed = peer_bench.start_workers(names, ns, max_len, config)
+    if failed:
+        for w in workers.values():
+            w.close()
+        raise SystemExit(f"frontier: the OpenVINO settings did not start: {failed}")
+    return workers
+
+
+def _ask_peer(worker, ids: list[int], max_tokens: int, tok) -> tuple[str, dict]:
+    """A peer's answer text and its timing row fields."""
+    out = worker.call(ids, max_tokens)
+    text = tok.decode(out["tokens"], skip_special_tokens=True)
+    return text, dict(seconds=round(out["seconds"], 2), ttft=round(out["ttft"], 3))
+
+
+def _run_plan(args, plan, engines, peers, stems, tok, gen, window, trials, prefix) -> None:
+    import ruler
+    from vllm import SamplingParams
+
+    import model_quality as mq
+    import stem_indexer.integrations.vllm as stem_vllm
+    from common import git_sha, machine
+
+    results = Path(args.results)
     common = dict(model=args.model, git=git_sha(), run=f"{time.time():.0f}",
                   cpu=machine().split(";")[0])
     ppl_windows: dict[int, list] = {}
@@ -283,6 +335,16 @@ def run(args) -> None:
         # vLLM's backend first for perplexity (its greedy tokens are the
         # reference's); retrieval trials rotate, for the timing
         for name in (names if task == "perplexity" else rotate(names, t)):
+            if name in peers:  # an OpenVINO setting: retrieval only
+                text, timing = _ask_peer(peers[name], ids, sample.max_new_tokens, tok)
+                row = dict(common, nominal=nominal, length=length, task=task, setting=name,
+                           trial=t, **timing, load=round(os.getloadavg()[0], 2),
+                           found=ruler.score(sample.expected, text), answer=text,
+                           depth=round(sample.at[0] / length, 3))
+                append(results, row)
+                print(f"{task} {length} t{t} {name}: found={row['found']} ttft={row['ttft']} "
+                      f"({row['seconds']} s)", flush=True)
+                continue
             llm = engines[name]
             if stems[name] is not None:
                 stem_vllm.reset_stats(llm)
@@ -340,11 +402,12 @@ def first_of_each(rows: list[dict]) -> dict[tuple, dict]:
     return out
 
 
-def speedups(rows: list[dict], model: str, nominal: int, setting: str) -> list[float]:
-    """vLLM's time to first token over the setting's, per retrieval trial
-    both ran in the same run."""
+def speedups(rows: list[dict], model: str, nominal: int, setting: str,
+             reference: str = REFERENCE) -> list[float]:
+    """The reference's (vLLM's backend's) time to first token over the
+    setting's, per retrieval trial both ran in the same run."""
     ref = {(r["run"], r["task"], r["trial"]): r["ttft"] for r in rows
-           if r["model"] == model and r["nominal"] == nominal and r["setting"] == REFERENCE
+           if r["model"] == model and r["nominal"] == nominal and r["setting"] == reference
            and r.get("ttft")}
     return [ref[k] / r["ttft"] for r in rows
             if r["model"] == model and r["nominal"] == nominal and r["setting"] == setting
@@ -388,6 +451,8 @@ def summary(rows: list[dict]) -> list[dict]:
                                         / sum(w["seconds"] for w in windows))
             ups = speedups(rows, model, nominal, name) if name != REFERENCE else []
             entry["speedup"] = ups
+            if name in PEERS and name != "ov-dense":
+                entry["over_ov_dense"] = speedups(rows, model, nominal, name, "ov-dense")
             dens = [r["density"] for r in mine if r["setting"] == name
                     and r.get("density") is not None]
             entry["density"] = statistics.mean(dens) if dens else None
@@ -439,8 +504,27 @@ def _rate(hits: tuple[int, int]) -> str:
     return f"{k}/{n} [{lo:.0%}, {hi:.0%}]"
 
 
+def retrieval_verdict(entry: dict, ref_hits: dict) -> str:
+    """Whether each retrieval rate lies within vLLM's Wilson 95% interval
+    (the check of ``at_dense_accuracy`` without perplexity)."""
+    verdicts = []
+    for task in RETRIEVAL:
+        k, n = entry[task]
+        ref = ref_hits[task]
+        if n and ref:
+            verdicts.append(k / n >= wilson(sum(ref), len(ref))[0])
+    if not verdicts:
+        return "unmeasured"
+    return "within dense's interval" if all(verdicts) else "below dense's interval"
+
+
 def table_lines(rows: list[dict]) -> list[str]:
     entries = summary(rows)
+    cells = first_of_each(rows)
+    ref_hits = {(m, n): {task: [r["found"] for r in cells.values() if r["model"] == m
+                                and r["nominal"] == n and r["task"] == task
+                                and r["setting"] == REFERENCE] for task in RETRIEVAL}
+                for m, n in {(e["model"], e["nominal"]) for e in entries}}
     lines = []
     for model, nominal in sorted({(e["model"], e["nominal"]) for e in entries}):
         mine = [e for e in entries if e["model"] == model and e["nominal"] == nominal]
@@ -467,6 +551,13 @@ def table_lines(rows: list[dict]) -> list[str]:
                 verdict += f" (n={n})"
             if e["setting"] == REFERENCE:
                 name, verdict = "vLLM's backend", "(the reference)"
+            elif e["setting"] in PEERS:
+                name = PEERS[e["setting"]]
+                verdict = "no perplexity; retrieval " + retrieval_verdict(e, ref_hits[model,
+                                                                                   nominal])
+                if e.get("over_ov_dense"):
+                    over = e["over_ov_dense"]
+                    up += f"; {statistics.median(over):.2f}x over OpenVINO dense"
             else:
                 name = f"`{e['setting']}`"
             missed = ", ".join(f"{d:.2f}" for d in e["missed_at"]) or "-"

