@@ -190,9 +190,23 @@ def test_openvino_settings_run_retrieval_only_and_are_timed_against_both_dense_e
     # 6/10 passkeys lie below 10/10's Wilson interval (72%); no multi-key for ov-dense
     assert ("| OpenVINO XAttention, threshold 0.8 | 5.00x [5.00, 5.00] (10); 2.50x over "
             "OpenVINO dense | - | 6/10") in lines
-    assert "no perplexity; retrieval below dense's interval |" in lines
+    assert "no perplexity; retrieval below dense's interval on the same trials |" in lines
     assert ("| OpenVINO GenAI, dense | 2.00x [2.00, 2.00] (10) | - | 10/10 [72%, 100%] | - | - "
-            "| - | - | - | no perplexity; retrieval within dense's interval |") in lines
+            "| - | - | - | no perplexity; retrieval within dense's interval on the same trials |"
+            ) in lines
+
+
+def test_a_peer_with_fewer_trials_is_judged_on_the_reference_s_same_trials():
+    # vLLM misses trials 1 to 3 of 20 (17/20, interval [64%, 95%]); a peer that
+    # ran trials 0 to 7 and missed the same three has 5/8 (63%): below the
+    # 20 trials' interval, but vLLM's own 5/8 on those trials is its reference
+    vllm = [t not in (1, 2, 3) for t in range(20)]
+    rows = _hits("vllm", "passkey", vllm, ttft=[10.0] * 20)
+    rows += _hits("ov-dense", "passkey", vllm[:8], ttft=[5.0] * 8)
+    lines = "\n".join(fr.table_lines(rows))
+    assert ("| OpenVINO GenAI, dense | 2.00x [2.00, 2.00] (8) | - | 5/8 [31%, 86%] | 0.10, "
+            "0.20, 0.30 | - | - | - | - | no perplexity; retrieval within dense's interval on "
+            "the same trials (n=8) |") in lines
 
 
 def test_the_frontier_keeps_only_undominated_accurate_settings():

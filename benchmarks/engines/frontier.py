@@ -285,7 +285,7 @@ def start_peers(names: list[str], args, max_len: int, config) -> dict:
     import peer_bench
     ns = argparse.Namespace(model=args.model, ov_python=peer_bench.VENVS["ov"] / "bin" / "python",
                             vllm_python=sys.executable, stem="{}", ov_threads=2, ov_batched=0,
-                            logs=str(Path(args.results).parent / "peer_logs"), vllm_bind="0-1")
+                            logs="/tmp/peer_bench", vllm_bind="0-1")
     workers, failed = peer_bench.start_workers(names, ns, max_len, config)
     if failed:
         for w in workers.values():
@@ -504,27 +504,32 @@ def _rate(hits: tuple[int, int]) -> str:
     return f"{k}/{n} [{lo:.0%}, {hi:.0%}]"
 
 
-def retrieval_verdict(entry: dict, ref_hits: dict) -> str:
-    """Whether each retrieval rate lies within vLLM's Wilson 95% interval
-    (the check of ``at_dense_accuracy`` without perplexity)."""
-    verdicts = []
+def retrieval_verdict(entry: dict, ref_found: dict, trials: dict) -> str:
+    """Whether each retrieval rate lies within the Wilson 95% interval of
+    vLLM's rate on the same trials (``trials``: task -> the setting's
+    trials; ``ref_found``: task -> trial -> vLLM's outcome), the check of
+    ``at_dense_accuracy`` without perplexity, paired."""
+    verdicts, n = [], None
     for task in RETRIEVAL:
-        k, n = entry[task]
-        ref = ref_hits[task]
-        if n and ref:
-            verdicts.append(k / n >= wilson(sum(ref), len(ref))[0])
+        k, _ = entry[task]
+        ref = [ref_found[task][t] for t in trials[task] if t in ref_found[task]]
+        if ref:
+            verdicts.append(k / len(trials[task]) >= wilson(sum(ref), len(ref))[0])
+            n = len(ref) if n is None else min(n, len(ref))
     if not verdicts:
         return "unmeasured"
-    return "within dense's interval" if all(verdicts) else "below dense's interval"
+    verdict = "within" if all(verdicts) else "below"
+    return f"{verdict} dense's interval on the same trials" + (f" (n={n})" if n < FEW else "")
 
 
 def table_lines(rows: list[dict]) -> list[str]:
     entries = summary(rows)
-    cells = first_of_each(rows)
-    ref_hits = {(m, n): {task: [r["found"] for r in cells.values() if r["model"] == m
-                                and r["nominal"] == n and r["task"] == task
-                                and r["setting"] == REFERENCE] for task in RETRIEVAL}
-                for m, n in {(e["model"], e["nominal"]) for e in entries}}
+    cells = first_of_each(rows).values()
+
+    def found(model, nominal, setting, task) -> dict[int, bool]:
+        return {r["trial"]: r["found"] for r in cells if r["model"] == model
+                and r["nominal"] == nominal and r["setting"] == setting and r["task"] == task}
+
     lines = []
     for model, nominal in sorted({(e["model"], e["nominal"]) for e in entries}):
         mine = [e for e in entries if e["model"] == model and e["nominal"] == nominal]
@@ -553,8 +558,10 @@ def table_lines(rows: list[dict]) -> list[str]:
                 name, verdict = "vLLM's backend", "(the reference)"
             elif e["setting"] in PEERS:
                 name = PEERS[e["setting"]]
-                verdict = "no perplexity; retrieval " + retrieval_verdict(e, ref_hits[model,
-                                                                                   nominal])
+                ref = {task: found(model, nominal, REFERENCE, task) for task in RETRIEVAL}
+                own = {task: sorted(found(model, nominal, e["setting"], task))
+                       for task in RETRIEVAL}
+                verdict = "no perplexity; retrieval " + retrieval_verdict(e, ref, own)
                 if e.get("over_ov_dense"):
                     over = e["over_ov_dense"]
                     up += f"; {statistics.median(over):.2f}x over OpenVINO dense"
