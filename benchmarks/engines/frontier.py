@@ -26,11 +26,12 @@ thresholds 0.8, 0.9 and 1.0: ``ov-xattn``, ``ov-xattn-t09``,
 ids and trials, its time to first token OpenVINO's own
 (``perf_metrics.get_ttft()``) and its speed-up against vLLM's backend on the
 same prompt in the same run. Their pipeline returns no prompt
-log-probabilities, so they have no perplexity cells. Every setting runs in its own engine
-(one process holds them all, each with ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV
-cache, 1 unless set), the engine's defaults otherwise: chunked prefill in
-chunks of 4,096 tokens, prefix caching off, pages of 128 tokens, bfloat16,
-two worker threads (``VLLM_CPU_OMP_THREADS_BIND=0-1`` unless set).
+log-probabilities, so they have no perplexity cells. Every other setting
+runs in its own vLLM engine (one process holds them all, each with
+``VLLM_CPU_KVCACHE_SPACE`` GiB of KV cache, 1 unless set), the engine's
+defaults otherwise: chunked prefill in chunks of 4,096 tokens, prefix
+caching off, pages of 128 tokens, bfloat16, two worker threads
+(``VLLM_CPU_OMP_THREADS_BIND=0-1`` unless set).
 
 **Tasks**, on prompts of ``benchmarks/quality/ruler.py`` (seeded; trial ``t``
 of a cell is the same token ids for every setting):
