@@ -479,9 +479,14 @@ def at_dense_accuracy(entry: dict, ref_hits: dict) -> bool | None:
         ref = ref_hits[task]
         if not n or not ref:
             return None
-        lo, _ = wilson(sum(ref), len(ref))
-        ok = ok and k / n >= lo
+        ok = ok and within_reference(k, n, ref)
     return ok
+
+
+def within_reference(k: int, n: int, ref: list[bool]) -> bool:
+    """``k`` successes of ``n`` at or above the lower end of the Wilson 95%
+    interval of the reference's outcomes ``ref``."""
+    return k / n >= wilson(sum(ref), len(ref))[0]
 
 
 def frontier(entries: list[dict]) -> set[str]:
@@ -515,7 +520,7 @@ def retrieval_verdict(entry: dict, ref_found: dict, trials: dict) -> str:
         k, _ = entry[task]
         ref = [ref_found[task][t] for t in trials[task] if t in ref_found[task]]
         if ref:
-            verdicts.append(k / len(trials[task]) >= wilson(sum(ref), len(ref))[0])
+            verdicts.append(within_reference(k, len(trials[task]), ref))
             n = len(ref) if n is None else min(n, len(ref))
     if not verdicts:
         return "unmeasured"
