@@ -76,6 +76,7 @@ from .dispatch import (TailRows, _backend_for, _Call, _run, apply_tail, dense_re
                        tail_plan)
 from .index_cache import IndexCache, page_ids
 from .plan import PlanSettings
+from .probe import check_probe, probe_params, probe_refine
 from .prepare import DEFAULT_OAM_LAMBDA, Lengths, check_lens_values, lens_argument, represent
 
 __all__ = ["PagedPlan", "stem_paged_plan", "stem_paged_run", "stem_paged_select",
@@ -117,10 +118,22 @@ class PagedPlan(PlanSettings):
     #: [B] int64: with ``chunk_invariant``, the runs of ``stem_stride`` tokens
     #: the OAM's statistic is taken over (None: every run present)
     oam_runs: torch.Tensor | None = None
+    #: the probe (``probe.py``): the queries per query block (0: off), and
+    #: the indexer's budget as a multiple of the kept one
+    probe_queries: int = 0
+    probe_candidates: float = 1.0
 
     @property
     def batch(self) -> int:
         return self.query_lens.shape[0]
+
+    @property
+    def indexer_params(self) -> IndexerParams:
+        """The indexer's parameters: the budget's, widened for the probe's
+        candidates where it runs."""
+        if not self.probe_queries:
+            return self.params
+        return probe_params(self.params, self.probe_candidates)
 
 
 def stem_paged_plan(
@@ -131,7 +144,8 @@ def stem_paged_plan(
     oam: bool = True, oam_lambda: float = DEFAULT_OAM_LAMBDA,
     indexer_scale: float | None = None, min_q_blocks: int = 2,
     dense_above: float | None = None, exact_tail: int = DEFAULT_EXACT_TAIL,
-    backend: str = "auto", chunk_invariant: bool = False, **indexer_params,
+    backend: str = "auto", chunk_invariant: bool = False, probe_queries: int = 0,
+    probe_candidates: float = 2.0, **indexer_params,
 ) -> PagedPlan:
     """All host work of one engine step for ``stem_paged_run``.
 
@@ -156,6 +170,12 @@ def stem_paged_plan(
             budget's ``Ks``: every row before block ``W`` keeps every block,
             so its statistic never matters, and every row from ``W`` on has
             those blocks' keys at hand).
+        probe_queries, probe_candidates: the probe (``probe.py``): the
+            indexer lists ``probe_candidates`` times the budget's blocks and
+            the last ``probe_queries`` queries of each query block rank
+            them by their exact attention mass; each row keeps as many
+            blocks as the budget says (0: no probe). The run then reads the
+            keys of every sparse row and the rows' lengths on the host.
         The rest: ``stem_attention``'s keywords (always causal).
     """
     who = "stem_paged_plan"
@@ -186,6 +206,7 @@ def stem_paged_plan(
         fail(who, "backend", f"must be one of {', '.join(map(repr, BACKENDS))}", repr(backend))
     if not isinstance(chunk_invariant, bool):
         fail(who, "chunk_invariant", "must be a bool", repr(chunk_invariant))
+    check_probe(who, probe_queries, probe_candidates)
     params, indexer_scale, scale, softcap, dense_above = check_call_options(
         who, device, dtype, head_dim, scale=scale, softcap=softcap, dense_above=dense_above,
         causal=True, preset=preset, oam=oam, oam_lambda=oam_lambda,
@@ -202,7 +223,8 @@ def stem_paged_plan(
                   else indexer_scale, oam=oam, oam_lambda=float(oam_lambda),
                   min_q_blocks=min_q_blocks, dense_above=float(dense_above),
                   exact_tail=exact_tail, kernel=kernel, attention=attention,
-                  chunk_invariant=chunk_invariant)
+                  chunk_invariant=chunk_invariant, probe_queries=probe_queries,
+                  probe_candidates=float(probe_candidates))
 
 
 def _rows(query_lens: Lengths) -> int:
@@ -256,7 +278,8 @@ def _row_path(kv: int, p: int, window: int, params: IndexerParams,
 
 def _build(qlen, kvlen, prompt, params: IndexerParams, *, device, dtype, heads, kv_heads,
            head_dim, page, scale, softcap, indexer_scale, oam, oam_lambda, min_q_blocks,
-           dense_above, exact_tail, kernel, attention, chunk_invariant=False) -> PagedPlan:
+           dense_above, exact_tail, kernel, attention, chunk_invariant=False,
+           probe_queries=0, probe_candidates=1.0) -> PagedPlan:
     """The plan of checked arguments (host int64 lengths)."""
     bs, batch = params.stem_block_size, qlen.shape[0]
     context = kvlen - qlen
@@ -297,7 +320,8 @@ def _build(qlen, kvlen, prompt, params: IndexerParams, *, device, dtype, heads, 
         window_lens=window, qmax=qmax, kmax=kmax, pages=int(ceil_div(kvlen, page).max()),
         rows=torch.stack([starts, context, kvlen, first], 1).to(**i32),
         q_map=q_map.to(device), out_map=out_map.to(device), kv_seq_lens=kvlen.to(**i32),
-        window_lens_device=window.to(**i32))
+        window_lens_device=window.to(**i32), probe_queries=probe_queries,
+        probe_candidates=probe_candidates)
     if not bool(sparse.any()):
         empty = torch.full((batch, heads, qmax, 0), -1, **i32)
         lists = apply_tail(empty, torch.zeros(batch, heads, qmax, **i32), tail, kmax)
@@ -344,7 +368,7 @@ def stem_paged_run(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
     last token left, ``IndexCache.write``'s ``tags``) attends every block it
     can see instead, decided on the device: no host read."""
     _check_run(query, key_cache, value_cache, index_cache, block_table, plan)
-    idx, lengths = _select(query, index_cache, block_table, plan, page_tags)
+    idx, lengths = _select(query, index_cache, block_table, plan, page_tags, key_cache)
     p = plan.params
     return torch.ops.stem_indexer.paged_attention(
         query, key_cache, value_cache, block_table, idx, lengths, plan.rows, plan.q_map,
@@ -353,17 +377,22 @@ def stem_paged_run(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
 
 
 def stem_paged_select(query: torch.Tensor, index_cache: IndexCache, block_table: torch.Tensor,
-                      plan: PagedPlan, *,
-                      page_tags: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      plan: PagedPlan, *, page_tags: torch.Tensor | None = None,
+                      key_cache: torch.Tensor | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The key blocks ``stem_paged_run`` attends, for an engine that runs
     its own block-sparse kernel: ``(indices [B, Hq, qmax, kmax] int32,
     lengths [B, Hq, qmax] int32)``. Row ``b``'s query block ``i`` is the
     absolute block ``rows[b, 3] + i`` (``plan.rows``: its window starts
     there); its first ``lengths`` entries are absolute key blocks,
     ascending, then -1. Dense and tail rows, and rows whose pages the
-    indexer cache does not hold exactly, list every block they can see."""
+    indexer cache does not hold exactly, list every block they can see.
+    ``key_cache`` (as ``stem_paged_run``'s) is needed where the plan runs
+    the probe."""
     _check_run(query, None, None, index_cache, block_table, plan)
-    return _select(query, index_cache, block_table, plan, page_tags)
+    if key_cache is not None:
+        _check_keys("stem_paged_select", key_cache, plan)
+    return _select(query, index_cache, block_table, plan, page_tags, key_cache)
 
 
 def stem_paged_valid(index_cache: IndexCache, block_table: torch.Tensor, plan: PagedPlan,
@@ -402,8 +431,8 @@ def _dense_unless(valid: torch.Tensor, idx: torch.Tensor, lengths: torch.Tensor,
             torch.where(bad, reach[:, None].to(lengths.dtype), lengths))
 
 
-def _select(query, index_cache, block_table, plan: PagedPlan, page_tags=None):
-    p = plan.params
+def _select(query, index_cache, block_table, plan: PagedPlan, page_tags=None, key_cache=None):
+    p = plan.indexer_params
     if plan.lists is not None:
         return plan.lists
     idx, lengths = torch.ops.stem_indexer.paged_select(
@@ -414,6 +443,14 @@ def _select(query, index_cache, block_table, plan: PagedPlan, page_tags=None):
         p.window_size, p.k_block_num_rate_medium, p.k_block_num_bias_medium,
         p.k_block_num_rate_large, p.k_block_num_bias_large, p.topk_score_precision,
         plan.oam_runs)
+    if plan.probe_queries:
+        if key_cache is None:
+            fail("stem_paged_select", "key_cache", "must be given where the plan runs the probe "
+                 "(probe_queries > 0): it reads the rows' keys", None)
+        bs = p.stem_block_size
+        idx, lengths = _probe(query, lambda b: _contiguous_keys(
+            key_cache, block_table[b:b + 1], plan.kv_seq_lens[b:b + 1], plan.kmax,
+            bs)[0].transpose(0, 1), idx, lengths, plan)
     idx, lengths = apply_tail(idx, lengths, plan.tail, plan.kmax)
     return _dense_unless(stem_paged_valid(index_cache, block_table, plan, page_tags), idx,
                          lengths, plan)
@@ -433,10 +470,7 @@ def _check_run(query, key_cache, value_cache, index_cache, block_table, plan) ->
             fail(who, name, f"must be {plan.dtype} on {plan.device}, as planned",
                  f"{x.dtype} on {x.device}")
     if key_cache is not None:
-        want = (plan.page_size, plan.num_kv_heads, plan.head_dim)
-        if key_cache.dim() != 4 or tuple(key_cache.shape[1:]) != want:
-            fail(who, "key_cache", "must be [num_pages, page_size, num_kv_heads, head_dim] = "
-                 f"[*, {', '.join(map(str, want))}]", tuple(key_cache.shape))
+        _check_keys(who, key_cache, plan)
         if value_cache.shape != key_cache.shape:
             fail(who, "value_cache", "must have key_cache's shape", tuple(value_cache.shape))
     if not isinstance(index_cache, IndexCache):
@@ -455,6 +489,16 @@ def _check_run(query, key_cache, value_cache, index_cache, block_table, plan) ->
         fail(who, "block_table", f"must be int32 or int64 [{plan.batch}, >= {plan.pages}] on "
              f"{plan.device} (a row per row, a page per {plan.page_size} tokens)",
              f"{block_table.dtype} {tuple(block_table.shape)} on {block_table.device}")
+
+
+def _check_keys(who: str, key_cache: torch.Tensor, plan: PagedPlan) -> None:
+    want = (plan.page_size, plan.num_kv_heads, plan.head_dim)
+    if key_cache.dim() != 4 or tuple(key_cache.shape[1:]) != want:
+        fail(who, "key_cache", "must be [num_pages, page_size, num_kv_heads, head_dim] = "
+             f"[*, {', '.join(map(str, want))}]", tuple(key_cache.shape))
+    if key_cache.dtype != plan.dtype or key_cache.device != plan.device:
+        fail(who, "key_cache", f"must be {plan.dtype} on {plan.device}, as planned",
+             f"{key_cache.dtype} on {key_cache.device}")
 
 
 # --------------------------------------------------------------------------- #
@@ -510,23 +554,52 @@ def _indexer(qflat, kflat, vbias, q_seq_lens, kv_seq_lens, prompt, metadata,
 
 
 def select_on_inputs(query: torch.Tensor, kflat: torch.Tensor, vbias: torch.Tensor,
-                     plan: PagedPlan, *,
-                     indexer_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     plan: PagedPlan, *, indexer_scale: float | None = None,
+                     scale: float | None = None, softcap: float | None = None,
+                     keys=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``stem_paged_select``'s lists from the key side's inputs where an
     engine holds them already (``kflat [B, Hkv, kmax, Ts*D]`` bfloat16 and
     ``vbias [B, Hkv, kmax]`` float32, as ``IndexCache.block_inputs`` gives
     them): the vLLM CPU backend's rows. ``indexer_scale`` replaces the plan's
-    (a layer's own softmax scale over ``stem_stride``). Tensor work and the
-    indexer; no validity check (the caller has made it)."""
+    (a layer's own softmax scale over ``stem_stride``), ``scale`` and
+    ``softcap`` the attention's. Where the plan runs the probe, ``keys(b)`` gives row ``b``'s
+    keys ``[>= seq_len, Hkv, D]``. Tensor work and the indexer; no validity
+    check (the caller has made it)."""
     if plan.lists is not None:
         return plan.lists
-    p = plan.params
-    scale = plan.indexer_scale if indexer_scale is None else indexer_scale
+    p = plan.indexer_params
+    iscale = plan.indexer_scale if indexer_scale is None else indexer_scale
     qflat = represent(_window_queries(query, plan.q_map), p.stem_block_size, p.stem_stride,
-                      None, scale=scale)
+                      None, scale=iscale)
     idx, lengths = _indexer(qflat, kflat, vbias, plan.indexer_q_lens, plan.kv_seq_lens,
                             plan.prompt, plan.metadata, p)
+    if plan.probe_queries:
+        if keys is None:
+            fail("select_on_inputs", "keys", "must be given where the plan runs the probe "
+                 "(probe_queries > 0)", None)
+        idx, lengths = _probe(query, keys, idx, lengths, plan, scale, softcap)
     return apply_tail(idx, lengths, plan.tail, plan.kmax)
+
+
+def _probe(query: torch.Tensor, keys, idx: torch.Tensor, lengths: torch.Tensor,
+           plan: PagedPlan, scale: float | None = None,
+           softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's lists of the plan's sparse rows re-ranked by the probe
+    (``probe.probe_refine``; ``keys(b)`` row ``b``'s keys), in place."""
+    bs = plan.params.stem_block_size
+    prompt = plan.prompt.cpu()
+    starts = torch.cumsum(plan.query_lens, 0) - plan.query_lens
+    for b, path in enumerate(plan.paths):
+        if path != "sparse":
+            continue
+        qlen, seq = int(plan.query_lens[b]), int(plan.seq_lens[b])
+        qb, start = ceil_div(int(plan.window_lens[b]), bs), int(starts[b])
+        idx[b, :, :qb], lengths[b, :, :qb] = probe_refine(
+            query[start:start + qlen], keys(b), idx[b, :, :qb], lengths[b, :, :qb],
+            context=seq - qlen, seq_len=seq, prompt=int(prompt[b]), params=plan.params,
+            scale=plan.scale if scale is None else scale, queries=plan.probe_queries,
+            softcap=plan.softcap if softcap is None else softcap)
+    return idx, lengths
 
 @_paged_select_op.register_fake
 def _(query, ksum, vmax, block_table, q_map, q_seq_lens, kv_seq_lens, prompt, metadata, qmax,

@@ -813,6 +813,9 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         """Why the step's Stem rows run vLLM's kernel in this layer ("" when
         they run Stem)."""
         reason = self._reason(layer, kv_cache)
+        if not reason and self.settings.probe_queries and self._keys_reader(layer,
+                                                                            kv_cache) is None:
+            reason = f"probe: kv cache layout {getattr(layer, 'isa', 'unknown')} not readable"
         if not reason:
             flush_staged(step)
             cache = self.index_cache
@@ -823,6 +826,11 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                                                               usable):
                 reason = "indexer cache incomplete"
         return reason
+
+    def _keys_reader(self, layer, kv_cache: torch.Tensor) -> PageReader | None:
+        """The reader of this layer's cache pages (the probe reads keys back)."""
+        _, heads, page, width = kv_cache.shape
+        return page_reader(getattr(layer, "isa", ""), kv_cache.dtype, page, heads, width // 2)
 
     def _read_back(self, layer, cache: IndexCache, kv_cache: torch.Tensor, step: StepPlan,
                    usable: torch.Tensor) -> bool:
@@ -899,7 +907,12 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
             q = query[row.start:row.start + row.q_len]
             kflat, vbias = cache.inputs(plan.pages, row.seq_len, s.block_size, s.oam,
                                         s.oam_lambda, stat_runs=plan.paged.oam_runs)
-            idx, lengths = select_blocks(q, kflat, vbias, plan, self.scale, s)
+            keys = None
+            if s.probe_queries:
+                keys, _ = self._keys_reader(layer, kv_cache).read(kv_cache, plan.pages,
+                                                                  values=False)
+            idx, lengths = select_blocks(q, kflat, vbias, plan, self.scale, s, keys,
+                                         self.logits_soft_cap)
             parts.append(virtual_rows(idx, lengths, plan, s.block_size, page, hkv))
             queries.append(q.transpose(0, 1).reshape(-1, 1, self.head_size))
             done.append((plan, int(lengths.sum())))

@@ -99,10 +99,11 @@ class PageReader:
             places.append(at[0].clone())
         return cls(page, heads, dim, dtype, places[0], places[1])
 
-    def read(self, kv_cache: torch.Tensor,
-             pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, kv_cache: torch.Tensor, pages: torch.Tensor,
+             values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The keys and values of whole ``pages`` of ``kv_cache``, each
-        ``[len(pages) * page, heads, dim]`` (page after page, in token order)."""
+        ``[len(pages) * page, heads, dim]`` (page after page, in token order);
+        the values None unless ``values``."""
         if (kv_cache.dim() != 4 or tuple(kv_cache.shape[1:]) != (self.heads, self.page,
                                                                   2 * self.dim)
                 or kv_cache.dtype != self.dtype):
@@ -116,4 +117,4 @@ class PageReader:
             x = blocks[:, :, at].view(n, self.heads, self.page, self.dim)
             return x.transpose(1, 2).reshape(n * self.page, self.heads, self.dim)
 
-        return tokens(self.key_at), tokens(self.value_at)
+        return tokens(self.key_at), tokens(self.value_at) if values else None

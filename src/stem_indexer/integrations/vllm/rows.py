@@ -163,7 +163,9 @@ def plan_stem_row(row: Row, settings: StemSettings, pages: torch.Tensor, page: i
                             page_size=page, dtype=torch.float32, oam=settings.oam,
                             oam_lambda=settings.oam_lambda, min_q_blocks=1, dense_above=1.0,
                             exact_tail=settings.exact_tail, backend="torch",
-                            chunk_invariant=settings.chunk_invariant, **params)
+                            chunk_invariant=settings.chunk_invariant,
+                            probe_queries=settings.probe_queries,
+                            probe_candidates=settings.probe_candidates, **params)
     i = torch.arange(first, first + qb)
     block_start = i * bs
     block_end = torch.clamp((i + 1) * bs, max=row.seq_len)
@@ -174,8 +176,9 @@ def plan_stem_row(row: Row, settings: StemSettings, pages: torch.Tensor, page: i
 
 
 def select_blocks(query: torch.Tensor, kflat: torch.Tensor, vbias: torch.Tensor,
-                  plan: StemRow, scale: float,
-                  settings: StemSettings) -> tuple[torch.Tensor, torch.Tensor]:
+                  plan: StemRow, scale: float, settings: StemSettings,
+                  keys: torch.Tensor | None = None,
+                  softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stem's selection for a row: the paged pipeline's (``paged.select_on_inputs``).
 
     ``query [q_len, Hq, D]`` (the row's new queries); ``kflat [Hkv, Kb,
@@ -183,10 +186,14 @@ def select_blocks(query: torch.Tensor, kflat: torch.Tensor, vbias: torch.Tensor,
     ``inputs``, equal to ``stem_inputs``'s). Returns ``(indices [Hq, Qb, W]
     int32 ascending then -1, lengths [Hq, Qb] int32)`` over the row's absolute
     query blocks ``context // Bs ..``; the blocks holding the prompt's last
-    ``settings.exact_tail`` tokens list every block ``0 .. i``.
+    ``settings.exact_tail`` tokens list every block ``0 .. i``. With the
+    probe on (``settings.probe_queries``), ``keys [>= seq_len, Hkv, D]`` are
+    the row's keys in token order, and ``scale``, ``softcap`` the layer's.
     """
     idx, lengths = select_on_inputs(query, kflat[None], vbias[None], plan.paged,
-                                    indexer_scale=scale / settings.stride)
+                                    indexer_scale=scale / settings.stride, scale=scale,
+                                    softcap=softcap,
+                                    keys=None if keys is None else (lambda b: keys))
     return idx[0], lengths[0]
 
 

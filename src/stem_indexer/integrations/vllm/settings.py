@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from ...operator.contract import (DEFAULT_EXACT_TAIL, PARAM_NAMES, PRESETS, IndexerParams,
                                   StemIndexerInputError, fail)
 from ...pipeline.prepare import DEFAULT_OAM_LAMBDA
+from ...pipeline.probe import check_probe
 
 __all__ = ["StemSettings", "SETTINGS_KEY", "DEFAULT_DENSE_ABOVE"]
 
@@ -78,6 +79,13 @@ class StemSettings:
       Output-Aware Metric's statistic is taken over a fixed window, and
       ``dense_above`` does not apply (a chunk's share of pairs depends on
       the cut); every other query block keeps what a one-shot prefill keeps;
+    * ``probe_queries`` (0: off), ``probe_candidates`` (2.0): a second
+      scoring pass (``pipeline/probe.py``): the indexer lists
+      ``probe_candidates`` times the budget's blocks, and the last
+      ``probe_queries`` queries of each query block rank them by their exact
+      attention mass; a row keeps as many blocks as without it. It reads the
+      row's keys back from vLLM's cache (``kv_read.PageReader``): a layout
+      that cannot be read back runs vLLM's kernel, counted;
     * ``decoded_pages`` (``"read_back"``): how the indexer cache learns the
       tokens that decode steps add (a later prompt may share their pages
       through prefix caching). ``"read_back"``: decode steps write nothing
@@ -97,6 +105,8 @@ class StemSettings:
     exact_tail: int = DEFAULT_EXACT_TAIL
     chunk_invariant: bool = False
     decoded_pages: str = "read_back"
+    probe_queries: int = 0
+    probe_candidates: float = 2.0
 
     @property
     def block_size(self) -> int:
@@ -122,7 +132,8 @@ class StemSettings:
     @classmethod
     def from_mapping(cls, section: Mapping[str, Any]) -> "StemSettings":
         known = ("preset", "oam", "oam_lambda", "min_prompt_tokens", "dense_layers",
-                 "dense_above", "exact_tail", "chunk_invariant", "decoded_pages") + _INDEXER_KEYS
+                 "dense_above", "exact_tail", "chunk_invariant", "decoded_pages",
+                 "probe_queries", "probe_candidates") + _INDEXER_KEYS
         for key in section:
             if key not in known:
                 fail(_WHO, repr(key), f"is not a Stem setting (those are {', '.join(known)})",
@@ -158,8 +169,12 @@ class StemSettings:
         if decoded not in DECODED_PAGES:
             fail(_WHO, "decoded_pages", f"must be one of {', '.join(map(repr, DECODED_PAGES))}",
                  repr(decoded))
+        probe_queries = _count(section, "probe_queries", 0)
+        candidates = section.get("probe_candidates", 2.0)
+        check_probe(_WHO, probe_queries, candidates)
         return cls(params, preset, oam, float(oam_lambda), min_prompt, dense_layers,
-                   float(dense_above), exact_tail, invariant, decoded)
+                   float(dense_above), exact_tail, invariant, decoded, probe_queries,
+                   float(candidates))
 
     def check_kv_block_size(self, kv_block_size: int) -> None:
         """Stem's blocks must be whole KV-cache pages (the kernel reads pages)."""
@@ -179,6 +194,9 @@ class StemSettings:
             extra.append(f"dense_layers={self.dense_layers}")
         if self.chunk_invariant:
             extra.append("chunk_invariant=True")
+        if self.probe_queries:
+            extra.append(f"probe_queries={self.probe_queries} "
+                         f"probe_candidates={self.probe_candidates:g}")
         if self.decoded_pages != "read_back":
             extra.append(f"decoded_pages={self.decoded_pages}")
         return f"preset={self.preset} " + " ".join(changed + extra)

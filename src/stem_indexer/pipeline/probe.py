@@ -1,0 +1,154 @@
+"""A second scoring pass over Stem's candidates: the probe.
+
+Stem's indexer scores a (query block, key block) pair from strided sums of
+queries and keys: a mean over sampled token pairs. Attention's weight is
+dominated by the largest logits, which a mean can hide. The probe ranks the
+indexer's candidates again by what attention itself gives them:
+
+1. the indexer runs with a wider budget (``candidates`` times the budget's
+   ``Ks``: ``probe_params``), so that each row lists more candidates than
+   it will keep;
+2. the last ``queries`` queries of each query block attend, exactly and
+   causally, to every key the block can see; each key block's *mass* is the
+   attention probability its keys get, summed over those queries;
+3. each row keeps its forced blocks (sink and window, as the contract's)
+   and, of the listed candidates, the ``min(K, candidates)`` with the most
+   mass, ``K`` the row's budget under the caller's parameters (equal masses
+   to the lower block index).
+
+A row keeps as many blocks as without the probe; only which ones changes.
+Rows listing no more candidates than they keep are left as they are. The
+pass costs, per sparse query block, ``queries`` query rows of dense
+attention's logits (``queries / stem_block_size`` of a dense row's QK
+products, and as many exponentials).
+
+``probe_refine`` works on one sequence (one engine row) and needs its keys
+contiguous; the paged entry point gathers them (``paged.py``), the vLLM
+backend reads them back from its cache (``kv_read.PageReader``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..operator import contract
+from ..operator.contract import IndexerParams, ceil_div, fail
+
+__all__ = ["probe_params", "check_probe", "probe_refine", "row_keep"]
+
+#: float32 elements of one tile's probabilities (about 32 MB)
+TILE_ELEMENTS = 1 << 23
+
+
+def check_probe(who: str, queries, candidates) -> None:
+    """``queries`` an int >= 0 (0: off); ``candidates`` a finite number >= 1."""
+    if isinstance(queries, bool) or not isinstance(queries, int) or queries < 0:
+        fail(who, "probe_queries", "must be an int >= 0 (0: no probe)", repr(queries))
+    if (isinstance(candidates, bool) or not isinstance(candidates, (int, float))
+            or not math.isfinite(candidates) or candidates < 1):
+        fail(who, "probe_candidates", "must be a finite number >= 1 (the indexer's budget "
+             "is this many times the kept one)", repr(candidates))
+
+
+def probe_params(params: IndexerParams, candidates: float) -> IndexerParams:
+    """The indexer's parameters for the candidates: the budget's rates and
+    biases times ``candidates`` (biases rounded up), the rest unchanged."""
+    return dataclasses.replace(
+        params,
+        k_block_num_rate_medium=params.k_block_num_rate_medium * candidates,
+        k_block_num_bias_medium=math.ceil(params.k_block_num_bias_medium * candidates),
+        k_block_num_rate_large=params.k_block_num_rate_large * candidates,
+        k_block_num_bias_large=math.ceil(params.k_block_num_bias_large * candidates))
+
+
+def row_keep(blocks: torch.Tensor, prompt: int, params: IndexerParams):
+    """For absolute query blocks ``blocks`` (int64, causal, a sequence's own
+    positions): ``(sink_end, cand_end, keep)``, the forced blocks being
+    ``[0, sink_end)`` and ``[cand_end, blocks + 1)``, and ``keep`` the
+    candidates a row keeps under ``params``' budget."""
+    s2 = blocks + 1
+    sink_end, cand_end = contract.candidate_range(s2, params.initial_blocks,
+                                                  params.window_size)
+    p = torch.tensor(ceil_div(prompt, params.stem_block_size), dtype=torch.int64)
+    k = contract.row_budget(blocks, p, contract.prompt_budget(p, params), params.alpha)
+    keep = torch.minimum(k, (cand_end - sink_end).clamp(min=0))
+    return sink_end, cand_end, keep
+
+
+def probe_refine(query: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor,
+                 lengths: torch.Tensor, *, context: int, seq_len: int, prompt: int,
+                 params: IndexerParams, scale: float, queries: int,
+                 softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's lists re-ranked by the probe (the module docstring).
+
+    ``query [q_len, Hq, D]``: the row's queries, at positions ``[context,
+    seq_len)``; ``keys [>= seq_len, Hkv, D]``: its keys in token order;
+    ``idx [Hq, Qb, W]`` and ``lengths [Hq, Qb]``: the indexer's lists (from
+    ``probe_params``) over absolute query blocks ``context // Bs ..``, before
+    any exact-tail widening; ``params``: the budget the rows keep; ``scale``
+    and ``softcap``: attention's. Returns new ``(idx, lengths)`` of the same
+    shapes and dtypes.
+    """
+    hq, qb, width = idx.shape
+    hkv, dim = keys.shape[1], keys.shape[2]
+    group = hq // hkv
+    bs = params.stem_block_size
+    first = context // bs
+    blocks = torch.arange(first, first + qb, dtype=torch.int64)
+    sink_end, cand_end, keep = row_keep(blocks, prompt, params)
+    forced = sink_end + (blocks + 1 - cand_end)
+    refine = lengths.to(torch.int64).cpu() > (forced + keep)[None, :]  # [Hq, Qb]
+    rows = refine.any(0).nonzero().flatten()
+    if rows.numel() == 0:
+        return idx, lengths
+    idx, lengths = idx.clone(), lengths.clone()
+    device = query.device
+    ends = torch.clamp((blocks + 1) * bs, max=seq_len)
+    starts = torch.clamp(blocks * bs, min=context)
+    offsets = torch.arange(queries) - queries
+    at = 0
+    while at < rows.numel():
+        reach = int(ends[rows[at]])
+        tile = max(1, TILE_ELEMENTS // (hq * queries * reach))
+        part = rows[at:at + tile]
+        at += part.numel()
+        nb = int(blocks[part[-1]]) + 1  # key blocks the tile's last row sees
+        span = min(nb * bs, seq_len)
+        pos = ends[part][:, None] + offsets  # [T, m] the probe queries' positions
+        valid = pos >= starts[part][:, None]
+        qp = query[(pos - context).clamp(min=0).flatten().to(device)]  # [T*m, Hq, D]
+        qp = qp.view(-1, hkv, group, dim).permute(1, 2, 0, 3)  # [Hkv, G, T*m, D]
+        k = keys[:span].permute(1, 2, 0)  # [Hkv, D, span]
+        logits = torch.matmul(qp, k[:, None]).float() * scale  # [Hkv, G, T*m, span]
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        later = torch.arange(span, device=device)[None, :] > pos.flatten().to(device)[:, None]
+        logits.masked_fill_(later, -math.inf)
+        prob = torch.softmax(logits, -1) * valid.flatten().to(device)[:, None]
+        prob = prob.view(hq, part.numel(), queries, span).sum(2)
+        prob = torch.nn.functional.pad(prob, (0, nb * bs - span))
+        mass = prob.view(hq, part.numel(), nb, bs).sum(-1)  # [Hq, T, nb]
+        sub = idx[:, part].to(torch.int64)
+        listed = torch.zeros(hq, part.numel(), nb + 1, dtype=torch.bool, device=device)
+        listed.scatter_(-1, torch.where(sub < 0, nb, sub.clamp(max=nb)), True)
+        listed = listed[..., :nb]
+        j = torch.arange(nb, device=device)
+        lo, hi = sink_end[part].to(device)[:, None], cand_end[part].to(device)[:, None]
+        cand = listed & (j >= lo) & (j < hi)
+        score = torch.where(cand, mass, -math.inf)
+        order = score.argsort(dim=-1, descending=True, stable=True)
+        top = torch.arange(nb, device=device) < keep[part].to(device)[:, None]
+        chosen = torch.zeros_like(cand).scatter_(-1, order, top.expand_as(order)) & cand
+        sees = j <= blocks[part].to(device)[:, None]
+        kept = torch.where(refine[:, part].to(device)[..., None],
+                           ((j < lo) | (j >= hi)) & sees | chosen, listed)
+        ranked = torch.where(kept, j, nb).sort(-1).values[..., :width]
+        ranked = torch.where(ranked == nb, -1, ranked)
+        out = torch.full((hq, part.numel(), width), -1, dtype=idx.dtype, device=device)
+        out[..., :ranked.shape[-1]] = ranked.to(idx.dtype)
+        idx[:, part] = out
+        lengths[:, part] = kept.sum(-1).to(lengths.dtype)
+    return idx, lengths

@@ -1,0 +1,241 @@
+"""The probe (``stem_indexer.pipeline.probe``): a second scoring pass.
+
+The truth is a float64 loop written from the docstring's rule, row by row:
+for query block ``i`` and query head ``h``, the last ``m`` queries of the
+block attend causally to every key up to their position; a key block's
+mass is the probability its keys get, summed over those queries; the row
+keeps its forced blocks (the contract's sink and window, written out here
+as sets) and the ``keep`` listed candidates with the most mass.
+
+* Paged steps (fresh rows and chunks that start inside a block): the
+  probe's lists are that loop run over the indexer's lists at the widened
+  budget (``probe_params``), and each row keeps as many blocks as the plan
+  without the probe.
+* A planted needle: one key the block's last queries match strongly, in a
+  block whose strided sums the indexer ranks low. The indexer alone drops
+  it at this budget; with the probe it is kept.
+* The exact tail's rows still list every block; the vLLM backend's rows
+  pick what the paged entry point picks; bad settings name themselves.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_paged import SMALL, make_step, plan_for
+
+from stem_indexer import StemIndexerInputError
+from stem_indexer.operator import contract
+from stem_indexer.pipeline.paged import stem_paged_select
+from stem_indexer.pipeline.probe import probe_params
+
+BS = SMALL["stem_block_size"]
+TOL = 1e-4  # float32 sums against float64: a pick may differ only at such a tie
+
+
+def truth(q, k, lists, lengths, *, context, seq_len, prompt, params, scale, m):
+    """The float64 loop: ``q [Hq, S, D]`` and ``k [Hkv, S, D]`` the whole
+    prompt's, ``lists``/``lengths`` one row's indexer lists. Returns, per
+    (h, r), the kept set and the masses of its blocks."""
+    hq, qb, _ = lists.shape
+    group = hq // k.shape[0]
+    first = context // BS
+    p = torch.tensor(math.ceil(prompt / BS))
+    out = {}
+    for r in range(qb):
+        i = first + r
+        s2 = i + 1
+        forced = set(range(min(params.initial_blocks, s2))) | set(
+            range(max(s2 - params.window_size, 0), s2))
+        cands = s2 - len(forced)
+        k_row = int(contract.row_budget(torch.tensor(i), p, contract.prompt_budget(p, params),
+                                        params.alpha))
+        keep = min(k_row, max(cands, 0))
+        end = min((i + 1) * BS, seq_len)
+        first_q = max(i * BS, context, end - m)
+        for h in range(hq):
+            listed = set(lists[h, r, :int(lengths[h, r])].tolist())
+            if len(listed) <= len(forced) + keep:
+                out[h, r] = (listed, None)
+                continue
+            mass = torch.zeros(s2, dtype=torch.float64)
+            for t in range(first_q, end):
+                logits = (k[h // group, :t + 1].double() @ q[h, t].double()) * scale
+                prob = torch.softmax(logits, 0)
+                prob = torch.nn.functional.pad(prob, (0, s2 * BS - prob.shape[0]))
+                mass += prob.view(s2, BS).sum(1)
+            free = sorted(listed - forced, key=lambda j: (-float(mass[j]), j))
+            out[h, r] = (forced | set(free[:keep]), mass)
+    return out
+
+
+def assert_matches_truth(idx, lengths, want, where):
+    for (h, r), (kept, mass) in want.items():
+        got = set(idx[h, r, :int(lengths[h, r])].tolist())
+        assert int(lengths[h, r]) == len(kept), (where, h, r)
+        if got == kept:
+            continue
+        # Only a tie at the row's threshold may differ.
+        assert mass is not None, (where, h, r, sorted(got ^ kept))
+        edge = min(float(mass[j]) for j in kept - got)
+        for j in got ^ kept:
+            assert abs(float(mass[j]) - edge) <= TOL * max(edge, 1e-6), (where, h, r, j)
+
+
+@pytest.mark.parametrize("contexts,new,m", [
+    ([0, 0], [2200, 1900], 8),         # fresh prompts
+    ([0, 0], [2200, 1900], 1),         # one query per block: its last
+    ([1400, 450], [800, 1500], 4),     # chunks starting inside a block (450 = 14 * 32 + 2)
+])
+def test_the_probe_keeps_the_heaviest_candidates(contexts, new, m):
+    prompts = [c + n for c, n in zip(contexts, new)]
+    step = make_step(prompts, contexts, new, page=16, stride=8, seed=3)
+    kw = {**SMALL, "exact_tail": 0, "min_q_blocks": 1}
+    scale = 1 / math.sqrt(step.q.shape[3])
+    with torch.inference_mode():
+        plan = plan_for(step, probe_queries=m, probe_candidates=2.0, **kw)
+        idx, lengths = stem_paged_select(step.query, step.index_cache, step.table, plan,
+                                         key_cache=step.key_cache)
+        wide = plan_for(step, **{**kw, **{n: getattr(plan.indexer_params, n) for n in (
+            "k_block_num_rate_medium", "k_block_num_bias_medium", "k_block_num_rate_large",
+            "k_block_num_bias_large")}})
+        cand_idx, cand_len = stem_paged_select(step.query, step.index_cache, step.table, wide)
+        plain = plan_for(step, **kw)
+        _, plain_len = stem_paged_select(step.query, step.index_cache, step.table, plain)
+    assert plan.paths == ("sparse", "sparse")
+    refined = 0
+    for b, (c, n) in enumerate(zip(contexts, new)):
+        qb = math.ceil((c + n) / BS) - c // BS
+        want = truth(step.q[b], step.k[b], cand_idx[b, :, :qb], cand_len[b, :, :qb],
+                     context=c, seq_len=c + n, prompt=prompts[b], params=plan.params,
+                     scale=scale, m=m)
+        refined += sum(mass is not None for _, mass in want.values())
+        assert_matches_truth(idx[b], lengths[b], want, f"row {b}")
+        # As many blocks as the budget keeps without the probe.
+        assert torch.equal(lengths[b, :, :qb], plain_len[b, :, :qb]), f"row {b}"
+    assert refined > 20, "the step should have rows with more candidates than they keep"
+
+
+def test_the_probe_finds_a_needle_the_indexer_misses():
+    # One key (token 300, block 9) matches the last queries of the last block
+    # strongly; the other keys of its block point the other way, so that the
+    # block's strided sums, which the indexer scores, rank it low.
+    n, dim = 2048, 16
+    step = make_step([n], [0], [n], page=16, stride=8, seed=5)
+    direction = torch.zeros(dim)
+    direction[0] = 1.0
+    q, k = step.q, step.k
+    k[0, :, 288:320] = -3.0 * direction
+    k[0, :, 300] = 8.0 * direction
+    q[0, :, n - 8:n] = 4.0 * direction
+    step = _rewrite(step, q, k)
+    kw = {**SMALL, "exact_tail": 0, "min_q_blocks": 1, "k_block_num_bias_medium": 3,
+          "k_block_num_bias_large": 3}
+    last = n // BS - 1
+    with torch.inference_mode():
+        alone_idx, alone_len = stem_paged_select(step.query, step.index_cache, step.table,
+                                                 plan_for(step, **kw))
+        plan = plan_for(step, probe_queries=8, probe_candidates=8.0, **kw)
+        idx, lengths = stem_paged_select(step.query, step.index_cache, step.table, plan,
+                                         key_cache=step.key_cache)
+    for h in range(q.shape[1]):
+        assert 9 not in alone_idx[0, h, last, :int(alone_len[0, h, last])].tolist()
+        assert 9 in idx[0, h, last, :int(lengths[0, h, last])].tolist(), h
+        assert int(lengths[0, h, last]) == int(alone_len[0, h, last])
+
+
+def _rewrite(step, q, k):
+    """The step rebuilt from changed prompt tensors (cache and index cache)."""
+    from test_paged import Step
+
+    from stem_indexer import IndexCache
+
+    page = step.index_cache.page
+    n = step.seq_lens[0]
+    pos = torch.arange(n)
+    pages, offsets = step.table[0, pos // page].long(), pos % page
+    key_cache = step.key_cache.clone()
+    key_cache[pages, offsets] = k[0].transpose(0, 1)
+    cache = IndexCache.allocate(step.key_cache.shape[0], page, 8, k.shape[1], k.shape[3])
+    cache.write(k[0].transpose(0, 1), step.v[0].transpose(0, 1), pages * page + offsets)
+    return Step(q, k, step.v, q[0].transpose(0, 1).contiguous(), key_cache, step.value_cache,
+                cache, step.table, step.query_lens, step.seq_lens, step.prompts)
+
+
+def test_the_exact_tail_still_lists_every_block():
+    prompts = [2000]
+    step = make_step(prompts, [0], prompts, page=16, stride=8, seed=4)
+    with torch.inference_mode():
+        plan = plan_for(step, probe_queries=8, **{**SMALL, "exact_tail": 64})
+        idx, lengths = stem_paged_select(step.query, step.index_cache, step.table, plan,
+                                         key_cache=step.key_cache)
+    last = math.ceil(2000 / BS) - 1
+    for r in (last - 2, last - 1, last):  # positions 1936 .. 1999 lie in blocks 60 .. 62
+        assert torch.equal(lengths[0, :, r], torch.full_like(lengths[0, :, r], r + 1)), r
+        assert idx[0, 0, r, :r + 1].tolist() == list(range(r + 1))
+
+
+def test_the_vllm_rows_probe_as_the_paged_entry_point():
+    from stem_indexer.integrations.vllm.rows import Row, plan_stem_row, select_blocks
+    from stem_indexer.integrations.vllm.settings import StemSettings
+
+    prompts, contexts, new = [2600, 1800], [37, 640], [2563, 1160]
+    settings = StemSettings.from_mapping({"preset": "tight", "stem_block_size": 32,
+                                          "stem_stride": 8, "exact_tail": 64,
+                                          "probe_queries": 8, "probe_candidates": 3})
+    step = make_step(prompts, contexts, new, page=16, stride=8, seed=2, chunk=300)
+    scale = 1 / math.sqrt(16)
+    with torch.inference_mode():
+        plan = plan_for(step, preset="tight", stem_block_size=32, stem_stride=8,
+                        exact_tail=64, dense_above=1.0, min_q_blocks=1, probe_queries=8,
+                        probe_candidates=3)
+        idx, lengths = stem_paged_select(step.query, step.index_cache, step.table, plan,
+                                         key_cache=step.key_cache)
+        start = 0
+        for b, (c, n) in enumerate(zip(contexts, new)):
+            row = Row(b, start, n, c, prompts[b])
+            row_plan = plan_stem_row(row, settings, step.table[b].long(), 16, 4, 2, 16)
+            kflat, vbias = step.index_cache.inputs(step.table[b].long(), c + n, 32, True,
+                                                   settings.oam_lambda)
+            keys = step.k[b].transpose(0, 1)
+            want_idx, want_len = select_blocks(step.query[start:start + n], kflat, vbias,
+                                               row_plan, scale, settings, keys)
+            qb = want_len.shape[1]
+            assert torch.equal(lengths[b, :, :qb], want_len), f"row {b}"
+            assert torch.equal(idx[b, :, :qb, :want_idx.shape[2]], want_idx), f"row {b}"
+            start += n
+
+
+def test_probe_params_widen_the_budget_only():
+    params = contract.IndexerParams.from_kwargs("t", preset="balanced")
+    wide = probe_params(params, 2.5)
+    assert (wide.k_block_num_rate_large, wide.k_block_num_bias_large) == (0.25, 40)
+    assert (wide.k_block_num_rate_medium, wide.k_block_num_bias_medium) == (0.25, 40)
+    assert (wide.initial_blocks, wide.window_size, wide.alpha) == (
+        params.initial_blocks, params.window_size, params.alpha)
+
+
+@pytest.mark.parametrize("kw,arg", [
+    (dict(probe_queries=-1), "probe_queries"),
+    (dict(probe_queries=1.5), "probe_queries"),
+    (dict(probe_queries=4, probe_candidates=0.5), "probe_candidates"),
+    (dict(probe_queries=4, probe_candidates=float("nan")), "probe_candidates"),
+])
+def test_bad_probe_settings_name_themselves(kw, arg):
+    from stem_indexer.integrations.vllm.settings import StemSettings
+
+    step = make_step([600], [0], [600], page=16, stride=8)
+    with pytest.raises(StemIndexerInputError, match=f"stem_paged_plan: {arg} "):
+        plan_for(step, **SMALL, **kw)
+    with pytest.raises(StemIndexerInputError, match=arg):
+        StemSettings.from_mapping(kw)
+
+
+def test_the_probe_needs_the_keys():
+    step = make_step([2000], [0], [2000], page=16, stride=8)
+    with torch.inference_mode():
+        plan = plan_for(step, probe_queries=4, **SMALL)
+        with pytest.raises(StemIndexerInputError, match="key_cache must be given"):
+            stem_paged_select(step.query, step.index_cache, step.table, plan)
