@@ -410,6 +410,19 @@ def test_sparse_rows_equal_stem_attention_on_the_same_inputs(model):
         assert 0 < layer["kept"] < layer["visible"], stats
 
 
+def test_probe_rows_equal_the_probe_on_the_keys_vllm_was_given(model):
+    """The probe reads each row's keys back from vLLM's packed bf16 cache;
+    its lists are the probe's on the keys the model produced (recorded as
+    written), and the output is block-sparse attention on those lists."""
+    probe = {**SPARSE, "probe_queries": 4, "probe_candidates": 2}
+    run = cached(model, "probe-bf16", probe, check_rows=True, engine=BF16)
+    _assert_rows_match_stem(run, 2e-2)
+    assert not any(k.startswith("dense:") and "error" in k for k in run["stats"]["rows"])
+    plain_rows = cached(model, "sparse-bf16", SPARSE, check_rows=True, engine=BF16)
+    # As many pairs kept as without the probe: only which ones changes.
+    assert run["stats"]["density"] == pytest.approx(plain_rows["stats"]["density"], abs=0.02)
+
+
 def test_without_prefix_caching_decode_tokens_stay_out_of_the_indexer_cache(model):
     """No page outlives its request, so no Stem row reads a decode row's
     tokens: the indexer cache leaves them out, and every Stem row still

@@ -50,6 +50,13 @@ def test_settings_take_a_preset_and_overrides():
     assert s.decoded_pages == "read_back" and "decoded_pages" not in s.describe()
     assert s.dense_layers == 0 and "dense_layers" not in s.describe()
     assert StemSettings.from_mapping({"dense_layers": 2}).describe().endswith("dense_layers=2")
+    named = StemSettings.from_mapping({"dense_layers": "0 3-5"})
+    assert named.dense_layers == (0, 3, 4, 5) and named.describe().endswith("dense_layers=0 3 4 5")
+    assert [named.dense_layer(i) for i in range(7)] == [True, False, False, True, True, True,
+                                                         False]
+    assert StemSettings.from_mapping({"dense_layers": [5, 1]}).dense_layers == (1, 5)
+    assert [StemSettings.from_mapping({"dense_layers": 2}).dense_layer(i)
+            for i in range(4)] == [True, True, False, False]
     written = StemSettings.from_mapping({"decoded_pages": "write"})
     assert written.decoded_pages == "write" and "decoded_pages=write" in written.describe()
 
@@ -63,6 +70,9 @@ def test_settings_take_a_preset_and_overrides():
     ({"topk_score_precision": 3}, "topk_score_precision"), ({"block": 4}, "'block'"),
     ({"exact_tail": -1}, "exact_tail"), ({"exact_tail": 1.5}, "exact_tail"),
     ({"dense_layers": -1}, "dense_layers"), ({"dense_layers": True}, "dense_layers"),
+    ({"dense_layers": "3-"}, "dense_layers"), ({"dense_layers": "8-3"}, "dense_layers"),
+    ({"dense_layers": [1, -2]}, "dense_layers"), ({"dense_layers": 1.5}, "dense_layers"),
+    ({"probe_queries": -1}, "probe_queries"), ({"probe_candidates": 0.5}, "probe_candidates"),
     ({"decoded_pages": "lazy"}, "decoded_pages"), ({"decoded_pages": None}, "decoded_pages"),
 ])
 def test_bad_settings_name_the_key(section, key):

@@ -69,6 +69,7 @@ def _checker(settings, record: dict, shadow: _Shadow):
     import torch
 
     import stem_indexer
+    from stem_indexer.pipeline.probe import probe_params, probe_refine
 
     params = {k: v for k, v in dataclasses.asdict(settings.params).items() if k != "causal"}
 
@@ -93,10 +94,23 @@ def _checker(settings, record: dict, shadow: _Shadow):
                                               stem_stride=settings.stride,
                                               scale=trace.scale / settings.stride,
                                               oam=settings.oam, oam_lambda=settings.oam_lambda)
+            indexer = params
+            if settings.probe_queries:  # the candidates, at the widened budget
+                indexer = {k: v for k, v in dataclasses.asdict(probe_params(
+                    settings.params, settings.probe_candidates)).items() if k != "causal"}
             idx, lengths = stem_indexer.stem_indexer(
                 inputs.qflat, inputs.kflat, inputs.vbias, inputs.q_seq_lens,
                 inputs.kv_seq_lens, num_prompt_tokens=torch.tensor(prompt, dtype=torch.int32),
-                **params)
+                **indexer)
+            if settings.probe_queries:
+                # Re-ranked on the keys vLLM was given (the shadow), not on
+                # those the backend read back from its cache.
+                one, one_len = probe_refine(
+                    trace.query, key.transpose(0, 1), idx[0], lengths[0],
+                    context=row.context, seq_len=row.seq_len, prompt=prompt[0],
+                    params=settings.params, scale=trace.scale,
+                    queries=settings.probe_queries)
+                idx, lengths = one[None], one_len[None]
         # The indexer cache gives stem_inputs's key-side inputs, bit for bit.
         record["cache_mismatches"] += not (torch.equal(trace.kflat, inputs.kflat[0])
                                            and torch.equal(trace.vbias, inputs.vbias[0]))
@@ -116,6 +130,12 @@ def _checker(settings, record: dict, shadow: _Shadow):
                 want_len[:, j] = first + j + 1
                 record["tail_rows"] += 1
         same = torch.equal(want_len, trace.lengths) and torch.equal(want_idx, trace.indices)
+        if settings.probe_queries:  # stem_attention has no probe: attend on the lists
+            with torch.inference_mode():
+                want = stem_indexer.block_sparse_attention(
+                    q, key[None], value[None], want_idx[None], want_len[None],
+                    stem_block_size=bs, scale=trace.scale)[0, :, lead:].transpose(0, 1)
+            err = (trace.output.double() - want.double()).abs().max().item()
         record["rows"] += 1
         record["max_error"] = max(record["max_error"], err)
         record["selection_mismatches"] += not same

@@ -629,7 +629,7 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
             return "kv sharing"
         if self.is_fp8_kv_cache:
             return f"kv cache dtype {self.kv_cache_dtype}"
-        if self.index < self.settings.dense_layers:
+        if self.settings.dense_layer(self.index):
             return "dense layer"
         return ""
 

@@ -45,6 +45,30 @@ def _count(section: Mapping[str, Any], key: str, default: int) -> int:
     return value
 
 
+def _layers(value: Any) -> int | tuple[int, ...]:
+    """``dense_layers``: an int >= 0 (the first n), or the layers named by a
+    list of ints >= 0 or a string of indices and ranges (``"0 3-8"``)."""
+    rule = ("must be an int >= 0 (the first n layers), a list of layer indices, or a string "
+            "of indices and ranges such as \"3-8\" or \"0 3-8\"")
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            fail(_WHO, "dense_layers", rule, repr(value))
+        return value
+    picked: set[int] = set()
+    if isinstance(value, str):
+        for part in value.replace(",", " ").split():
+            lo, dash, hi = part.partition("-")
+            if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
+                fail(_WHO, "dense_layers", rule, repr(value))
+            picked.update(range(int(lo), int(hi if dash else lo) + 1))
+    elif isinstance(value, (list, tuple)) and all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value):
+        picked.update(value)
+    else:
+        fail(_WHO, "dense_layers", rule, repr(value))
+    return tuple(sorted(picked))
+
+
 @dataclass(frozen=True)
 class StemSettings:
     """What the vLLM backend runs with, from ``additional_config["stem"]``.
@@ -63,10 +87,11 @@ class StemSettings:
       block carries each query block's causal diagonal);
     * ``oam`` (true), ``oam_lambda`` (0.3): the Output-Aware Metric;
     * ``min_prompt_tokens`` (0): prompts shorter than this run vLLM's kernel;
-    * ``dense_layers`` (0): the model's first ``dense_layers`` attention
-      layers (in the order the model builds them: a decoder's first layers)
-      run vLLM's kernel for every row and keep no indexer cache, a per-layer
-      keep schedule: the first layers stay exact, the others keep the budget;
+    * ``dense_layers`` (0): a per-layer keep schedule: these attention
+      layers (counted in the order the model builds them, from 0) run
+      vLLM's kernel for every row and keep no indexer cache; the others keep
+      the budget. An int ``n`` names the first ``n``; a list of ints, or a
+      string of indices and ranges (``"3-8"``, ``"0 3-8"``), names them;
     * ``dense_above`` (0.9): a row whose budget keeps more than this share of
       its visible block pairs runs vLLM's kernel (1.0: never for that reason);
     * ``exact_tail`` (128, ``contract.DEFAULT_EXACT_TAIL``): the prompt's last
@@ -100,7 +125,7 @@ class StemSettings:
     oam: bool = True
     oam_lambda: float = DEFAULT_OAM_LAMBDA
     min_prompt_tokens: int = 0
-    dense_layers: int = 0
+    dense_layers: int | tuple[int, ...] = 0
     dense_above: float = DEFAULT_DENSE_ABOVE
     exact_tail: int = DEFAULT_EXACT_TAIL
     chunk_invariant: bool = False
@@ -155,7 +180,7 @@ class StemSettings:
                 or not math.isfinite(oam_lambda)):
             fail(_WHO, "oam_lambda", "must be a finite number", repr(oam_lambda))
         min_prompt = _count(section, "min_prompt_tokens", 0)
-        dense_layers = _count(section, "dense_layers", 0)
+        dense_layers = _layers(section.get("dense_layers", 0))
         dense_above = section.get("dense_above", DEFAULT_DENSE_ABOVE)
         if (isinstance(dense_above, bool) or not isinstance(dense_above, (int, float))
                 or not (0.0 < dense_above <= 1.0)):
@@ -176,6 +201,13 @@ class StemSettings:
                    float(dense_above), exact_tail, invariant, decoded, probe_queries,
                    float(candidates))
 
+    def dense_layer(self, index: int) -> bool:
+        """Whether the model's attention layer ``index`` (from 0) is one of
+        ``dense_layers``."""
+        if isinstance(self.dense_layers, int):
+            return index < self.dense_layers
+        return index in self.dense_layers
+
     def check_kv_block_size(self, kv_block_size: int) -> None:
         """Stem's blocks must be whole KV-cache pages (the kernel reads pages)."""
         if self.block_size % kv_block_size:
@@ -191,7 +223,9 @@ class StemSettings:
         extra = [f"oam={self.oam}", f"min_prompt_tokens={self.min_prompt_tokens}",
                  f"dense_above={self.dense_above}", f"exact_tail={self.exact_tail}"]
         if self.dense_layers:
-            extra.append(f"dense_layers={self.dense_layers}")
+            shown = self.dense_layers if isinstance(self.dense_layers, int) else " ".join(
+                map(str, self.dense_layers))
+            extra.append(f"dense_layers={shown}")
         if self.chunk_invariant:
             extra.append("chunk_invariant=True")
         if self.probe_queries:
