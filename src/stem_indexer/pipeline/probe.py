@@ -106,9 +106,12 @@ def probe_refine(query: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor,
         return idx, lengths
     idx, lengths = idx.clone(), lengths.clone()
     device = query.device
+    # [Hkv, D, Kb * Bs]: the keys once, zeros past the sequence
+    span = ceil_div(seq_len, bs) * bs
+    keys_t = keys.new_zeros(hkv, dim, span)
+    keys_t[..., :seq_len] = keys[:seq_len].permute(1, 2, 0)
     ends = torch.clamp((blocks + 1) * bs, max=seq_len)
     starts = torch.clamp(blocks * bs, min=context)
-    offsets = torch.arange(queries) - queries
     at = 0
     while at < rows.numel():
         reach = int(ends[rows[at]])
@@ -116,21 +119,8 @@ def probe_refine(query: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor,
         part = rows[at:at + tile]
         at += part.numel()
         nb = int(blocks[part[-1]]) + 1  # key blocks the tile's last row sees
-        span = min(nb * bs, seq_len)
-        pos = ends[part][:, None] + offsets  # [T, m] the probe queries' positions
-        valid = pos >= starts[part][:, None]
-        qp = query[(pos - context).clamp(min=0).flatten().to(device)]  # [T*m, Hq, D]
-        qp = qp.view(-1, hkv, group, dim).permute(1, 2, 0, 3)  # [Hkv, G, T*m, D]
-        k = keys[:span].permute(1, 2, 0)  # [Hkv, D, span]
-        logits = torch.matmul(qp, k[:, None]).float() * scale  # [Hkv, G, T*m, span]
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
-        later = torch.arange(span, device=device)[None, :] > pos.flatten().to(device)[:, None]
-        logits.masked_fill_(later, -math.inf)
-        prob = torch.softmax(logits, -1) * valid.flatten().to(device)[:, None]
-        prob = prob.view(hq, part.numel(), queries, span).sum(2)
-        prob = torch.nn.functional.pad(prob, (0, nb * bs - span))
-        mass = prob.view(hq, part.numel(), nb, bs).sum(-1)  # [Hq, T, nb]
+        mass = _block_mass(query, keys_t, ends[part], starts[part], context, nb, bs,
+                           queries, scale, softcap)  # [Hq, T, nb]
         sub = idx[:, part].to(torch.int64)
         listed = torch.zeros(hq, part.numel(), nb + 1, dtype=torch.bool, device=device)
         listed.scatter_(-1, torch.where(sub < 0, nb, sub.clamp(max=nb)), True)
@@ -152,3 +142,38 @@ def probe_refine(query: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor,
         idx[:, part] = out
         lengths[:, part] = kept.sum(-1).to(lengths.dtype)
     return idx, lengths
+
+
+def _block_mass(query, keys_t, ends, starts, context: int, nb: int, bs: int,
+                queries: int, scale: float, softcap) -> torch.Tensor:
+    """[Hq, T, nb] float32: per query head and query block (its queries end
+    at ``ends``, none before ``starts``), the attention probability each of
+    key blocks ``0 .. nb-1`` gets from the block's last ``queries`` queries,
+    summed over them (each query's softmax over every key it can see).
+    ``keys_t [Hkv, D, >= nb * Bs]``: the keys, transposed."""
+    hkv, dim = keys_t.shape[0], keys_t.shape[1]
+    hq = query.shape[1]
+    group, t = hq // hkv, ends.shape[0]
+    device = query.device
+    pos = ends[:, None] + torch.arange(queries) - queries  # [T, m]
+    valid = (pos >= starts[:, None]).flatten().to(device)
+    pos = pos.flatten().to(device)
+    qp = query[(pos - context).clamp(min=0)]  # [T*m, Hq, D]
+    qp = qp.view(-1, hkv, group, dim).permute(1, 2, 0, 3).reshape(hkv, -1, dim)
+    span = nb * bs
+    logits = torch.bmm(qp, keys_t[..., :span]).float()  # [Hkv, G*T*m, span]
+    logits = logits.view(hkv, group, t * queries, span)
+    if softcap:
+        logits = torch.tanh(logits * (scale / softcap)) * softcap
+    else:
+        logits *= scale
+    # Only keys from the tile's first diagonal block on can lie past a query.
+    lo = int(starts.min()) // bs * bs
+    later = torch.arange(lo, span, device=device)[None, :] > pos[:, None]
+    logits[..., lo:].masked_fill_(later, -math.inf)
+    top = logits.amax(-1, keepdim=True)
+    logits.sub_(top).exp_()
+    total = logits.sum(-1)  # [Hkv, G, T*m]
+    mass = logits.view(hkv, group, t * queries, nb, bs).sum(-1)
+    mass *= (valid / total)[..., None]
+    return mass.view(hq, t, queries, nb).sum(2)
