@@ -94,7 +94,6 @@ def probe_refine(query: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor,
     """
     hq, qb, width = idx.shape
     hkv, dim = keys.shape[1], keys.shape[2]
-    group = hq // hkv
     bs = params.stem_block_size
     first = context // bs
     blocks = torch.arange(first, first + qb, dtype=torch.int64)
