@@ -14,6 +14,8 @@ as sets) and the ``keep`` listed candidates with the most mass.
 * A planted needle: one key the block's last queries match strongly, in a
   block whose strided sums the indexer ranks low. The indexer alone drops
   it at this budget; with the probe it is kept.
+* ``stem_paged_run`` with the probe is float64 attention masked to the
+  probe's lists (which differ from the indexer's alone).
 * The exact tail's rows still list every block; the vLLM backend's rows
   pick what the paged entry point picks; bad settings name themselves.
 """
@@ -26,10 +28,11 @@ import pytest
 import torch
 from test_paged import SMALL, make_step, plan_for
 
-from stem_indexer import StemIndexerInputError
+from stem_indexer import StemIndexerInputError, stem_paged_run
 from stem_indexer.operator import contract
 from stem_indexer.pipeline.paged import stem_paged_select
 from stem_indexer.pipeline.probe import probe_params
+from stem_indexer.testing import reference_attention
 
 BS = SMALL["stem_block_size"]
 TOL = 1e-4  # float32 sums against float64: a pick may differ only at such a tie
@@ -206,6 +209,33 @@ def test_the_vllm_rows_probe_as_the_paged_entry_point():
             assert torch.equal(lengths[b, :, :qb], want_len), f"row {b}"
             assert torch.equal(idx[b, :, :qb, :want_idx.shape[2]], want_idx), f"row {b}"
             start += n
+
+
+def test_the_run_attends_the_probes_blocks():
+    # stem_paged_run passes its key cache to the probe: its output is float64
+    # attention masked to the probe's lists (each query block's listed key
+    # blocks, causal inside them).
+    prompts, contexts, new = [2200], [450], [1750]
+    step = make_step(prompts, contexts, new, page=16, stride=8, seed=6)
+    with torch.inference_mode():
+        plan = plan_for(step, probe_queries=4, **{**SMALL, "exact_tail": 0})
+        got = stem_paged_run(step.query, step.key_cache, step.value_cache, step.index_cache,
+                             step.table, plan)
+        idx, lengths = stem_paged_select(step.query, step.index_cache, step.table, plan,
+                                         key_cache=step.key_cache)
+        plain_idx, _ = stem_paged_select(step.query, step.index_cache, step.table,
+                                         plan_for(step, **{**SMALL, "exact_tail": 0}))
+    assert not torch.equal(plain_idx, idx)  # the probe changed some lists
+    seq, first = prompts[0], contexts[0] // BS
+    listed = torch.zeros(step.q.shape[1], seq, math.ceil(seq / BS), dtype=torch.bool)
+    for r in range(lengths.shape[2]):
+        for h in range(step.q.shape[1]):
+            blocks = idx[0, h, r, :int(lengths[0, h, r])].long()
+            listed[h, (first + r) * BS:(first + r + 1) * BS, blocks] = True
+    mask = listed.repeat_interleave(BS, 2)[None, :, contexts[0]:, :seq]
+    want = reference_attention(step.q[:, :, contexts[0]:seq], step.k[:, :, :seq],
+                               step.v[:, :, :seq], mask, causal=True)
+    assert torch.allclose(got, want[0].transpose(0, 1).float(), atol=1e-5, rtol=1e-5)
 
 
 def test_probe_params_widen_the_budget_only():
