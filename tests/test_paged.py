@@ -169,19 +169,22 @@ def test_chunks_on_block_boundaries_attend_as_the_one_shot_prefill():
     assert torch.equal(got, packed(want, step))
 
 
-def test_any_chunk_picks_what_the_vllm_cpu_rows_pick():
+@pytest.mark.parametrize("probe", [{}, {"probe_queries": 8, "probe_candidates": 3}])
+def test_any_chunk_picks_what_the_vllm_cpu_rows_pick(probe):
+    # With the probe (tests/test_probe.py), the rows read their keys too.
     from stem_indexer.integrations.vllm.rows import Row, plan_stem_row, select_blocks
     from stem_indexer.integrations.vllm.settings import StemSettings
 
     prompts, contexts, new = [3000, 2600, 900], [1000, 37, 700], [1100, 2563, 200]
     settings = StemSettings.from_mapping({"preset": "tight", "stem_block_size": 32,
-                                          "stem_stride": 8, "exact_tail": 64})
+                                          "stem_stride": 8, "exact_tail": 64, **probe})
     step = make_step(prompts, contexts, new, page=16, stride=8, seed=2, chunk=300)
     scale = 1 / math.sqrt(16)
     with torch.inference_mode():
         plan = plan_for(step, preset="tight", stem_block_size=32, stem_stride=8,
-                        exact_tail=64, dense_above=1.0, min_q_blocks=1)
-        idx, lengths = stem_paged_select(step.query, step.index_cache, step.table, plan)
+                        exact_tail=64, dense_above=1.0, min_q_blocks=1, **probe)
+        idx, lengths = stem_paged_select(step.query, step.index_cache, step.table, plan,
+                                         key_cache=step.key_cache)
         start = 0
         for b, (c, n) in enumerate(zip(contexts, new)):
             row = Row(b, start, n, c, prompts[b])
@@ -189,7 +192,8 @@ def test_any_chunk_picks_what_the_vllm_cpu_rows_pick():
             kflat, vbias = step.index_cache.inputs(step.table[b].long(), c + n, 32, True,
                                                    settings.oam_lambda)
             want_idx, want_len = select_blocks(step.query[start:start + n], kflat, vbias,
-                                               row_plan, scale, settings)
+                                               row_plan, scale, settings,
+                                               step.k[b].transpose(0, 1))
             qb = want_len.shape[1]
             assert torch.equal(lengths[b, :, :qb], want_len), f"row {b}"
             width = want_idx.shape[2]

@@ -16,8 +16,9 @@ as sets) and the ``keep`` listed candidates with the most mass.
   it at this budget; with the probe it is kept.
 * ``stem_paged_run`` with the probe is float64 attention masked to the
   probe's lists (which differ from the indexer's alone).
-* The exact tail's rows still list every block; the vLLM backend's rows
-  pick what the paged entry point picks; bad settings name themselves.
+* The exact tail's rows still list every block; bad settings name
+  themselves. (The vLLM backend's rows pick what the paged entry point
+  picks, with the probe too: ``tests/test_paged.py``.)
 """
 
 from __future__ import annotations
@@ -178,37 +179,6 @@ def test_the_exact_tail_still_lists_every_block():
     for r in (last - 2, last - 1, last):  # positions 1936 .. 1999 lie in blocks 60 .. 62
         assert torch.equal(lengths[0, :, r], torch.full_like(lengths[0, :, r], r + 1)), r
         assert idx[0, 0, r, :r + 1].tolist() == list(range(r + 1))
-
-
-def test_the_vllm_rows_probe_as_the_paged_entry_point():
-    from stem_indexer.integrations.vllm.rows import Row, plan_stem_row, select_blocks
-    from stem_indexer.integrations.vllm.settings import StemSettings
-
-    prompts, contexts, new = [2600, 1800], [37, 640], [2563, 1160]
-    settings = StemSettings.from_mapping({"preset": "tight", "stem_block_size": 32,
-                                          "stem_stride": 8, "exact_tail": 64,
-                                          "probe_queries": 8, "probe_candidates": 3})
-    step = make_step(prompts, contexts, new, page=16, stride=8, seed=2, chunk=300)
-    scale = 1 / math.sqrt(16)
-    with torch.inference_mode():
-        plan = plan_for(step, preset="tight", stem_block_size=32, stem_stride=8,
-                        exact_tail=64, dense_above=1.0, min_q_blocks=1, probe_queries=8,
-                        probe_candidates=3)
-        idx, lengths = stem_paged_select(step.query, step.index_cache, step.table, plan,
-                                         key_cache=step.key_cache)
-        start = 0
-        for b, (c, n) in enumerate(zip(contexts, new)):
-            row = Row(b, start, n, c, prompts[b])
-            row_plan = plan_stem_row(row, settings, step.table[b].long(), 16, 4, 2, 16)
-            kflat, vbias = step.index_cache.inputs(step.table[b].long(), c + n, 32, True,
-                                                   settings.oam_lambda)
-            keys = step.k[b].transpose(0, 1)
-            want_idx, want_len = select_blocks(step.query[start:start + n], kflat, vbias,
-                                               row_plan, scale, settings, keys)
-            qb = want_len.shape[1]
-            assert torch.equal(lengths[b, :, :qb], want_len), f"row {b}"
-            assert torch.equal(idx[b, :, :qb, :want_idx.shape[2]], want_idx), f"row {b}"
-            start += n
 
 
 def test_the_run_attends_the_probes_blocks():
