@@ -70,11 +70,13 @@ class Step:
 
 
 def make_step(prompts, contexts, query_lens, *, page, stride, hq=4, hkv=2, dim=16,
-              dtype=torch.float32, integer=False, hnd=False, seed=0, chunk=None) -> Step:
+              dtype=torch.float32, integer=False, hnd=False, seed=0, chunk=None,
+              edit=None) -> Step:
     """Rows ``b`` of prompt ``prompts[b]`` with ``contexts[b]`` tokens cached
     and ``query_lens[b]`` new ones (in the cache too, as an engine writes
     them before attention). The index cache is written ``chunk`` tokens at a
-    time (default: the context, then the new tokens)."""
+    time (default: the context, then the new tokens). ``edit(q, k)`` may
+    change the prompts' queries and keys in place before anything is written."""
     gen = torch.Generator().manual_seed(seed)
     batch, longest = len(prompts), max(prompts)
     if integer:
@@ -84,6 +86,8 @@ def make_step(prompts, contexts, query_lens, *, page, stride, hq=4, hkv=2, dim=1
         q = torch.randn(batch, hq, longest, dim, generator=gen).to(dtype) + 0.3
         k = torch.randn(batch, hkv, longest, dim, generator=gen).to(dtype)
         v = torch.randn(batch, hkv, longest, dim, generator=gen).to(dtype)
+    if edit is not None:
+        edit(q, k)
     need = [math.ceil((c + n) / page) for c, n in zip(contexts, query_lens)]
     num_pages = sum(need) + 5
     perm = torch.randperm(num_pages, generator=gen)

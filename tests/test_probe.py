@@ -127,14 +127,16 @@ def test_the_probe_finds_a_needle_the_indexer_misses():
     # strongly; the other keys of its block point the other way, so that the
     # block's strided sums, which the indexer scores, rank it low.
     n, dim = 2048, 16
-    step = make_step([n], [0], [n], page=16, stride=8, seed=5)
     direction = torch.zeros(dim)
     direction[0] = 1.0
-    q, k = step.q, step.k
-    k[0, :, 288:320] = -3.0 * direction
-    k[0, :, 300] = 8.0 * direction
-    q[0, :, n - 8:n] = 4.0 * direction
-    step = _rewrite(step, q, k)
+
+    def plant(q, k):
+        k[0, :, 288:320] = -3.0 * direction
+        k[0, :, 300] = 8.0 * direction
+        q[0, :, n - 8:n] = 4.0 * direction
+
+    step = make_step([n], [0], [n], page=16, stride=8, seed=5, dim=dim, edit=plant)
+    q = step.q
     kw = {**SMALL, "exact_tail": 0, "min_q_blocks": 1, "k_block_num_bias_medium": 3,
           "k_block_num_bias_large": 3}
     last = n // BS - 1
@@ -148,24 +150,6 @@ def test_the_probe_finds_a_needle_the_indexer_misses():
         assert 9 not in alone_idx[0, h, last, :int(alone_len[0, h, last])].tolist()
         assert 9 in idx[0, h, last, :int(lengths[0, h, last])].tolist(), h
         assert int(lengths[0, h, last]) == int(alone_len[0, h, last])
-
-
-def _rewrite(step, q, k):
-    """The step rebuilt from changed prompt tensors (cache and index cache)."""
-    from test_paged import Step
-
-    from stem_indexer import IndexCache
-
-    page = step.index_cache.page
-    n = step.seq_lens[0]
-    pos = torch.arange(n)
-    pages, offsets = step.table[0, pos // page].long(), pos % page
-    key_cache = step.key_cache.clone()
-    key_cache[pages, offsets] = k[0].transpose(0, 1)
-    cache = IndexCache.allocate(step.key_cache.shape[0], page, 8, k.shape[1], k.shape[3])
-    cache.write(k[0].transpose(0, 1), step.v[0].transpose(0, 1), pages * page + offsets)
-    return Step(q, k, step.v, q[0].transpose(0, 1).contiguous(), key_cache, step.value_cache,
-                cache, step.table, step.query_lens, step.seq_lens, step.prompts)
 
 
 def test_the_exact_tail_still_lists_every_block():

@@ -71,7 +71,13 @@ def _checker(settings, record: dict, shadow: _Shadow):
     import stem_indexer
     from stem_indexer.pipeline.probe import probe_params, probe_refine
 
-    params = {k: v for k, v in dataclasses.asdict(settings.params).items() if k != "causal"}
+    def op_params(p) -> dict:
+        return {k: v for k, v in dataclasses.asdict(p).items() if k != "causal"}
+
+    params = op_params(settings.params)
+    # With the probe, the indexer lists the candidates, at the widened budget.
+    indexer = op_params(probe_params(settings.params, settings.probe_candidates)
+                        if settings.probe_queries else settings.params)
 
     def check(trace) -> None:
         row, bs = trace.row, settings.block_size
@@ -82,22 +88,11 @@ def _checker(settings, record: dict, shadow: _Shadow):
         q[0, :, lead:] = trace.query.transpose(0, 1)
         prompt = [max(row.prompt, row.seq_len)]
         with torch.inference_mode():
-            # The backend chose Stem for this row; stem_attention must not step
-            # aside on its own density rule (dense_above=1.0: only keep-all).
-            want = stem_indexer.stem_attention(
-                q, key[None], value[None], scale=trace.scale,
-                num_prompt_tokens=prompt, oam=settings.oam, oam_lambda=settings.oam_lambda,
-                min_q_blocks=0, dense_above=1.0, exact_tail=settings.exact_tail,
-                **params)[0, :, lead:].transpose(0, 1)
             inputs = stem_indexer.stem_inputs(q, key[None], value[None],
                                               stem_block_size=bs,
                                               stem_stride=settings.stride,
                                               scale=trace.scale / settings.stride,
                                               oam=settings.oam, oam_lambda=settings.oam_lambda)
-            indexer = params
-            if settings.probe_queries:  # the candidates, at the widened budget
-                indexer = {k: v for k, v in dataclasses.asdict(probe_params(
-                    settings.params, settings.probe_candidates)).items() if k != "causal"}
             idx, lengths = stem_indexer.stem_indexer(
                 inputs.qflat, inputs.kflat, inputs.vbias, inputs.q_seq_lens,
                 inputs.kv_seq_lens, num_prompt_tokens=torch.tensor(prompt, dtype=torch.int32),
@@ -114,7 +109,6 @@ def _checker(settings, record: dict, shadow: _Shadow):
         # The indexer cache gives stem_inputs's key-side inputs, bit for bit.
         record["cache_mismatches"] += not (torch.equal(trace.kflat, inputs.kflat[0])
                                            and torch.equal(trace.vbias, inputs.vbias[0]))
-        err = (trace.output.double() - want.double()).abs().max().item()
         # The indexer's lists, with each query block holding one of the
         # prompt's last exact_tail tokens widened by hand: the row's block j
         # is block first + j of the prompt and sees blocks 0 .. first + j.
@@ -130,12 +124,21 @@ def _checker(settings, record: dict, shadow: _Shadow):
                 want_len[:, j] = first + j + 1
                 record["tail_rows"] += 1
         same = torch.equal(want_len, trace.lengths) and torch.equal(want_idx, trace.indices)
-        if settings.probe_queries:  # stem_attention has no probe: attend on the lists
-            with torch.inference_mode():
+        with torch.inference_mode():
+            if settings.probe_queries:  # stem_attention has no probe: attend on the lists
                 want = stem_indexer.block_sparse_attention(
                     q, key[None], value[None], want_idx[None], want_len[None],
-                    stem_block_size=bs, scale=trace.scale)[0, :, lead:].transpose(0, 1)
-            err = (trace.output.double() - want.double()).abs().max().item()
+                    stem_block_size=bs, scale=trace.scale)
+            else:
+                # The backend chose Stem for this row; stem_attention must not
+                # step aside on its own density rule (dense_above=1.0: only
+                # keep-all).
+                want = stem_indexer.stem_attention(
+                    q, key[None], value[None], scale=trace.scale, num_prompt_tokens=prompt,
+                    oam=settings.oam, oam_lambda=settings.oam_lambda, min_q_blocks=0,
+                    dense_above=1.0, exact_tail=settings.exact_tail, **params)
+        want = want[0, :, lead:].transpose(0, 1)
+        err = (trace.output.double() - want.double()).abs().max().item()
         record["rows"] += 1
         record["max_error"] = max(record["max_error"], err)
         record["selection_mismatches"] += not same

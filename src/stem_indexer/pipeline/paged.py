@@ -121,7 +121,7 @@ class PagedPlan(PlanSettings):
     #: the probe (``probe.py``): the queries per query block (0: off), and
     #: the indexer's budget as a multiple of the kept one
     probe_queries: int = 0
-    probe_candidates: float = 1.0
+    probe_candidates: float = 2.0
 
     @property
     def batch(self) -> int:
@@ -279,7 +279,7 @@ def _row_path(kv: int, p: int, window: int, params: IndexerParams,
 def _build(qlen, kvlen, prompt, params: IndexerParams, *, device, dtype, heads, kv_heads,
            head_dim, page, scale, softcap, indexer_scale, oam, oam_lambda, min_q_blocks,
            dense_above, exact_tail, kernel, attention, chunk_invariant=False,
-           probe_queries=0, probe_candidates=1.0) -> PagedPlan:
+           probe_queries=0, probe_candidates=2.0) -> PagedPlan:
     """The plan of checked arguments (host int64 lengths)."""
     bs, batch = params.stem_block_size, qlen.shape[0]
     context = kvlen - qlen

@@ -194,7 +194,7 @@ class StemSettings:
         if decoded not in DECODED_PAGES:
             fail(_WHO, "decoded_pages", f"must be one of {', '.join(map(repr, DECODED_PAGES))}",
                  repr(decoded))
-        probe_queries = _count(section, "probe_queries", 0)
+        probe_queries = section.get("probe_queries", 0)
         candidates = section.get("probe_candidates", 2.0)
         check_probe(_WHO, probe_queries, candidates)
         return cls(params, preset, oam, float(oam_lambda), min_prompt, dense_layers,
