@@ -493,13 +493,45 @@ def _assert_rows_match_stem(run: dict, tol: float) -> None:
     assert sum(run["stats"]["layouts"].values()) == rec["rows"], run["stats"]
 
 
+def _auto_kernel(dtype: str) -> str:
+    """The kernel ``sparse_kernel="auto"`` attends the test model's Stem rows
+    with on this machine, by the rule docs/VLLM.md states: Stem's in bfloat16
+    on the packed micro-kernel and a layout read as a strided view (``vec``:
+    every CPU without AMX), vLLM's elsewhere."""
+    from stem_indexer.operator.ops import sparse_attention
+
+    if dtype != "bfloat16" or HAS_AMX or not sparse_attention.available():
+        return "vllm"
+    return "vllm" if sparse_attention.bf16_packed(32, BLOCK) else "stem"
+
+
 def test_bf16_sparse_rows_equal_stem_attention_on_the_machines_layout(model):
     """In bfloat16 the cache is packed for the CPU (``amx`` with AMX, else
-    ``vec``); Stem rows read none of it back and run on it all the same."""
+    ``vec``); Stem rows run on it all the same, on the kernel ``auto`` picks."""
     run = cached(model, "sparse-bf16", SPARSE, check_rows=True, engine=BF16)
     _assert_rows_match_stem(run, 2e-2)  # two bf16 attention kernels' roundings
     assert set(run["stats"]["layouts"]) == {"amx" if HAS_AMX else "vec"}, run["stats"]
     assert not any("kv cache layout" in k for k in run["stats"]["rows"]), run["stats"]
+    assert run["stats"]["kernels"] == {_auto_kernel("bfloat16"): run["record"]["rows"]}
+
+
+@pytest.mark.parametrize("kernel, dtype", [("stem", "float32"), ("stem", "bfloat16"),
+                                           ("vllm", "bfloat16")])
+def test_each_sparse_kernel_gives_stem_attention(model, kernel, dtype):
+    """``sparse_kernel`` forced either way, in each dtype the kernels take:
+    every Stem row still equals ``stem_attention`` on the keys vLLM was given
+    (Stem's kernel on keys and values read from vLLM's cache; vLLM's kernel
+    on virtual rows), every sparse row is counted under its kernel, and the
+    log says which kernel ran."""
+    engine = BF16 if dtype == "bfloat16" else {}
+    name = f"sparse-{kernel}-{dtype}"
+    run = cached(model, name, {**SPARSE, "sparse_kernel": kernel}, check_rows=True,
+                 engine=engine)
+    _assert_rows_match_stem(run, 2e-2 if dtype == "bfloat16" else 1e-5)
+    assert run["stats"]["kernels"] == {kernel: run["record"]["rows"]}, run["stats"]
+    said = ("Stem rows run Stem's block-sparse kernel" if kernel == "stem"
+            else "Stem rows run vLLM's kernel on virtual rows (sparse_kernel='vllm')")
+    assert run["log"].count(said) == 1, run["log"][-3000:]
 
 
 @pytest.mark.skipif(not HAS_AMX, reason="needs a CPU with AMX (amx_bf16 and amx_tile in "

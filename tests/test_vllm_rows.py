@@ -20,9 +20,10 @@ import stem_indexer
 from stem_indexer import StemIndexerInputError
 from stem_indexer.pipeline.index_cache import IndexCache
 from stem_indexer.integrations.vllm.kv_read import PageReader
-from stem_indexer.integrations.vllm.rows import (Row, RowKinds, decode_tokens_left_out,
-                                                  plan_row, plan_stem_row, select_blocks,
-                                                  virtual_rows)
+from stem_indexer.integrations.vllm.rows import (Row, RowKinds, attend_row,
+                                                  decode_tokens_left_out, plan_row,
+                                                  plan_stem_row, select_blocks, virtual_rows)
+from stem_indexer.operator.ops import sparse_attention
 from stem_indexer.integrations.vllm.settings import DEFAULT_DENSE_ABOVE, StemSettings
 
 # --------------------------------------------------------------------------- #
@@ -74,6 +75,7 @@ def test_settings_take_a_preset_and_overrides():
     ({"dense_layers": [1, -2]}, "dense_layers"), ({"dense_layers": 1.5}, "dense_layers"),
     ({"probe_queries": -1}, "probe_queries"), ({"probe_candidates": 0.5}, "probe_candidates"),
     ({"decoded_pages": "lazy"}, "decoded_pages"), ({"decoded_pages": None}, "decoded_pages"),
+    ({"sparse_kernel": "flash"}, "sparse_kernel"), ({"sparse_kernel": None}, "sparse_kernel"),
 ])
 def test_bad_settings_name_the_key(section, key):
     with pytest.raises(StemIndexerInputError, match=rf"^additional_config\['stem'\]: {key} "):
@@ -260,6 +262,60 @@ def test_virtual_rows_are_block_sparse_attention_on_the_selection(context, q_len
         assert int(lengths.sum()) < hq * plan_row(row, s).visible
 
 
+def _masked_attention(query, k, v, idx, lengths, row: Row, bs: int, scale: float):
+    """float64 attention of ``query [q_len, Hq, D]`` at positions ``context
+    ..`` on ``k, v [Hkv, seq_len, D]``, each query seeing the causally visible
+    keys of the blocks its (head, absolute query block) row lists."""
+    q_len, hq, dim = query.shape
+    group = hq // k.shape[0]
+    pos = row.context + torch.arange(q_len)
+    keys = torch.arange(row.seq_len)
+    out = torch.empty(q_len, hq, dim, dtype=torch.float64)
+    for h in range(hq):
+        rows = torch.zeros(idx.shape[1], math.ceil(row.seq_len / bs), dtype=torch.bool)
+        for i in range(idx.shape[1]):
+            rows[i, idx[h, i, :lengths[h, i]].long()] = True
+        listed = rows[pos // bs - row.context // bs]  # each query's row in the selection
+        mask = listed[:, keys // bs] & (keys[None, :] <= pos[:, None])
+        scores = query[:, h].double() @ k[h // group].double().T * scale
+        p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        out[:, h] = p @ v[h // group].double()
+    return out
+
+
+@pytest.mark.skipif(not sparse_attention.available(),
+                    reason="Stem's CPU kernel is not built here (see native.status)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bs", [32, 64])
+@pytest.mark.parametrize("context, q_len", [(0, 400), (300, 211), (2289, 1), (1640, 64),
+                                            (3097, 303)])
+def test_stems_kernel_on_pages_read_back_is_attention_on_the_selection(context, q_len, bs,
+                                                                       dtype):
+    """The backend's other kernel (``sparse_kernel="stem"``): the row's keys
+    and values read from a ``vec`` cache on shuffled pages, then
+    ``attend_row`` on the selection, against float64 attention masked to the
+    listed blocks. Rows that start inside a block included."""
+    page, hq, hkv, dim = 32, 4, 2, 16
+    s = StemSettings.from_mapping({"preset": "tight", "stem_block_size": bs, "stem_stride": 8,
+                                   "exact_tail": 0})
+    gen = torch.Generator().manual_seed(context + q_len + bs)
+    row = Row(0, 0, q_len, context, 4000)
+    query = torch.randn(q_len, hq, dim, generator=gen).to(dtype)
+    k, v = torch.randn(2, hkv, row.seq_len, dim, generator=gen).to(dtype)
+    _, _, pages, raw = _vec_cache(k, v, page, 130, gen)
+    scale = 1 / math.sqrt(dim)
+    plan, (idx, lengths) = _select(query.float(), k.float(), v.float(), row, scale, s, page,
+                                   pages)
+    reader = PageReader.probe(_vec_writer, page, hkv, dim, dtype)
+    keys, values = reader.read_heads(raw, plan.pages)
+    got = attend_row(query, keys, values, idx, lengths, row, bs, scale)
+    want = _masked_attention(query, k, v, idx, lengths, row, bs, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16 probabilities before P V
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    if row.seq_len > 24 * bs:  # the selection dropped blocks
+        assert int(lengths.sum()) < hq * plan_row(row, s).visible
+
+
 # --------------------------------------------------------------------------- #
 # Chunked against one-shot prefill (docs/CONTRACT.md section 8)
 # --------------------------------------------------------------------------- #
@@ -423,6 +479,34 @@ def _heads_apart(key, value, key_cache, value_cache, slots):  # head 1 packed ot
 def test_a_packing_that_is_not_one_place_per_element_is_refused(write, why):
     with pytest.raises(ValueError, match=why):
         PageReader.probe(write, 16, 3, 8, torch.bfloat16)
+
+
+def _pair_writer(key, value, key_cache, value_cache, slots):
+    """A packing that is no strided view (as ``amx``'s is not): the keys of
+    each two offsets interleaved per dimension, the values row-major."""
+    page, dim = key_cache.shape[2], key_cache.shape[3]
+    for i, slot in enumerate(slots.tolist()):
+        p, t = divmod(slot, page)
+        at = (t // 2) * 2 * dim + torch.arange(dim) * 2 + t % 2
+        key_cache[p].view(-1, dim * page)[:, at] = key[i]
+        value_cache[p, :, t] = value[i]
+
+
+@pytest.mark.parametrize("write, strided", [(_vec_writer, True), (_pair_writer, False)])
+def test_a_strided_packing_is_read_as_a_view_and_any_other_element_by_element(write, strided):
+    """Both ways of reading give back what the writer packed, token-major
+    (``read``) and head-major (``read_heads``, contiguous)."""
+    reader = PageReader.probe(write, 16, 3, 8, torch.bfloat16)
+    assert (reader.key_view is not None) == strided and reader.value_view is not None
+    kv, pages, keys, values = _shuffled_pages(write, torch.bfloat16)
+    n = keys.shape[0]
+    k, v = reader.read(kv, pages)
+    assert torch.equal(k[:n], keys) and torch.equal(v[:n], values)
+    kh, vh = reader.read_heads(kv, pages)
+    assert kh.is_contiguous() and vh.is_contiguous()
+    assert torch.equal(kh[:, :n], keys.transpose(0, 1))
+    assert torch.equal(vh[:, :n], values.transpose(0, 1))
+    assert reader.read_heads(kv, pages, values=False)[1] is None
 
 
 def test_the_reader_takes_only_its_own_cache_shape():

@@ -116,7 +116,7 @@ def stats(llm) -> dict:
 
     Returns ``{"rows": {path: count}, "layers": {name: {"kept", "visible",
     "density"}}, "density": float | None, "layouts": {layout: count},
-    "memory": {"index_cache_bytes", "kv_cache_bytes"}}``:
+    "kernels": {kernel: count}, "memory": {"index_cache_bytes", "kv_cache_bytes"}}``:
     ``rows`` counts (layer, row) pairs by ``"sparse:fresh"``,
     ``"sparse:continuation"``, ``"sparse:prefix hit"`` or
     ``"dense:<reason>"`` (``"dense:error:<type>"``: Stem failed there and
@@ -124,7 +124,10 @@ def stats(llm) -> dict:
     (query block, key block) pairs the Stem rows kept and could see, all heads;
     ``density`` is kept over visible for all of them (None before any Stem
     row); ``layouts`` counts the sparse rows by the KV-cache layout they ran
-    on (``"amx"``, ``"vec"``, ``"vec16"``); ``memory`` the bytes of the Stem
+    on (``"amx"``, ``"vec"``, ``"vec16"``), ``kernels`` by the kernel that
+    attended them (``"stem"``: Stem's block-sparse kernel on keys and values
+    read from vLLM's cache; ``"vllm"``: vLLM's kernel on virtual rows; see the
+    ``sparse_kernel`` setting); ``memory`` the bytes of the Stem
     layers' indexer caches, allocated when the KV cache is bound and taken
     out of vLLM's KV-cache budget, and of their KV caches.
     """

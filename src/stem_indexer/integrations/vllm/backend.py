@@ -63,11 +63,12 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from ...operator.ops import sparse_attention as sparse_kernel
 from ...pipeline.index_cache import IndexCache, WriteStage, index_cache_bytes, row_tags, token_tags
 from .kv_read import PageReader
 from .patches import engine_reason, install_step_hook
-from .rows import (Row, RowKinds, StemRow, decode_tokens_left_out, plan_row, plan_stem_row,
-                   select_blocks, virtual_rows)
+from .rows import (Row, RowKinds, StemRow, attend_row, decode_tokens_left_out, plan_row,
+                   plan_stem_row, select_blocks, virtual_rows)
 from .settings import StemSettings
 from .stats import STATS
 
@@ -552,11 +553,12 @@ def _tp_rank() -> int:
         return 0
 
 
-def _report_once(key: str, message: str, *args, exc: BaseException | None = None) -> None:
+def _report_once(key: str, message: str, *args, exc: BaseException | None = None,
+                 level: int = logging.WARNING) -> None:
     if key in _REPORTED:
         return
     _REPORTED.add(key)
-    _LOG.warning(message, *args, exc_info=exc)
+    _LOG.log(level, message, *args, exc_info=exc)
 
 
 def _write_failed(cache: IndexCache | None, slots: torch.Tensor, exc: Exception) -> None:
@@ -608,6 +610,7 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         self.index_cache: IndexCache | None = None
         self.held = None  # speculative decoding: (step, key, value, slots, tags) held back
         self.staged_for = None  # the KV cache this layer's staged writes were checked for
+        self.sparse = None  # (reader,): Stem's kernel reads the pages; (None,): vLLM's kernel
         self.ordinal = _LAYER_COUNT[0]
         _LAYER_COUNT[0] += 1
         _WRITING_LAYERS[0] += not self.layer_reason
@@ -827,6 +830,50 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                 reason = "indexer cache incomplete"
         return reason
 
+    def _sparse_reader(self, layer, kv_cache: torch.Tensor) -> PageReader | None:
+        """The reader of this layer's pages where Stem's kernel attends its
+        Stem rows (``sparse_kernel``), None where vLLM's kernel does on
+        virtual rows. Chosen at the layer's first Stem row; the choice is
+        said once per process."""
+        if self.sparse is None:
+            reader, why = self._choose_kernel(layer, kv_cache)
+            self.sparse = (reader,)
+            isa = getattr(layer, "isa", "unknown")
+            if reader is not None:
+                _report_once("kernel:stem", "Stem rows run Stem's block-sparse kernel on keys "
+                             "and values read from vLLM's %s cache", isa, level=logging.INFO)
+            elif self.settings.sparse_kernel == "stem":
+                _report_once(f"kernel:{why}", "sparse_kernel='stem' cannot run here (%s); "
+                             "Stem rows run vLLM's kernel on virtual rows", why)
+            else:
+                _report_once(f"kernel:{why}", "Stem rows run vLLM's kernel on virtual rows "
+                             "(%s)", why, level=logging.INFO)
+        return self.sparse[0]
+
+    def _choose_kernel(self, layer, kv_cache: torch.Tensor) -> tuple[PageReader | None, str]:
+        """(the reader, "") where Stem's kernel attends this layer's Stem rows;
+        (None, why) where vLLM's kernel does."""
+        want = self.settings.sparse_kernel
+        if want == "vllm":
+            return None, "sparse_kernel='vllm'"
+        isa, dtype = getattr(layer, "isa", "unknown"), kv_cache.dtype
+        reader = self._keys_reader(layer, kv_cache)
+        if reader is None:
+            return None, f"the {isa} cache layout cannot be read back"
+        if not sparse_kernel.available():
+            return None, f"Stem's kernel is unavailable: {sparse_kernel.status()}"
+        if dtype not in sparse_kernel.DTYPES:
+            return None, f"Stem's kernel takes float32 or bfloat16, not {dtype}"
+        if want == "auto":
+            if reader.key_view is None or reader.value_view is None:
+                return None, f"the {isa} layout is read back element by element"
+            if dtype != torch.bfloat16:
+                return None, f"Stem's kernel is the faster only in bfloat16, not {dtype}"
+            refused = sparse_kernel.bf16_packed(self.head_size, self.settings.block_size)
+            if refused:
+                return None, f"bfloat16 would be widened: {refused}"
+        return reader, ""
+
     def _keys_reader(self, layer, kv_cache: torch.Tensor) -> PageReader | None:
         """The reader of this layer's cache pages (the probe reads keys back)."""
         _, heads, page, width = kv_cache.shape
@@ -874,11 +921,12 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                 pairs = plan.row.visible * self.num_heads
                 STATS.row(name, plan.row.request, plan.row.prompt, f"dense:{reason}", pairs,
                           pairs, plan.row.seq_len >= plan.row.prompt, first)
+        kernel = "vllm" if self.sparse is None or self.sparse[0] is None else "stem"
         for plan, kept in sparse:
             row = plan.row
             STATS.row(name, row.request, row.prompt, f"sparse:{row.kind}", kept,
                       row.visible * self.num_heads, row.seq_len >= row.prompt, first,
-                      getattr(layer, "isa", ""))
+                      getattr(layer, "isa", ""), kernel)
 
     def _kernel(self, layer, query, key_cache, value_cache, out, qsl, seq_lens, table,
                 scheduler, *, sliding_window: int) -> None:
@@ -891,8 +939,9 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
             kv_cache_dtype=self.kv_cache_dtype)
 
     def _forward_stem(self, layer, query, kv_cache, step: StepPlan, output):
-        """The step's Stem rows on virtual rows and its other rows as a batch;
-        returns ``[(plan, kept pairs)]`` of the Stem rows."""
+        """The step's Stem rows (on Stem's kernel or on vLLM's virtual rows)
+        and its other rows as a batch; returns ``[(plan, kept pairs)]`` of the
+        Stem rows."""
         out = output.view(-1, self.num_heads, self.head_size)
         query = query.view(-1, self.num_heads, self.head_size)
         num_pages, hkv, page, width2 = kv_cache.shape
@@ -901,23 +950,50 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                                                    -1).chunk(2, dim=2)
             self._run_dense(layer, query, key_cache, value_cache, step.batch, out)
         s, cache = self.settings, self.index_cache
-        queries, parts, done, traces = [], [], [], []
+        reader = self._sparse_reader(layer, kv_cache)
+        virtual, done, traces = [], [], []
         for plan in step.stem:
             row = plan.row
             q = query[row.start:row.start + row.q_len]
             kflat, vbias = cache.inputs(plan.pages, row.seq_len, s.block_size, s.oam,
                                         s.oam_lambda, stat_runs=plan.paged.oam_runs)
-            keys = None
-            if s.probe_queries:
-                keys, _ = self._keys_reader(layer, kv_cache).read(kv_cache, plan.pages,
-                                                                  values=False)
-            idx, lengths = select_blocks(q, kflat, vbias, plan, self.scale, s, keys,
+            keys = values = None
+            if reader is not None:
+                keys, values = reader.read_heads(kv_cache, plan.pages)
+            elif s.probe_queries:
+                keys, _ = self._keys_reader(layer, kv_cache).read_heads(kv_cache, plan.pages,
+                                                                        values=False)
+            idx, lengths = select_blocks(q, kflat, vbias, plan, self.scale, s,
+                                         None if keys is None else keys.transpose(0, 1),
                                          self.logits_soft_cap)
-            parts.append(virtual_rows(idx, lengths, plan, s.block_size, page, hkv))
-            queries.append(q.transpose(0, 1).reshape(-1, 1, self.head_size))
+            if reader is not None:
+                out[row.start:row.start + row.q_len] = attend_row(
+                    q, keys, values, idx, lengths, row, s.block_size, self.scale,
+                    self.logits_soft_cap)
+            else:
+                virtual.append((plan, q, virtual_rows(idx, lengths, plan, s.block_size, page,
+                                                      hkv)))
             done.append((plan, int(lengths.sum())))
             if _OBSERVERS:
                 traces.append((plan, q, kflat, vbias, idx, lengths))
+        if virtual:
+            self._run_virtual(layer, kv_cache, virtual, out)
+        name = getattr(layer, "layer_name", "")
+        for plan, q, kflat, vbias, idx, lengths in traces:
+            row = plan.row
+            trace = RowTrace(name, plan, self.scale, q, kflat, vbias, idx, lengths,
+                             out[row.start:row.start + row.q_len].clone())
+            for fn in _OBSERVERS:
+                fn(trace)
+        return done
+
+    def _run_virtual(self, layer, kv_cache: torch.Tensor, virtual: list, out) -> None:
+        """vLLM's kernel on the virtual rows of ``virtual`` (``[(plan, q,
+        VirtualRows)]``), in one call: one query head and one query block each,
+        over the cache viewed as ``[num_pages * Hkv, 1, page, 2D]``."""
+        num_pages, hkv, page, width2 = kv_cache.shape
+        queries = [q.transpose(0, 1).reshape(-1, 1, self.head_size) for _, q, _ in virtual]
+        parts = [p for _, _, p in virtual]
         vq = torch.cat(queries) if len(queries) > 1 else queries[0]
         q_lens = torch.cat([p.query_lens for p in parts])
         seq_lens = torch.cat([p.seq_lens for p in parts])
@@ -931,27 +1007,19 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         flat_k, flat_v = flat.chunk(2, dim=2)
         scheduler = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=q_lens.shape[0], num_heads=1, num_kv_heads=1, head_dim=self.head_size,
-            seq_lens=seq_lens, dtype=query.dtype, query_start_loc=qsl, causal=True,
+            seq_lens=seq_lens, dtype=vq.dtype, query_start_loc=qsl, causal=True,
             sliding_window_size=-1, isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
             kv_cache_dtype=self.kv_cache_dtype)
         vo = torch.empty_like(vq)
         self._kernel(layer, vq, flat_k, flat_v, vo, qsl, seq_lens, table, scheduler,
                      sliding_window=-1)
         at = 0
-        for plan in step.stem:
+        for plan, _, _ in virtual:
             row = plan.row
             n = self.num_heads * row.q_len
             out[row.start:row.start + row.q_len] = (
                 vo[at:at + n].view(self.num_heads, row.q_len, self.head_size).transpose(0, 1))
             at += n
-        name = getattr(layer, "layer_name", "")
-        for plan, q, kflat, vbias, idx, lengths in traces:
-            row = plan.row
-            trace = RowTrace(name, plan, self.scale, q, kflat, vbias, idx, lengths,
-                             out[row.start:row.start + row.q_len].clone())
-            for fn in _OBSERVERS:
-                fn(trace)
-        return done
 
     def _run_dense(self, layer, query, key_cache, value_cache, dense: DenseRows, out) -> None:
         """vLLM's kernel on the step's other rows, as a batch of their own."""

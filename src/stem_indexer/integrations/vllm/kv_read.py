@@ -9,9 +9,12 @@ writes one page whose elements are small integers (one base-16 digit of the
 token's offset in the page, or of the dimension, per pass: exact in every
 float dtype; keys below 16, values from 16), reads each block back, and keeps
 for every (offset, dimension) of the keys and of the values the one place
-that holds it. A packing that is not such a one-to-one placement, the same
-for every head (a quantised cache, say), is refused with the reason, and
-nothing is read back from it.
+that holds it. Where those places are a strided view of the block (the
+``vec`` layout: keys transposed, values row-major), pages are read through
+that view, a plain strided copy; otherwise element by element. A packing
+that is not such a one-to-one placement, the same for every head (a
+quantised cache, say), is refused with the reason, and nothing is read back
+from it.
 
 Plain torch: the writer is passed in (``write(key, value, key_cache,
 value_cache, slots)``, as ``vllm._custom_ops.cpu_attn_reshape_and_cache``
@@ -53,6 +56,11 @@ class PageReader:
     key_at: torch.Tensor
     #: the same for the values
     value_at: torch.Tensor
+    #: ``(offset, offset stride, dimension stride)`` where ``key_at`` is
+    #: ``offset + t * st + d * sd`` (a strided view of the block), else None
+    key_view: tuple[int, int, int] | None = None
+    #: the same for the values
+    value_view: tuple[int, int, int] | None = None
 
     @classmethod
     def probe(cls, write: Callable, page: int, heads: int, dim: int,
@@ -97,24 +105,51 @@ class PageReader:
             if not bool((at == at[:1]).all()):
                 raise ValueError("the writer packs the heads differently")
             places.append(at[0].clone())
-        return cls(page, heads, dim, dtype, places[0], places[1])
+        return cls(page, heads, dim, dtype, places[0], places[1],
+                   _strided(places[0], page, dim), _strided(places[1], page, dim))
 
     def read(self, kv_cache: torch.Tensor, pages: torch.Tensor,
              values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The keys and values of whole ``pages`` of ``kv_cache``, each
         ``[len(pages) * page, heads, dim]`` (page after page, in token order);
         the values None unless ``values``."""
+        k, v = self.read_heads(kv_cache, pages, values)
+        return k.transpose(0, 1), None if v is None else v.transpose(0, 1)
+
+    def read_heads(self, kv_cache: torch.Tensor, pages: torch.Tensor,
+                   values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As ``read``, head-major: each ``[heads, len(pages) * page, dim]``,
+        contiguous (what an attention kernel takes)."""
         if (kv_cache.dim() != 4 or tuple(kv_cache.shape[1:]) != (self.heads, self.page,
                                                                   2 * self.dim)
                 or kv_cache.dtype != self.dtype):
             raise ValueError(f"PageReader.read: kv_cache must be [pages, {self.heads}, "
                              f"{self.page}, {2 * self.dim}] {self.dtype}; got "
                              f"{tuple(kv_cache.shape)} {kv_cache.dtype}")
-        blocks = kv_cache.view(kv_cache.shape[0], self.heads, -1)[pages.to(torch.int64)]
-        n = blocks.shape[0]
+        pages = pages.to(torch.int64)
+        flat = kv_cache.view(kv_cache.shape[0], self.heads, -1)
+        n = pages.shape[0]
 
-        def tokens(at: torch.Tensor) -> torch.Tensor:
-            x = blocks[:, :, at].view(n, self.heads, self.page, self.dim)
-            return x.transpose(1, 2).reshape(n * self.page, self.heads, self.dim)
+        def tokens(at: torch.Tensor, view: tuple[int, int, int] | None) -> torch.Tensor:
+            if view is not None:
+                offset, st, sd = view
+                x = flat.as_strided((flat.shape[0], self.heads, self.page, self.dim),
+                                    (flat.stride(0), flat.stride(1), st, sd),
+                                    flat.storage_offset() + offset)[pages]
+            else:
+                x = flat[pages][:, :, at].view(n, self.heads, self.page, self.dim)
+            return x.transpose(0, 1).reshape(self.heads, n * self.page, self.dim)
 
-        return tokens(self.key_at), tokens(self.value_at) if values else None
+        return (tokens(self.key_at, self.key_view),
+                tokens(self.value_at, self.value_view) if values else None)
+
+
+def _strided(at: torch.Tensor, page: int, dim: int) -> tuple[int, int, int] | None:
+    """``(offset, st, sd)`` where ``at[t * dim + d] == offset + t * st + d * sd``
+    for every (t, d), else None."""
+    grid = at.view(page, dim)
+    offset = int(grid[0, 0])
+    st = int(grid[1, 0]) - offset if page > 1 else 0
+    sd = int(grid[0, 1]) - offset if dim > 1 else 0
+    expect = offset + torch.arange(page)[:, None] * st + torch.arange(dim)[None, :] * sd
+    return (offset, st, sd) if torch.equal(grid, expect) else None

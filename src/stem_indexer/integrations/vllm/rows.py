@@ -35,7 +35,11 @@ step hands over (``Row``, ``RowKinds``), the budget's accounting
 work is done once per step by ``plan_stem_row``, in the metadata builder;
 each layer then runs tensor work only (``select_blocks``, ``virtual_rows``).
 
-The kept blocks then become *virtual rows* of vLLM's own paged kernel: for
+The kept blocks are attended by one of two kernels (the ``sparse_kernel``
+setting). Stem's CPU block-sparse kernel (``attend_row``) takes the row's
+keys and values as read from vLLM's cache (``kv_read.PageReader``) and the
+selection as it is. Or the kept blocks become *virtual rows* of vLLM's own
+paged kernel: for
 query head ``h`` and query block ``i``, the block's query tokens attend a
 sequence made of the pages of the kept key blocks, in ascending order. The
 last kept block is ``i`` itself (the window keeps it), so the kernel's
@@ -51,11 +55,13 @@ import torch
 
 from ...operator import contract
 from ...operator.contract import PARAM_NAMES, ceil_div
+from ...operator.ops.sparse_attention import sparse_attention
 from ...pipeline.paged import PagedPlan, select_on_inputs, stem_paged_plan
 from .settings import StemSettings
 
 __all__ = ["Row", "RowKinds", "RowPlan", "plan_row", "StemRow", "plan_stem_row",
-           "select_blocks", "virtual_rows", "VirtualRows", "decode_tokens_left_out"]
+           "select_blocks", "attend_row", "virtual_rows", "VirtualRows",
+           "decode_tokens_left_out"]
 
 
 @dataclass(frozen=True)
@@ -195,6 +201,27 @@ def select_blocks(query: torch.Tensor, kflat: torch.Tensor, vbias: torch.Tensor,
                                     softcap=softcap,
                                     keys=None if keys is None else (lambda b: keys))
     return idx[0], lengths[0]
+
+
+def attend_row(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               indices: torch.Tensor, lengths: torch.Tensor, row: Row, block_size: int,
+               scale: float, softcap: float | None = None) -> torch.Tensor:
+    """A row's attention on its selection, by Stem's CPU block-sparse kernel.
+
+    ``query [q_len, Hq, D]``; ``keys``, ``values [Hkv, >= seq_len, D]`` the
+    row's keys and values in token order (``PageReader.read_heads``);
+    ``indices``/``lengths`` the selection over the row's absolute query
+    blocks (``select_blocks``). A row that starts inside a block gets that
+    block's earlier places as zero queries, so that its query blocks are the
+    key blocks (their outputs are dropped). Returns ``[q_len, Hq, D]``."""
+    lead = row.context % block_size
+    hq, dim = query.shape[1], query.shape[2]
+    padded = query.new_zeros(1, hq, lead + row.q_len, dim)
+    padded[0, :, lead:] = query.transpose(0, 1)
+    out = sparse_attention(padded, keys[None], values[None], indices[None], lengths[None],
+                           torch.tensor([lead + row.q_len]), torch.tensor([row.seq_len]),
+                           block_size, True, scale, softcap or None)
+    return out[0, :, lead:].transpose(0, 1)
 
 
 @dataclass(frozen=True)

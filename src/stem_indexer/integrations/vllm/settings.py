@@ -32,6 +32,8 @@ _WHO = f"additional_config['{SETTINGS_KEY}']"
 DEFAULT_DENSE_ABOVE = 0.9
 #: the values of the ``decoded_pages`` setting
 DECODED_PAGES = ("read_back", "write")
+#: the values of the ``sparse_kernel`` setting
+SPARSE_KERNELS = ("auto", "stem", "vllm")
 
 # The indexer parameters a user may set (causal is the layer's).
 _INDEXER_KEYS = tuple(n for n in PARAM_NAMES if n != "causal")
@@ -117,7 +119,17 @@ class StemSettings:
       there; a page they filled is rebuilt from vLLM's own cache when a Stem
       row first reads it (``kv_read.PageReader``; where the cache's layout
       cannot be read back, as ``"write"``). ``"write"``: every decoded token
-      is written at its step (staged for every layer at once).
+      is written at its step (staged for every layer at once);
+    * ``sparse_kernel`` (``"auto"``): what attends a Stem row's kept blocks.
+      ``"stem"``: Stem's CPU block-sparse kernel (``sparse_attention``) on
+      the row's keys and values read from vLLM's cache
+      (``kv_read.PageReader``); ``"vllm"``: vLLM's own kernel on virtual
+      rows, one per (query head, query block), whose block tables list the
+      kept pages; ``"auto"``: ``"stem"`` where it was measured faster
+      (bfloat16 on the packed micro-kernel, a layout read as a strided view:
+      ``vec``), ``"vllm"`` elsewhere. Where ``"stem"`` cannot run, vLLM's
+      kernel does, said once in the log; ``stats()["kernels"]`` counts rows
+      by kernel.
     """
 
     params: IndexerParams = IndexerParams()
@@ -132,6 +144,7 @@ class StemSettings:
     decoded_pages: str = "read_back"
     probe_queries: int = 0
     probe_candidates: float = 2.0
+    sparse_kernel: str = "auto"
 
     @property
     def block_size(self) -> int:
@@ -158,7 +171,7 @@ class StemSettings:
     def from_mapping(cls, section: Mapping[str, Any]) -> "StemSettings":
         known = ("preset", "oam", "oam_lambda", "min_prompt_tokens", "dense_layers",
                  "dense_above", "exact_tail", "chunk_invariant", "decoded_pages",
-                 "probe_queries", "probe_candidates") + _INDEXER_KEYS
+                 "probe_queries", "probe_candidates", "sparse_kernel") + _INDEXER_KEYS
         for key in section:
             if key not in known:
                 fail(_WHO, repr(key), f"is not a Stem setting (those are {', '.join(known)})",
@@ -197,9 +210,13 @@ class StemSettings:
         probe_queries = section.get("probe_queries", 0)
         candidates = section.get("probe_candidates", 2.0)
         check_probe(_WHO, probe_queries, candidates)
+        kernel = section.get("sparse_kernel", "auto")
+        if kernel not in SPARSE_KERNELS:
+            fail(_WHO, "sparse_kernel", f"must be one of {', '.join(map(repr, SPARSE_KERNELS))}",
+                 repr(kernel))
         return cls(params, preset, oam, float(oam_lambda), min_prompt, dense_layers,
                    float(dense_above), exact_tail, invariant, decoded, probe_queries,
-                   float(candidates))
+                   float(candidates), kernel)
 
     def dense_layer(self, index: int) -> bool:
         """Whether the model's attention layer ``index`` (from 0) is one of
@@ -233,4 +250,6 @@ class StemSettings:
                          f"probe_candidates={self.probe_candidates:g}")
         if self.decoded_pages != "read_back":
             extra.append(f"decoded_pages={self.decoded_pages}")
+        if self.sparse_kernel != "auto":
+            extra.append(f"sparse_kernel={self.sparse_kernel}")
         return f"preset={self.preset} " + " ".join(changed + extra)

@@ -42,6 +42,8 @@ class WorkerStats:
     rows: collections.Counter = field(default_factory=collections.Counter)
     pairs: dict = field(default_factory=dict)
     layouts: collections.Counter = field(default_factory=collections.Counter)
+    #: sparse rows by the kernel that attended them (``"stem"``, ``"vllm"``)
+    kernels: collections.Counter = field(default_factory=collections.Counter)
     requests: dict = field(default_factory=dict)
     #: bytes of the indexer caches and of the KV caches beside them (bound at start-up)
     memory: collections.Counter = field(default_factory=collections.Counter)
@@ -63,6 +65,7 @@ class WorkerStats:
             self.rows.clear()
             self.pairs.clear()
             self.layouts.clear()
+            self.kernels.clear()
             self.requests.clear()
             self.held.clear()
             self.staged.clear()
@@ -71,6 +74,7 @@ class WorkerStats:
     def snapshot(self) -> dict:
         with self.lock:
             return {"rows": dict(self.rows), "layouts": dict(self.layouts),
+                    "kernels": dict(self.kernels),
                     "pairs": {name: list(p) for name, p in self.pairs.items()},
                     "memory": dict(self.memory), "held": dict(self.held),
                     "staged": dict(self.staged), "read_back": dict(self.read_back_pages)}
@@ -116,14 +120,17 @@ class WorkerStats:
             self.rows[path] += n
 
     def row(self, layer: str, request: str, prompt: int, path: str, kept: int, visible: int,
-            last_chunk: bool, first_layer: bool, layout: str = "") -> None:
+            last_chunk: bool, first_layer: bool, layout: str = "", kernel: str = "") -> None:
         """One row of one layer: ``path`` is ``"sparse:<kind>"`` or
         ``"dense:<reason>"``; ``kept``/``visible`` its block pairs (all heads);
-        ``layout`` the KV-cache layout a sparse row ran on."""
+        ``layout`` the KV-cache layout a sparse row ran on, ``kernel`` the
+        kernel that attended it."""
         with self.lock:
             self.rows[path] += 1
             if layout:
                 self.layouts[layout] += 1
+            if kernel:
+                self.kernels[kernel] += 1
             if path.startswith("sparse"):
                 pair = self.pairs.setdefault(layer, [0, 0])
                 pair[0] += kept
@@ -178,6 +185,7 @@ def merge(snapshots: list[dict]) -> dict:
     """Sum workers' snapshots: rows by path, and per layer the kept and visible
     pairs with their density; ``density`` over all layers' Stem rows;
     ``layouts``: the sparse rows by the KV-cache layout they ran on;
+    ``kernels``: the sparse rows by the kernel that attended them;
     ``memory``: the bytes of the Stem layers' indexer caches and KV caches;
     ``held``: under speculative decoding, the decode tokens held back a step
     and then written to the indexer cache or dropped (per layer 0 of each worker);
@@ -186,6 +194,7 @@ def merge(snapshots: list[dict]) -> dict:
     indexer-cache pages rebuilt from vLLM's cache, summed over layers."""
     rows: collections.Counter = collections.Counter()
     layouts: collections.Counter = collections.Counter()
+    kernels: collections.Counter = collections.Counter()
     memory: collections.Counter = collections.Counter()
     held: collections.Counter = collections.Counter()
     staged: collections.Counter = collections.Counter()
@@ -194,6 +203,7 @@ def merge(snapshots: list[dict]) -> dict:
     for snap in snapshots:
         rows.update(snap["rows"])
         layouts.update(snap.get("layouts", {}))
+        kernels.update(snap.get("kernels", {}))
         memory.update(snap.get("memory", {}))
         held.update(snap.get("held", {}))
         staged.update(snap.get("staged", {}))
@@ -208,6 +218,7 @@ def merge(snapshots: list[dict]) -> dict:
     visible = sum(v for _, v in pairs.values())
     return {"rows": dict(sorted(rows.items())), "layers": layers,
             "density": kept / visible if visible else None,
-            "layouts": dict(sorted(layouts.items())), "memory": dict(sorted(memory.items())),
+            "layouts": dict(sorted(layouts.items())), "kernels": dict(sorted(kernels.items())),
+            "memory": dict(sorted(memory.items())),
             "held": dict(sorted(held.items())), "staged": dict(sorted(staged.items())),
             "read_back": dict(read_back)}

@@ -130,15 +130,31 @@ def _run_probe(dim: int, block_size: int) -> str | None:
     return torch_blas.probe(*_probe_calls(dim, block_size))
 
 
+def _unpackable(dim: int, block_size: int) -> str | None:
+    """Why bfloat16 cannot take the micro-kernel for (D, block size) on this
+    CPU and torch, before any probe (None where it may)."""
+    fns, why = torch_blas.bf16_brgemm()
+    if fns is None:
+        return why
+    if dim % 2 or block_size % 2:
+        return f"D and block size must be even (D={dim}, block={block_size})"
+    return None
+
+
+def bf16_packed(dim: int, block_size: int) -> str | None:
+    """Why ``bf16="auto"`` would widen bfloat16 for (D, block size) here, or
+    None where it takes the packed micro-kernel (probed once)."""
+    return _unpackable(dim, block_size) or brgemm_probe(dim, block_size)
+
+
 def _mode(dtype: torch.dtype, bf16: str, dim: int, block_size: int) -> int:
     if dtype == torch.float32:
         return _MODE_SGEMM
-    fns, why = torch_blas.bf16_brgemm()
-    usable = fns is not None and dim % 2 == 0 and block_size % 2 == 0
-    if bf16 == "brgemm" and not usable:
+    refused = _unpackable(dim, block_size)
+    if bf16 == "brgemm" and refused:
         raise ValueError("sparse_attention: bf16='brgemm' needs torch's bfloat16 micro-kernel "
-                         f"({why}) and even D and block size (D={dim}, block={block_size})")
-    if bf16 == "brgemm" or (bf16 == "auto" and usable):
+                         f"and even D and block size ({refused})")
+    if bf16 == "brgemm" or (bf16 == "auto" and not refused):
         why = brgemm_probe(dim, block_size)
         if why is None:
             return _MODE_BRGEMM
