@@ -24,8 +24,10 @@ chunked against one-shot prefill, on SmolLM2-135M with RoPE scaled x4 by YaRN.
 * ``pairs``: one attention layer of the model's shape on a paged cache of
   random keys in the machine's layout (``amx`` on a Xeon with AMX in
   bfloat16): vLLM's kernel on the whole row against Stem's path (indexer
-  from the indexer cache, kernel on the kept pages), per length: the cost
-  per kept block pair against vLLM's per visible pair.
+  from the indexer cache, then the kept blocks attended by each of the
+  backend's two kernels: vLLM's on virtual rows, and Stem's on the keys and
+  values read from the cache, the read included), per length: each kernel's
+  cost per kept block pair against vLLM's per visible pair.
 * ``speed``: time to first token of the whole model, one engine with vLLM's
   own backend and one with Stem in the same process, the same engine
   settings (default chunking, prefix caching off so that no call reuses
@@ -273,7 +275,8 @@ def pairs(args) -> None:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from stem_indexer.pipeline.index_cache import IndexCache
-    from stem_indexer.integrations.vllm.rows import (Row, plan_row, plan_stem_row,
+    from stem_indexer.integrations.vllm.backend import page_reader
+    from stem_indexer.integrations.vllm.rows import (Row, attend_row, plan_row, plan_stem_row,
                                                      select_blocks, virtual_rows)
     from stem_indexer.integrations.vllm.settings import StemSettings
 
@@ -284,18 +287,22 @@ def pairs(args) -> None:
     if isa == "amx":
         torch._C._cpu._init_amx()  # a process's first tile instruction needs it
     settings = StemSettings.from_mapping(json.loads(args.stem))
+    reader = page_reader(isa, dtype, page, hkv, dim)
     scale = 1 / math.sqrt(dim)
     lines = [f"\n### One attention layer, vLLM's kernel against Stem's path ({args.stem})\n",
              header(), "",
-             f"`python benchmarks/engines/vllm_bench.py pairs --lengths {args.lengths}`",
+             f"`python benchmarks/engines/vllm_bench.py pairs --lengths {args.lengths} "
+             f"--chunk {args.chunk}`",
              f"(Hq {hq}, Hkv {hkv}, D {dim}, {dtype}, cache layout {isa}, "
-             f"{torch.get_num_threads()} threads, one fresh row; the indexer reads the "
-             "indexer cache)", "",
-             "| tokens | density | vLLM (ms) | Stem (ms): indexer + kernel | speed-up, median "
-             "[min, max] | Stem's kernel time per kept pair / vLLM's per visible pair | "
-             "break-even share |",
-             "|---|---|---|---|---|---|---|"]
+             f"{torch.get_num_threads()} threads; the row is the prompt's last chunk of "
+             f"{args.chunk or 'all its'} tokens; the indexer reads the indexer cache; Stem's "
+             "kernel time includes reading the row's keys and values out of vLLM's cache)", "",
+             "| tokens | density | vLLM (ms) | indexer (ms) | vLLM's kernel on virtual rows "
+             "(ms) | Stem's kernel (ms), read | Stem with Stem's kernel: speed-up, median "
+             "[min, max] | per kept pair / vLLM's per visible pair: vLLM's kernel, Stem's |",
+             "|---|---|---|---|---|---|---|---|"]
     for length in [int(x) for x in args.lengths.split(",")]:
+        chunk = min(args.chunk or length, length)
         nb = length // page + 2
         kv = torch.zeros(nb, hkv, page, 2 * dim, dtype=dtype)
         kc, vc = kv.view(nb, hkv, 2 * page, dim).chunk(2, dim=2)
@@ -306,10 +313,10 @@ def pairs(args) -> None:
         ops.cpu_attn_reshape_and_cache(keys, values, kc, vc, slots, isa)
         cache = IndexCache.allocate(nb, page, settings.stride, hkv, dim)
         cache.write(keys, values, slots)
-        query = torch.randn(length, hq, dim).to(dtype)
-        row = Row(0, 0, length, 0, length)
+        query = torch.randn(chunk, hq, dim).to(dtype)
+        row = Row(0, 0, chunk, length - chunk, length)
         plan = plan_stem_row(row, settings, pages, page, hq, hkv, dim)
-        qsl = torch.tensor([0, length], dtype=torch.int32)
+        qsl = torch.tensor([0, chunk], dtype=torch.int32)
         sl = torch.tensor([length], dtype=torch.int32)
         md = ops.cpu_attn_get_scheduler_metadata(1, hq, hkv, dim, sl, dtype, qsl, True, -1,
                                                  isa, True)
@@ -324,7 +331,7 @@ def pairs(args) -> None:
                                         settings.oam_lambda)
             return select_blocks(query, kflat, vbias, plan, scale, settings)
 
-        def sparse(sel):
+        def on_virtual_rows(sel):
             idx, lengths = sel
             vr = virtual_rows(idx, lengths, plan, settings.block_size, page, hkv)
             vq = query.transpose(0, 1).reshape(-1, 1, dim)
@@ -338,29 +345,26 @@ def pairs(args) -> None:
             ops.cpu_attention_with_kv_cache(vq, flat_k, flat_v, out, vqsl, vr.seq_lens, scale,
                                             True, None, -1, vr.block_table, 0.0, vmd, None)
 
-        td, ti, tk = [], [], []
-        for _ in range(args.reps):
-            t0 = time.perf_counter()
-            dense()
-            t1 = time.perf_counter()
-            sel = index()
-            t2 = time.perf_counter()
-            sparse(sel)
-            t3 = time.perf_counter()
-            td.append(t1 - t0)
-            ti.append(t2 - t1)
-            tk.append(t3 - t2)
-        # the pairs the kernel ran: the budget's, and the prompt's widened tail
+        def on_stems_kernel(sel):
+            k, v = reader.read_heads(kv, plan.pages)
+            attend_row(query, k, v, *sel, row, settings.block_size, scale)
+
+        times = {"dense": [], "index": [], "virtual": [], "stem": []}
+        sel = index()
+        for _ in range(args.reps):  # the calls alternate within each repetition
+            for name, fn in (("dense", dense), ("index", index), ("virtual", on_virtual_rows),
+                             ("stem", on_stems_kernel)):
+                t0 = time.perf_counter()
+                fn(sel) if name in ("virtual", "stem") else fn()
+                times[name].append(time.perf_counter() - t0)
+        # the pairs the kernels ran: the budget's, and the prompt's widened tail
         share = float(sel[1].sum()) / (hq * plan_row(row, settings).visible)
-        d, i, k = (statistics.median(t) * 1e3 for t in (td, ti, tk))
-        ratios = [a / (b + c) for a, b, c in zip(td, ti, tk)]
-        per_pair = (k / share) / d  # kernel time per kept pair over dense's per pair
-        # The share at which the indexer plus the kernel on the kept pairs
-        # costs what vLLM's kernel does on every pair (the indexer's cost held).
-        even = (1 - i / d) / per_pair
-        lines.append(f"| {length} | {share:.0%} | {d:.0f} | {i + k:.0f}: {i:.0f} + {k:.0f} "
+        d, i, k, st = (statistics.median(times[n]) * 1e3
+                       for n in ("dense", "index", "virtual", "stem"))
+        ratios = [a / (b + c) for a, b, c in zip(times["dense"], times["index"], times["stem"])]
+        lines.append(f"| {length} | {share:.0%} | {d:.0f} | {i:.0f} | {k:.0f} | {st:.0f} "
                      f"| {statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}] "
-                     f"| {per_pair:.2f} | {even:.0%} |")
+                     f"| {(k / share) / d:.2f}, {(st / share) / d:.2f} |")
         print(lines[-1], flush=True)
     record("\n".join(lines), args.record)
 
@@ -565,6 +569,8 @@ def main(argv=None) -> None:
         p.add_argument("--record", default=None, help="append the table to this file")
     sub.choices["pairs"].add_argument("--lengths", default="8192,16384,32768")
     sub.choices["pairs"].add_argument("--reps", type=int, default=3)
+    sub.choices["pairs"].add_argument("--chunk", type=int, default=4096,
+                                      help="the row's new tokens (0: the whole prompt)")
     sub.choices["speed"].add_argument("--lengths", default="8192,16384,32768")
     sub.choices["speed"].add_argument("--concurrency", default="1,4")
     sub.choices["speed"].add_argument("--reps", type=int, default=2)
