@@ -515,6 +515,32 @@ def test_bf16_sparse_rows_equal_stem_attention_on_the_machines_layout(model):
     assert run["stats"]["kernels"] == {_auto_kernel("bfloat16"): run["record"]["rows"]}
 
 
+@pytest.mark.parametrize("want, isa, dtype, why", [
+    ("vllm", "vec", "bfloat16", "sparse_kernel='vllm'"),
+    ("stem", "neon", "bfloat16", "the neon cache layout cannot be read back"),
+    ("auto", "vec", "float32", "faster only in bfloat16"),
+    ("auto", "amx", "bfloat16", "the amx layout is read back element by element"),
+])
+def test_where_stems_kernel_does_not_attend_the_choice_says_why(want, isa, dtype, why):
+    """The backend's choice of kernel (``sparse_kernel``), without an engine:
+    each rule that leaves the rows to vLLM's kernel names itself."""
+    import types
+
+    import torch
+
+    from stem_indexer.integrations.vllm import backend
+    from stem_indexer.integrations.vllm.settings import StemSettings
+
+    if isa == "amx" and not HAS_AMX:
+        pytest.skip("the amx layout's writer needs a CPU with AMX")
+    impl = backend.StemAttentionImpl.__new__(backend.StemAttentionImpl)
+    impl.settings = StemSettings.from_mapping({"sparse_kernel": want})
+    impl.head_size = 64
+    kv_cache = torch.zeros(2, 2, 128, 128, dtype=getattr(torch, dtype))
+    reader, said = impl._choose_kernel(types.SimpleNamespace(isa=isa), kv_cache)
+    assert reader is None and why in said, said
+
+
 @pytest.mark.parametrize("kernel, dtype", [("stem", "float32"), ("stem", "bfloat16"),
                                            ("vllm", "bfloat16")])
 def test_each_sparse_kernel_gives_stem_attention(model, kernel, dtype):
