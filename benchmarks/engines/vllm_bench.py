@@ -298,8 +298,9 @@ def pairs(args) -> None:
              f"{args.chunk or 'all its'} tokens; the indexer reads the indexer cache; Stem's "
              "kernel time includes reading the row's keys and values out of vLLM's cache)", "",
              "| tokens | density | vLLM (ms) | indexer (ms) | vLLM's kernel on virtual rows "
-             "(ms) | Stem's kernel (ms), read | Stem with Stem's kernel: speed-up, median "
-             "[min, max] | per kept pair / vLLM's per visible pair: vLLM's kernel, Stem's |",
+             "(ms) | Stem's kernel, the read included (ms) | Stem with Stem's kernel: "
+             "speed-up, median [min, max] | per kept pair / vLLM's per visible pair: "
+             "vLLM's kernel, Stem's |",
              "|---|---|---|---|---|---|---|---|"]
     for length in [int(x) for x in args.lengths.split(",")]:
         chunk = min(args.chunk or length, length)
