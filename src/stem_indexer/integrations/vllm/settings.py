@@ -28,7 +28,9 @@ _WHO = f"additional_config['{SETTINGS_KEY}']"
 # row runs vLLM's own kernel: Stem's scoring costs more than the pairs it
 # drops save. Measured: the break-even share is 89% to 91% of a row's pairs
 # (benchmarks/VLLM.md, "One attention layer: cost per block pair, and the
-# `dense_above` default").
+# `dense_above` default"), with vLLM's kernel on the kept blocks. With Stem's
+# kernel (``sparse_kernel``) it is above 100%, and the default keeps those
+# rows' answers dense.
 DEFAULT_DENSE_ABOVE = 0.9
 #: the values of the ``decoded_pages`` setting
 DECODED_PAGES = ("read_back", "write")
