@@ -308,7 +308,7 @@ def test_stems_kernel_on_pages_read_back_is_attention_on_the_selection(context, 
                                    pages)
     reader = PageReader.probe(_vec_writer, page, hkv, dim, dtype)
     keys, values = reader.read_heads(raw, plan.pages)
-    got = attend_row(query, keys, values, idx, lengths, row, bs, scale)
+    got = attend_row(query, keys, values, idx, lengths, plan, scale)
     want = _masked_attention(query, k, v, idx, lengths, row, bs, scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16 probabilities before P V
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)

@@ -348,7 +348,7 @@ def pairs(args) -> None:
 
         def on_stems_kernel(sel):
             k, v = reader.read_heads(kv, plan.pages)
-            attend_row(query, k, v, *sel, row, settings.block_size, scale)
+            attend_row(query, k, v, *sel, plan, scale)
 
         times = {"dense": [], "index": [], "virtual": [], "stem": []}
         sel = index()

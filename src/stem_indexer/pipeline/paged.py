@@ -505,7 +505,7 @@ def _check_keys(who: str, key_cache: torch.Tensor, plan: PagedPlan) -> None:
 # The run's two ops
 # --------------------------------------------------------------------------- #
 
-def _window_queries(query: torch.Tensor, q_map: torch.Tensor) -> torch.Tensor:
+def window_queries(query: torch.Tensor, q_map: torch.Tensor) -> torch.Tensor:
     """[B, Hq, qmax * Bs, D]: each row's block-aligned window, zeros where no
     token of the row is."""
     padded = torch.cat([query, query.new_zeros(1, *query.shape[1:])])
@@ -530,7 +530,7 @@ def _paged_select_op(
                            window_size, k_block_num_rate_medium, k_block_num_bias_medium,
                            k_block_num_rate_large, k_block_num_bias_large, topk_score_precision)
     bs, stride = stem_block_size, stem_stride
-    qflat = represent(_window_queries(query, q_map), bs, stride, None, scale=indexer_scale)
+    qflat = represent(window_queries(query, q_map), bs, stride, None, scale=indexer_scale)
     cache = IndexCache(ksum, vmax, ksum.new_empty(0, dtype=torch.int32), page)
     kflat, vbias = cache.block_inputs(block_table, kv_seq_lens, kmax, bs, oam, oam_lambda,
                                       kflat=kernel != "triton", stat_runs=oam_runs)
@@ -569,7 +569,7 @@ def select_on_inputs(query: torch.Tensor, kflat: torch.Tensor, vbias: torch.Tens
         return plan.lists
     p = plan.indexer_params
     iscale = plan.indexer_scale if indexer_scale is None else indexer_scale
-    qflat = represent(_window_queries(query, plan.q_map), p.stem_block_size, p.stem_stride,
+    qflat = represent(window_queries(query, plan.q_map), p.stem_block_size, p.stem_stride,
                       None, scale=iscale)
     idx, lengths = _indexer(qflat, kflat, vbias, plan.indexer_q_lens, plan.kv_seq_lens,
                             plan.prompt, plan.metadata, p)
@@ -626,7 +626,7 @@ def _paged_attention_op(
                                       block_table.to(torch.int32), sparse_indices,
                                       sparse_seq_len, rows, block_size=block_size, scale=scale,
                                       softcap=softcap)
-    q = _window_queries(query, q_map)
+    q = window_queries(query, q_map)
     k, v = (_contiguous_keys(x, block_table, seq_lens_device, sparse_indices.shape[3],
                              block_size) for x in (key_cache, value_cache))
     valid = torch.arange(q.shape[2], device=q.device) < window_lens_device[:, None]

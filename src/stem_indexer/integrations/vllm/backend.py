@@ -968,8 +968,7 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                                          self.logits_soft_cap)
             if reader is not None:
                 out[row.start:row.start + row.q_len] = attend_row(
-                    q, keys, values, idx, lengths, row, s.block_size, self.scale,
-                    self.logits_soft_cap)
+                    q, keys, values, idx, lengths, plan, self.scale, self.logits_soft_cap)
             else:
                 virtual.append((plan, q, virtual_rows(idx, lengths, plan, s.block_size, page,
                                                       hkv)))

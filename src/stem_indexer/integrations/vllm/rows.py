@@ -56,7 +56,7 @@ import torch
 from ...operator import contract
 from ...operator.contract import PARAM_NAMES, ceil_div
 from ...operator.ops.sparse_attention import sparse_attention
-from ...pipeline.paged import PagedPlan, select_on_inputs, stem_paged_plan
+from ...pipeline.paged import PagedPlan, select_on_inputs, stem_paged_plan, window_queries
 from .settings import StemSettings
 
 __all__ = ["Row", "RowKinds", "RowPlan", "plan_row", "StemRow", "plan_stem_row",
@@ -204,24 +204,21 @@ def select_blocks(query: torch.Tensor, kflat: torch.Tensor, vbias: torch.Tensor,
 
 
 def attend_row(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               indices: torch.Tensor, lengths: torch.Tensor, row: Row, block_size: int,
-               scale: float, softcap: float | None = None) -> torch.Tensor:
+               indices: torch.Tensor, lengths: torch.Tensor, plan: StemRow, scale: float,
+               softcap: float | None = None) -> torch.Tensor:
     """A row's attention on its selection, by Stem's CPU block-sparse kernel.
 
     ``query [q_len, Hq, D]``; ``keys``, ``values [Hkv, >= seq_len, D]`` the
     row's keys and values in token order (``PageReader.read_heads``);
     ``indices``/``lengths`` the selection over the row's absolute query
-    blocks (``select_blocks``). A row that starts inside a block gets that
-    block's earlier places as zero queries, so that its query blocks are the
-    key blocks (their outputs are dropped). Returns ``[q_len, Hq, D]``."""
-    lead = row.context % block_size
-    hq, dim = query.shape[1], query.shape[2]
-    padded = query.new_zeros(1, hq, lead + row.q_len, dim)
-    padded[0, :, lead:] = query.transpose(0, 1)
-    out = sparse_attention(padded, keys[None], values[None], indices[None], lengths[None],
-                           torch.tensor([lead + row.q_len]), torch.tensor([row.seq_len]),
-                           block_size, True, scale, softcap or None)
-    return out[0, :, lead:].transpose(0, 1)
+    blocks (``select_blocks``). The queries go in the paged plan's
+    block-aligned window, as the indexer saw them (``window_queries``), and
+    come back out of it. Returns ``[q_len, Hq, D]``."""
+    p = plan.paged
+    out = sparse_attention(window_queries(query, p.q_map), keys[None], values[None],
+                           indices[None], lengths[None], p.window_lens, p.seq_lens,
+                           p.params.stem_block_size, True, scale, softcap or None)
+    return out.transpose(1, 2).flatten(0, 1)[p.out_map]
 
 
 @dataclass(frozen=True)
