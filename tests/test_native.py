@@ -368,16 +368,32 @@ needs_bf16_scores = pytest.mark.skipif(not native.bf16_scores_available(16),
                                        reason=native.bf16_scores_status())
 
 
+@pytest.fixture(params=["vector", "scalar"])
+def packing(request):
+    """The keys packed for the products on AVX-512 (with the selection's
+    vector passes, where the CPU has them) or in scalar code."""
+    if request.param == "vector" and not native.select_vector():
+        pytest.skip("no AVX-512 packing on this CPU")
+    try:
+        if request.param == "scalar":
+            assert not native.select_vector(0)
+        yield request.param
+    finally:
+        native.select_vector(-1)
+
+
 @needs_bf16_scores
 @pytest.mark.parametrize("heads,group,m,n,k", [(1, 1, 1, 1, 16), (2, 3, 33, 70, 16),
                                                (3, 1, 64, 512, 128), (1, 2, 100, 65, 2048),
-                                               (2, 2, 5, 0, 16), (2, 4, 40, 700, 16)])
-def test_bf16_scores_equal_the_float32_product(heads, group, m, n, k):
+                                               (2, 2, 5, 0, 16), (2, 4, 40, 700, 16),
+                                               (1, 1, 3, 130, 2084)])
+def test_bf16_scores_equal_the_float32_product(heads, group, m, n, k, packing):
     """Integer-valued inputs: exactly the float32 product of the upcast
     inputs, then ``* scale`` and ``+ bias`` rounded one after the other (as
     the float32 path rounds them); others within float32 summation error.
     Query rows of a longer buffer, keys strided by row, the output a strided
-    view whose other columns stay untouched."""
+    view whose other columns stay untouched. With the keys packed either
+    way (k = 2084: a tail of pairs short of 16)."""
     gen = torch.Generator().manual_seed(m + n + k + group)
     assert native.bf16_scores_available(k)
     scale = float(torch.tensor(1 / 3.0))  # rounds: a fused multiply-add would differ
@@ -628,13 +644,15 @@ def test_own_bf16_kernel_gives_torch_micro_kernels_floats(monkeypatch):
 
 @needs_bf16_scores
 @pytest.mark.parametrize("kernel", ["vdpbf16ps", "micro-kernel"])
-def test_bf16_scores_report_the_largest_inputs_they_read(kernel, monkeypatch):
+def test_bf16_scores_report_the_largest_inputs_they_read(kernel, packing, monkeypatch):
     """The products return max |keys| over the keys they multiply and max |a|
     over the query rows (inf for an infinite one, NaN for a NaN), none of
     the buffers around them: what decides whether a tile's products may
     overflow (ops/cpu.py)."""
     if kernel == "vdpbf16ps" and not native.dp_scores():
         pytest.skip("no vdpbf16ps kernel on this CPU")
+    if kernel == "vdpbf16ps" and packing == "scalar":
+        pytest.skip("the vdpbf16ps kernel packs on AVX-512 whatever the passes")
     if kernel == "micro-kernel":
         monkeypatch.setattr(native, "dp_scores", lambda: False)
     gen = torch.Generator().manual_seed(11)

@@ -144,9 +144,10 @@ def status(lib: Library | None = None) -> str:
 
 
 def select_vector(mode: int | None = None) -> bool:
-    """Whether the selection kernel runs its gather and emit passes on
-    AVX-512 (where the CPU has it; the same picks either way). ``mode``
-    forces it first: -1 the default, 0 never, 1 where the CPU has it."""
+    """Whether the selection kernel runs its gather and emit passes, and
+    packs the keys of the bfloat16 score products, on AVX-512 (where the CPU
+    has it; the same picks and products either way). ``mode`` forces it
+    first: -1 the default, 0 never, 1 where the CPU has it."""
     lib = load(SELECT_ROWS)
     return lib is not None and lib.stem_select_vector(-2 if mode is None else mode) == 1
 
@@ -301,9 +302,10 @@ def dp_scores() -> bool:
     kernel (``stem_scores_dp``) instead of torch's micro-kernel: a CPU with
     AVX512-BF16 and no AMX (where oneDNN's kernel uses AMX tiles), and a
     compiler that built it. Its keys are packed by 16 x 16 transposes in
-    registers, where torch's micro-kernel path packs them element by element.
-    The same instruction in the same order per lane: the same floats as
-    torch's kernel (tests/test_native.py)."""
+    registers; torch's micro-kernel is fed by the same packing where the
+    selection's passes run on AVX-512 (``select_vector``), element by
+    element elsewhere. The same instruction in the same order per lane: the
+    same floats as torch's kernel (tests/test_native.py)."""
     flags = set(torch_blas.cpu_flags().split())
     lib = load(SELECT_ROWS)
     return ("avx512_bf16" in flags and "amx_bf16" not in flags and lib is not None

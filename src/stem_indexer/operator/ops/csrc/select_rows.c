@@ -563,24 +563,38 @@ DP_TARGET static void dp_rows(int64_t rows, int64_t pairs, const uint16_t *a, in
 
 int stem_scores_dp_built(void) { return DP_BUILT; }
 
-/* The keys packed, the largest magnitude of query rows, the products: on
- * vdpbf16ps (dp) or by torch's micro-kernel. */
-static uint32_t pack_tile(bool dp, const uint16_t *keys, int64_t row, int64_t k, int64_t valid,
+/* Whether the keys are packed (and the query rows' magnitudes found) on
+ * AVX-512 for torch's micro-kernel too: with the selection's vector passes
+ * (stem_select_vector forces both ways), on a CPU with AVX-512BW. The same
+ * packed words either way; on an AMX Xeon the scalar packing took longer
+ * than the tile products it fed. */
+static bool vector_packing(void)
+{
+#if DP_BUILT
+    return vector_passes() && __builtin_cpu_supports("avx512bw");
+#else
+    return false;
+#endif
+}
+
+/* The keys packed (on AVX-512 where vec), the largest magnitude of query
+ * rows, the products: on vdpbf16ps (dp) or by torch's micro-kernel. */
+static uint32_t pack_tile(bool vec, const uint16_t *keys, int64_t row, int64_t k, int64_t valid,
                           uint32_t *pk)
 {
-    (void)dp;
+    (void)vec;
 #if DP_BUILT
-    if (dp)
+    if (vec)
         return dp_pack_keys(keys, row, k, valid, pk);
 #endif
     return pack_keys(keys, row, k, valid, pk);
 }
 
-static uint32_t rows_max(bool dp, const uint16_t *a, int64_t count)
+static uint32_t rows_max(bool vec, const uint16_t *a, int64_t count)
 {
-    (void)dp;
+    (void)vec;
 #if DP_BUILT
-    if (dp)
+    if (vec)
         return dp_values_max(a, count);
 #endif
     return values_max(a, count);
@@ -599,6 +613,7 @@ static int scores(brgemm_t brgemm, release_t release, int64_t heads, int64_t gro
     if (heads < 0 || group < 1 || m < 0 || n < 0 || k < 2 || k % 2 || key_row < k)
         return -1;
     bool dp = brgemm == NULL;
+    bool vec = dp || vector_packing();
     score_split split = split_scores(heads, group, m, n, threads);
     int64_t mt = split.mt;
     /* the packed keys (whole 16-pair blocks, 64-byte aligned), then the tile */
@@ -616,7 +631,7 @@ static int scores(brgemm_t brgemm, release_t release, int64_t heads, int64_t gro
             int64_t h, j0, valid, u0, u1;
             if (failed || !score_task(&split, t, n, &h, &j0, &valid, &u0, &u1))
                 continue;
-            uint32_t seen = pack_tile(dp, keys + h * key_head + j0 * key_row, key_row, k, valid,
+            uint32_t seen = pack_tile(vec, keys + h * key_head + j0 * key_row, key_row, k, valid,
                                       pk);
             most = seen > most ? seen : most;
             const float *b = bias ? bias + h * bias_head + j0 : NULL;
@@ -626,7 +641,7 @@ static int scores(brgemm_t brgemm, release_t release, int64_t heads, int64_t gro
                 const uint16_t *ai = a + h * a_head + g * a_sub + i0 * k;
                 float *o = out + h * out_head + i0 * out_row + g * out_sub + j0;
                 if (j0 == 0) {
-                    uint32_t a_seen = rows_max(dp, ai, rows * k);
+                    uint32_t a_seen = rows_max(vec, ai, rows * k);
                     most_a = a_seen > most_a ? a_seen : most_a;
                 }
 #if DP_BUILT
