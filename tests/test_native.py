@@ -68,6 +68,9 @@ def special_scores(shape, gen, kind: str) -> torch.Tensor:
     if kind == "bf16-near":  # distinct floats that round to few bf16 values
         base = torch.randint(0, 4, shape, generator=gen).float()
         return (1.0 + base / 8) * (1 + torch.randint(-60, 60, shape, generator=gen) * 2.0**-16)
+    if kind == "bf16-halfway":  # exactly between two bf16 values: ties to even
+        base = 1.0 + torch.randint(0, 128, shape, generator=gen).float() / 128 + 2.0**-8
+        return base * (torch.randint(0, 2, shape, generator=gen).float() * 2 - 1)
     if kind == "near-max":  # round to +-inf at bf16
         sign = torch.randint(0, 2, shape, generator=gen).float() * 2 - 1
         return sign * torch.finfo(torch.float32).max * (1 - torch.rand(shape, generator=gen)
@@ -97,11 +100,26 @@ def random_tile(seed: int, kind: str, *, nk=2, c=9, group=3, kmax=70):
     return nk, c, group, s2, sink_end, cand_end, take, scores, ranked, lo
 
 
+@pytest.fixture(params=["vector", "scalar"])
+def passes(request):
+    """The selection's linear passes and the keys' packing for the products
+    on AVX-512 (where the CPU has it) or in scalar code."""
+    if request.param == "vector" and not native.select_vector():
+        pytest.skip("no AVX-512 passes on this CPU")
+    try:
+        if request.param == "scalar":
+            assert not native.select_vector(0)
+        yield request.param
+    finally:
+        native.select_vector(-1)
+
+
 @needs_kernel
-@pytest.mark.parametrize("kind", ["normal", "ties", "specials", "bf16-near", "near-max"])
+@pytest.mark.parametrize("kind", ["normal", "ties", "specials", "bf16-near", "bf16-halfway",
+                                  "near-max"])
 @pytest.mark.parametrize("precision", [1, 2])
 @pytest.mark.parametrize("seed", range(6))
-def test_kernel_rows_equal_the_contract(kind, precision, seed):
+def test_kernel_rows_equal_the_contract(kind, precision, seed, passes):
     nk, c, group, s2, sink_end, cand_end, take, scores, ranked, lo = random_tile(seed, kind)
     kmax = 70
     out = torch.full((nk * group, c, kmax), -1, dtype=torch.int32)
@@ -368,26 +386,12 @@ needs_bf16_scores = pytest.mark.skipif(not native.bf16_scores_available(16),
                                        reason=native.bf16_scores_status())
 
 
-@pytest.fixture(params=["vector", "scalar"])
-def packing(request):
-    """The keys packed for the products on AVX-512 (with the selection's
-    vector passes, where the CPU has them) or in scalar code."""
-    if request.param == "vector" and not native.select_vector():
-        pytest.skip("no AVX-512 packing on this CPU")
-    try:
-        if request.param == "scalar":
-            assert not native.select_vector(0)
-        yield request.param
-    finally:
-        native.select_vector(-1)
-
-
 @needs_bf16_scores
 @pytest.mark.parametrize("heads,group,m,n,k", [(1, 1, 1, 1, 16), (2, 3, 33, 70, 16),
                                                (3, 1, 64, 512, 128), (1, 2, 100, 65, 2048),
                                                (2, 2, 5, 0, 16), (2, 4, 40, 700, 16),
                                                (1, 1, 3, 130, 2084)])
-def test_bf16_scores_equal_the_float32_product(heads, group, m, n, k, packing):
+def test_bf16_scores_equal_the_float32_product(heads, group, m, n, k, passes):
     """Integer-valued inputs: exactly the float32 product of the upcast
     inputs, then ``* scale`` and ``+ bias`` rounded one after the other (as
     the float32 path rounds them); others within float32 summation error.
@@ -644,14 +648,14 @@ def test_own_bf16_kernel_gives_torch_micro_kernels_floats(monkeypatch):
 
 @needs_bf16_scores
 @pytest.mark.parametrize("kernel", ["vdpbf16ps", "micro-kernel"])
-def test_bf16_scores_report_the_largest_inputs_they_read(kernel, packing, monkeypatch):
+def test_bf16_scores_report_the_largest_inputs_they_read(kernel, passes, monkeypatch):
     """The products return max |keys| over the keys they multiply and max |a|
     over the query rows (inf for an infinite one, NaN for a NaN), none of
     the buffers around them: what decides whether a tile's products may
     overflow (ops/cpu.py)."""
     if kernel == "vdpbf16ps" and not native.dp_scores():
         pytest.skip("no vdpbf16ps kernel on this CPU")
-    if kernel == "vdpbf16ps" and packing == "scalar":
+    if kernel == "vdpbf16ps" and passes == "scalar":
         pytest.skip("the vdpbf16ps kernel packs on AVX-512 whatever the passes")
     if kernel == "micro-kernel":
         monkeypatch.setattr(native, "dp_scores", lambda: False)

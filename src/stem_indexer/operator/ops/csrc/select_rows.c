@@ -30,9 +30,10 @@
 #define X86_TARGETS 0
 #endif
 
-/* The selection's two linear passes, gather (keep the keys of one bucket)
- * and emit (write the picks' indices), run on AVX-512's compress where the
- * CPU has it (`vec`): the same integers, only faster. stem_select_vector
+/* The selection's linear passes, ordering (scores to ranking keys, with
+ * their range), gather (keep the keys of one bucket) and emit (write the
+ * picks' indices), run on AVX-512 where the CPU has it (`vec`): the same
+ * integers, only faster. stem_select_vector
  * can force either (tests/test_native.py runs both). */
 static int select_vector = -1; /* -1: where the CPU has AVX-512 */
 
@@ -204,18 +205,55 @@ SEL_TARGET static void emit_avx512(const uint32_t *keys, int64_t n, int64_t take
 }
 #endif
 
+#if X86_TARGETS
+/* order_key of n scores into keys, 16 at a time; their smallest and
+ * largest into *lo, *hi. */
+SEL_TARGET static void order_keys_avx512(const uint32_t *bits, int64_t n, int precision,
+                                         uint32_t *keys, uint32_t *lo, uint32_t *hi)
+{
+    const __m512i abs = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
+    const __m512i nan_key = _mm512_set1_epi32(0x007FFFFF), sign = _mm512_set1_epi32(INT32_MIN);
+    const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+    const __m512i upper = _mm512_set1_epi32((int)0xFFFF0000u);
+    __m512i most = _mm512_setzero_si512(), least = _mm512_set1_epi32(-1);
+    for (int64_t j = 0; j < n; j += 16) {
+        __mmask16 in = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1u);
+        __m512i v = _mm512_maskz_loadu_epi32(in, bits + j);
+        __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(v, abs), inf);
+        if (precision == 2) /* round to bfloat16, nearest even */
+            v = _mm512_and_si512(
+                _mm512_add_epi32(_mm512_add_epi32(v, half),
+                                 _mm512_and_si512(_mm512_srli_epi32(v, 16), one)),
+                upper);
+        v = _mm512_mask_mov_epi32(v, _mm512_cmpeq_epi32_mask(v, sign), _mm512_setzero_si512());
+        v = _mm512_xor_si512(v, _mm512_or_si512(_mm512_srai_epi32(v, 31), sign));
+        v = _mm512_mask_mov_epi32(v, nan, nan_key);
+        _mm512_mask_storeu_epi32(keys + j, in, v);
+        most = _mm512_mask_max_epu32(most, in, most, v);
+        least = _mm512_mask_min_epu32(least, in, least, v);
+    }
+    *lo = (uint32_t)_mm512_reduce_min_epu32(least);
+    *hi = (uint32_t)_mm512_reduce_max_epu32(most);
+}
+#endif
+
 /* The picks of one row, ascending, into dst[0..take); 0 < take < n. */
 static void pick(const float *scores, int64_t n, int64_t take, int precision, int64_t first,
                  uint32_t *keys, uint32_t *buf, int32_t *dst, int vec)
 {
     const uint32_t *bits = (const uint32_t *)scores;
     uint32_t lo = UINT32_MAX, hi = 0;
-    for (int64_t j = 0; j < n; j++) {
-        uint32_t v = order_key(bits[j], precision);
-        keys[j] = v;
-        lo = v < lo ? v : lo;
-        hi = v > hi ? v : hi;
-    }
+#if X86_TARGETS
+    if (vec)
+        order_keys_avx512(bits, n, precision, keys, &lo, &hi);
+    else
+#endif
+        for (int64_t j = 0; j < n; j++) {
+            uint32_t v = order_key(bits[j], precision);
+            keys[j] = v;
+            lo = v < lo ? v : lo;
+            hi = v > hi ? v : hi;
+        }
     int64_t ties, equal;
     uint32_t t = kth_largest(keys, n, take, lo, hi, buf, &ties, &equal, vec);
 #if X86_TARGETS
