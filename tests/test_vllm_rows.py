@@ -482,8 +482,8 @@ def test_a_packing_that_is_not_one_place_per_element_is_refused(write, why):
 
 
 def _pair_writer(key, value, key_cache, value_cache, slots):
-    """A packing that is no strided view (as ``amx``'s is not): the keys of
-    each two offsets interleaved per dimension, the values row-major."""
+    """The keys of each two offsets interleaved per dimension (the offset
+    split once), the values row-major."""
     page, dim = key_cache.shape[2], key_cache.shape[3]
     for i, slot in enumerate(slots.tolist()):
         p, t = divmod(slot, page)
@@ -492,12 +492,42 @@ def _pair_writer(key, value, key_cache, value_cache, slots):
         value_cache[p, :, t] = value[i]
 
 
-@pytest.mark.parametrize("write, strided", [(_vec_writer, True), (_pair_writer, False)])
+def _tile_writer(key, value, key_cache, value_cache, slots):
+    """``amx``'s packing as vLLM 0.32 writes it (both axes split): the keys in
+    tiles of 16 offsets by pairs of dimensions, the values in tiles of 16
+    dimensions by pairs of offsets."""
+    page, dim = key_cache.shape[2], key_cache.shape[3]
+    d, w = torch.arange(dim), min(16, dim)
+    for i, slot in enumerate(slots.tolist()):
+        p, t = divmod(slot, page)
+        at = ((t // 16) * (dim // 2) + d // 2) * 32 + (t % 16) * 2 + d % 2
+        key_cache[p].view(-1, dim * page)[:, at] = key[i]
+        at = ((d // w) * (page // 2) + t // 2) * 2 * w + (d % w) * 2 + t % 2
+        value_cache[p].view(-1, dim * page)[:, at] = value[i]
+
+
+def _scattered_writer(key, value, key_cache, value_cache, slots):
+    """A packing that is no strided view: every element of a page at a
+    fixed random place (the same for every page and head)."""
+    page, dim = key_cache.shape[2], key_cache.shape[3]
+    places = torch.randperm(2 * page * dim, generator=torch.Generator().manual_seed(5))
+    for i, slot in enumerate(slots.tolist()):
+        p, t = divmod(slot, page)
+        block = torch.cat([key_cache[p], value_cache[p]], 1).view(key.shape[1], -1).clone()
+        block[:, places[t * dim:(t + 1) * dim]] = key[i]
+        block[:, places[(page + t) * dim:(page + t + 1) * dim]] = value[i]
+        halves = block.view(key.shape[1], 2 * page, dim).chunk(2, dim=1)
+        key_cache[p], value_cache[p] = halves
+
+
+@pytest.mark.parametrize("write, strided", [(_vec_writer, True), (_pair_writer, True),
+                                            (_tile_writer, True), (_scattered_writer, False)])
 def test_a_strided_packing_is_read_as_a_view_and_any_other_element_by_element(write, strided):
-    """Both ways of reading give back what the writer packed, token-major
+    """Every way of reading gives back what the writer packed, token-major
     (``read``) and head-major (``read_heads``, contiguous)."""
     reader = PageReader.probe(write, 16, 3, 8, torch.bfloat16)
-    assert (reader.key_view is not None) == strided and reader.value_view is not None
+    assert (reader.key_view is not None) == strided
+    assert (reader.value_view is not None) == strided
     kv, pages, keys, values = _shuffled_pages(write, torch.bfloat16)
     n = keys.shape[0]
     k, v = reader.read(kv, pages)

@@ -80,6 +80,12 @@ _LOG = logging.getLogger("vllm.stem_indexer")
 
 #: vLLM's CPU cache layouts (``layer.isa``) whose attention runs on virtual rows.
 LAYOUTS = ("amx", "vec", "vec16")
+#: The layouts where Stem's kernel, reading the row's keys and values out of
+#: vLLM's cache, was measured faster than vLLM's kernel on virtual rows
+#: (``sparse_kernel="auto"``; ``vllm_bench.py pairs``, benchmarks/VLLM.md):
+#: ``vec`` on AVX512-BF16 (0.48 of vLLM's cost per pair). On ``amx`` the two
+#: cost the same per pair (1.05 and 1.02 of vLLM's dense cost).
+STEM_KERNEL_FASTER_ON = ("vec",)
 
 
 class StemAttentionBackend(CPUAttentionBackend):
@@ -867,6 +873,9 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         if want == "auto":
             if reader.key_view is None or reader.value_view is None:
                 return None, f"the {isa} layout is read back element by element"
+            if isa not in STEM_KERNEL_FASTER_ON:
+                return None, (f"on the {isa} layout Stem's kernel, the read included, was not "
+                              "measured faster than vLLM's")
             if dtype != torch.bfloat16:
                 return None, f"Stem's kernel is the faster only in bfloat16, not {dtype}"
             refused = sparse_kernel.bf16_packed(self.head_size, self.settings.block_size)

@@ -9,9 +9,12 @@ writes one page whose elements are small integers (one base-16 digit of the
 token's offset in the page, or of the dimension, per pass: exact in every
 float dtype; keys below 16, values from 16), reads each block back, and keeps
 for every (offset, dimension) of the keys and of the values the one place
-that holds it. Where those places are a strided view of the block (the
-``vec`` layout: keys transposed, values row-major), pages are read through
-that view, a plain strided copy; otherwise element by element. A packing
+that holds it. Where those places are a strided view of the block, with
+the offset and the dimension each split at most once into an outer and an
+inner index (the ``vec`` layout: keys transposed, values row-major; the
+``amx`` layout: keys in tiles of 16 offsets by pairs of dimensions, values
+in pairs of offsets), pages are read through that view, a plain strided
+copy; otherwise element by element. A packing
 that is not such a one-to-one placement, the same for every head (a
 quantised cache, say), is refused with the reason, and nothing is read back
 from it.
@@ -56,9 +59,11 @@ class PageReader:
     key_at: torch.Tensor
     #: the same for the values
     value_at: torch.Tensor
-    #: ``(offset, offset stride, dimension stride)`` where ``key_at`` is
-    #: ``offset + t * st + d * sd`` (a strided view of the block), else None
-    key_view: tuple[int, int, int] | None = None
+    #: ``(offset, sizes, strides)`` where ``key_at`` is a strided view of the
+    #: block: ``sizes`` ``(page // a, a, dim // b, b)`` split the offset t and
+    #: the dimension d into (t // a, t % a, d // b, d % b), and ``key_at`` is
+    #: ``offset`` plus those four indices times ``strides``; else None
+    key_view: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None
     #: the same for the values
     value_view: tuple[int, int, int] | None = None
 
@@ -130,11 +135,11 @@ class PageReader:
         flat = kv_cache.view(kv_cache.shape[0], self.heads, -1)
         n = pages.shape[0]
 
-        def tokens(at: torch.Tensor, view: tuple[int, int, int] | None) -> torch.Tensor:
+        def tokens(at: torch.Tensor, view) -> torch.Tensor:
             if view is not None:
-                offset, st, sd = view
-                x = flat.as_strided((flat.shape[0], self.heads, self.page, self.dim),
-                                    (flat.stride(0), flat.stride(1), st, sd),
+                offset, sizes, strides = view
+                x = flat.as_strided((flat.shape[0], self.heads, *sizes),
+                                    (flat.stride(0), flat.stride(1), *strides),
                                     flat.storage_offset() + offset)[pages]
             else:
                 x = flat[pages][:, :, at].view(n, self.heads, self.page, self.dim)
@@ -144,12 +149,23 @@ class PageReader:
                 tokens(self.value_at, self.value_view) if values else None)
 
 
-def _strided(at: torch.Tensor, page: int, dim: int) -> tuple[int, int, int] | None:
-    """``(offset, st, sd)`` where ``at[t * dim + d] == offset + t * st + d * sd``
-    for every (t, d), else None."""
+def _strided(at: torch.Tensor, page: int, dim: int):
+    """``(offset, sizes, strides)`` (``PageReader.key_view``) where ``at`` is
+    a strided view of the block with the offset and the dimension each split
+    once at a power of two (the smallest splits that fit), else None."""
     grid = at.view(page, dim)
     offset = int(grid[0, 0])
-    st = int(grid[1, 0]) - offset if page > 1 else 0
-    sd = int(grid[0, 1]) - offset if dim > 1 else 0
-    expect = offset + torch.arange(page)[:, None] * st + torch.arange(dim)[None, :] * sd
-    return (offset, st, sd) if torch.equal(grid, expect) else None
+
+    def step(t: int, d: int) -> int:
+        return int(grid[t, d]) - offset if t < page and d < dim else 0
+
+    t, d = torch.arange(page), torch.arange(dim)
+    for a in (x for x in (2**i for i in range(page.bit_length())) if page % x == 0):
+        for b in (x for x in (2**i for i in range(dim.bit_length())) if dim % x == 0):
+            strides = (step(a, 0), step(1, 0) if a > 1 else 0, step(0, b),
+                       step(0, 1) if b > 1 else 0)
+            expect = (offset + (t // a * strides[0] + t % a * strides[1])[:, None]
+                      + (d // b * strides[2] + d % b * strides[3])[None, :])
+            if torch.equal(grid, expect):
+                return offset, (page // a, a, dim // b, b), strides
+    return None
