@@ -7,10 +7,11 @@ head dim 64; random weights: a decode step's cost does not depend on them) is
 written once to ``~/.cache/stem_indexer/random-smollm2-shape``. Two engines in
 this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), vLLM's own CPU backend
 and Stem's (``--attention-backend CUSTOM``, default settings), the same
-engine settings. Each turn submits ``--requests`` prompts of 64 random
-tokens together, once with 1 new token (prefill only) and once with
-``--tokens``; the difference over ``tokens - 1`` is the time of one decode
-step of every request. Engines alternate within a turn.
+engine settings. Each turn submits ``--requests`` prompts of
+``--prompt-tokens`` random tokens (64 unless said) together, once with 1
+new token (prefill only) and once with ``--tokens``; the difference over
+``tokens - 1`` is the time of one decode step of every request. Engines
+alternate within a turn.
 
 Prefix caching is off unless ``--prefix-caching``: without it the indexer
 cache leaves decode rows' tokens out (nothing reads them), with it it takes
@@ -106,18 +107,25 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=33)
+    parser.add_argument("--prompt-tokens", type=int, default=64,
+                        help="tokens of each prompt (at most 8000: the model's 8192 "
+                             "positions); long prompts decode over long contexts, and from "
+                             "about 7K tokens their prefill runs Stem")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--prefix-caching", action="store_true",
                         help="both engines with prefix caching (the indexer cache then "
                              "takes the decoded tokens too)")
     parser.add_argument("--record", default=None, help="append the table to this file")
     args = parser.parse_args(argv)
+    if not 1 <= args.prompt_tokens <= 8000:
+        parser.error(f"--prompt-tokens must be in [1, 8000]; got {args.prompt_tokens}")
     make_model(MODEL)
     from vllm import LLM, SamplingParams
 
     from common import cpu_flags, git_sha, machine, write_atomic
 
-    engine = dict(model=str(MODEL), dtype="bfloat16", max_model_len=2048, seed=0,
+    engine = dict(model=str(MODEL), dtype="bfloat16",
+                  max_model_len=max(2048, args.prompt_tokens + args.tokens), seed=0,
                   enable_prefix_caching=args.prefix_caching, max_num_seqs=args.requests,
                   max_num_batched_tokens=max(2048, 64 * args.requests))
     engines = {"vllm": LLM(**engine),
@@ -134,7 +142,8 @@ def main(argv=None) -> int:
     rng = random.Random(0)
 
     def run(llm, tokens: int) -> float:
-        prompts = [{"prompt_token_ids": [rng.randrange(3, 49152) for _ in range(64)]}
+        prompts = [{"prompt_token_ids": [rng.randrange(3, 49152)
+                                         for _ in range(args.prompt_tokens)]}
                    for _ in range(args.requests)]
         params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0,
                                 ignore_eos=True)
@@ -166,11 +175,13 @@ def main(argv=None) -> int:
     ratios = [s / v for s, v in zip(steps["stem"], steps["vllm"])]
     lines = [f"\n### A decode step of {args.requests} requests, with and without the plugin\n",
              f"Machine: {machine()}; {cpu_flags()}; git {git_sha()}; a random model of "
-             f"SmolLM2-135M's shape (30 layers), bf16, {args.requests} requests of 64 prompt "
+             f"SmolLM2-135M's shape (30 layers), bf16, {args.requests} requests of "
+             f"{args.prompt_tokens} prompt "
              f"tokens decoding {args.tokens - 1} steps; prefix caching "
              f"{'on' if args.prefix_caching else 'off'}; {args.reps} turns, engines alternating.",
              "", f"`python benchmarks/engines/vllm_step_bench.py --requests {args.requests} "
              f"--tokens {args.tokens} --reps {args.reps}"
+             f"{f' --prompt-tokens {args.prompt_tokens}' if args.prompt_tokens != 64 else ''}"
              f"{' --prefix-caching' if args.prefix_caching else ''}`", "",
              "| vLLM ms / step | with the plugin ms / step | ratio, median [min, max] | "
              "the plugin's own code ms / step, median [min, max] |", "|---|---|---|---|",
