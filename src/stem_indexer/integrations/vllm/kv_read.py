@@ -65,7 +65,7 @@ class PageReader:
     #: ``offset`` plus those four indices times ``strides``; else None
     key_view: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None
     #: the same for the values
-    value_view: tuple[int, int, int] | None = None
+    value_view: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None
 
     @classmethod
     def probe(cls, write: Callable, page: int, heads: int, dim: int,

@@ -33,8 +33,8 @@
 /* The selection's linear passes, ordering (scores to ranking keys, with
  * their range), gather (keep the keys of one bucket) and emit (write the
  * picks' indices), run on AVX-512 where the CPU has it (`vec`): the same
- * integers, only faster. stem_select_vector
- * can force either (tests/test_native.py runs both). */
+ * integers, only faster. stem_select_vector can force either
+ * (tests/test_native.py runs both). */
 static int select_vector = -1; /* -1: where the CPU has AVX-512 */
 
 static int vector_passes(void)
