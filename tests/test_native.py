@@ -130,6 +130,47 @@ def test_kernel_rows_equal_the_contract(kind, precision, seed, passes):
     assert torch.equal(out, want)
 
 
+def long_rows(kind: str, n: int, seed: int):
+    """One KV head, three query blocks, two queries each, with ``n``
+    candidates per row from block 0 (no sink, a window of 2) and budgets of
+    1, a third of the candidates and all but one: rows long enough for the
+    kernel's sampled floor (``csrc/select_rows.c``, ``pick``)."""
+    gen = torch.Generator().manual_seed(seed)
+    c, group = 3, 2
+    s2 = torch.full((c,), n + 2, dtype=torch.int64)
+    sink_end = torch.zeros(c, dtype=torch.int64)
+    cand_end = torch.full((c,), n, dtype=torch.int64)
+    take = torch.tensor([1, n // 3, n - 1], dtype=torch.int64)
+    shape = (1, c, group, n)
+    if kind == "comb-high":  # high keys on every 16th candidate only: an evenly
+        # spaced sample of a power-of-two size up to n / 16 sees only them,
+        # and the budget of n / 3 takes more than there are (the floor misses)
+        scores = torch.randn(shape, generator=gen)
+        scores[..., ::16] += 50
+    elif kind == "comb-low":  # the sample sees only the lowest keys
+        scores = torch.randn(shape, generator=gen)
+        scores[..., ::16] -= 50
+    else:
+        scores = special_scores(shape, gen, kind)
+    return 1, c, group, s2, sink_end, cand_end, take, scores, 0, 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["normal", "ties", "specials", "bf16-near", "comb-high",
+                                  "comb-low"])
+@pytest.mark.parametrize("n", [2047, 2048, 4096, 6007])
+def test_long_rows_equal_the_contract(kind, n, passes):
+    nk, c, group, s2, sink_end, cand_end, take, scores, ranked, lo = long_rows(kind, n, n)
+    kmax = n + 2
+    for precision in (1, 2):
+        out = torch.full((nk * group, c, kmax), -1, dtype=torch.int32)
+        native.select_rows(nk, c, group, s2, sink_end, cand_end, take, scores, ranked, lo,
+                           precision, out)
+        want = expected_rows(nk, c, group, s2, sink_end, cand_end, take, scores, ranked, lo,
+                             precision, kmax)
+        assert torch.equal(out, want), (kind, n, precision)
+
+
 @needs_kernel
 def test_kernel_writes_a_strided_view_only_where_rows_go():
     """A tile is a view into the whole output: neighbours stay untouched."""

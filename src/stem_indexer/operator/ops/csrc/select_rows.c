@@ -170,15 +170,13 @@ static uint32_t kth_largest(const uint32_t *keys, int64_t n, int64_t k, uint32_t
 }
 
 #if X86_TARGETS
-/* pick's last pass: the indices (+ first) of the keys above t and of the
- * first `ties` keys equal to it, ascending, into dst[0..take). */
-SEL_TARGET static void emit_avx512(const uint32_t *keys, int64_t n, int64_t take, uint32_t t,
-                                   int64_t ties, int64_t first, int32_t *dst)
+/* emit on AVX-512. */
+SEL_TARGET static void emit_avx512(const uint32_t *keys, const int32_t *at, int64_t n,
+                                   int64_t take, uint32_t t, int64_t ties, int64_t first,
+                                   int32_t *dst)
 {
-    const __m512i thr = _mm512_set1_epi32((int)t);
-    __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)first),
-                                   _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
-                                                     13, 14, 15));
+    const __m512i thr = _mm512_set1_epi32((int)t), base = _mm512_set1_epi32((int)first);
+    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i step = _mm512_set1_epi32(16);
     int64_t w = 0;
     /* Exactly take of the n keys qualify: the loop stops at the chunk holding
@@ -198,36 +196,40 @@ SEL_TARGET static void emit_avx512(const uint32_t *keys, int64_t n, int64_t take
             }
         }
         int got = __builtin_popcount(keep);
+        __m512i where = at ? _mm512_maskz_loadu_epi32(in, at + j) : idx;
         _mm512_mask_storeu_epi32(dst + w, (__mmask16)((1u << got) - 1u),
-                                 _mm512_maskz_compress_epi32(keep, idx));
+                                 _mm512_maskz_compress_epi32(keep, _mm512_add_epi32(where, base)));
         w += got;
     }
 }
 #endif
 
 #if X86_TARGETS
+/* order_key of 16 score bits. */
+SEL_TARGET static inline __m512i order_keys16(__m512i v, int precision)
+{
+    const __m512i abs = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
+    const __m512i sign = _mm512_set1_epi32(INT32_MIN);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(v, abs), inf);
+    if (precision == 2) /* round to bfloat16, nearest even */
+        v = _mm512_and_si512(
+            _mm512_add_epi32(_mm512_add_epi32(v, _mm512_set1_epi32(0x7FFF)),
+                             _mm512_and_si512(_mm512_srli_epi32(v, 16), _mm512_set1_epi32(1))),
+            _mm512_set1_epi32((int)0xFFFF0000u));
+    v = _mm512_mask_mov_epi32(v, _mm512_cmpeq_epi32_mask(v, sign), _mm512_setzero_si512());
+    v = _mm512_xor_si512(v, _mm512_or_si512(_mm512_srai_epi32(v, 31), sign));
+    return _mm512_mask_mov_epi32(v, nan, _mm512_set1_epi32(0x007FFFFF));
+}
+
 /* order_key of n scores into keys, 16 at a time; their smallest and
  * largest into *lo, *hi. */
 SEL_TARGET static void order_keys_avx512(const uint32_t *bits, int64_t n, int precision,
                                          uint32_t *keys, uint32_t *lo, uint32_t *hi)
 {
-    const __m512i abs = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
-    const __m512i nan_key = _mm512_set1_epi32(0x007FFFFF), sign = _mm512_set1_epi32(INT32_MIN);
-    const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
-    const __m512i upper = _mm512_set1_epi32((int)0xFFFF0000u);
     __m512i most = _mm512_setzero_si512(), least = _mm512_set1_epi32(-1);
     for (int64_t j = 0; j < n; j += 16) {
         __mmask16 in = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1u);
-        __m512i v = _mm512_maskz_loadu_epi32(in, bits + j);
-        __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(v, abs), inf);
-        if (precision == 2) /* round to bfloat16, nearest even */
-            v = _mm512_and_si512(
-                _mm512_add_epi32(_mm512_add_epi32(v, half),
-                                 _mm512_and_si512(_mm512_srli_epi32(v, 16), one)),
-                upper);
-        v = _mm512_mask_mov_epi32(v, _mm512_cmpeq_epi32_mask(v, sign), _mm512_setzero_si512());
-        v = _mm512_xor_si512(v, _mm512_or_si512(_mm512_srai_epi32(v, 31), sign));
-        v = _mm512_mask_mov_epi32(v, nan, nan_key);
+        __m512i v = order_keys16(_mm512_maskz_loadu_epi32(in, bits + j), precision);
         _mm512_mask_storeu_epi32(keys + j, in, v);
         most = _mm512_mask_max_epu32(most, in, most, v);
         least = _mm512_mask_min_epu32(least, in, least, v);
@@ -235,49 +237,181 @@ SEL_TARGET static void order_keys_avx512(const uint32_t *bits, int64_t n, int pr
     *lo = (uint32_t)_mm512_reduce_min_epu32(least);
     *hi = (uint32_t)_mm512_reduce_max_epu32(most);
 }
+
+/* list_from on AVX-512 (in place too: 16 keys are loaded before any store). */
+SEL_TARGET static int64_t list_from_avx512(uint32_t *keys, int64_t n, uint32_t floor,
+                                           int32_t *at)
+{
+    const __m512i base = _mm512_set1_epi32((int)floor), step = _mm512_set1_epi32(16);
+    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    int64_t l = 0;
+    for (int64_t j = 0; j < n; j += 16, idx = _mm512_add_epi32(idx, step)) {
+        __mmask16 in = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1u);
+        __m512i v = _mm512_maskz_loadu_epi32(in, keys + j);
+        __mmask16 list = _mm512_mask_cmpge_epu32_mask(in, v, base);
+        __mmask16 front = (__mmask16)((1u << __builtin_popcount(list)) - 1u);
+        _mm512_mask_storeu_epi32(keys + l, front, _mm512_maskz_compress_epi32(list, v));
+        _mm512_mask_storeu_epi32(at + l, front, _mm512_maskz_compress_epi32(list, idx));
+        l += __builtin_popcount(list);
+    }
+    return l;
+}
 #endif
 
-/* The picks of one row, ascending, into dst[0..take); 0 < take < n. */
-static void pick(const float *scores, int64_t n, int64_t take, int precision, int64_t first,
-                 uint32_t *keys, uint32_t *buf, int32_t *dst, int vec)
+/* Rows of SAMPLED_MIN candidates or more are picked from a floor judged
+ * from SAMPLE evenly spaced keys (pick). */
+#define SAMPLE 128
+#define SAMPLED_MIN 2048
+
+static int64_t isqrt_up(int64_t x)
 {
-    const uint32_t *bits = (const uint32_t *)scores;
-    uint32_t lo = UINT32_MAX, hi = 0;
+    int64_t r = 0;
+    while (r * r < x)
+        r++;
+    return r;
+}
+
+/* Reorders s[0..n) so that s[r] is its r-th largest (0: the largest), with
+ * none smaller before it and none larger after it (quickselect, the middle
+ * element as pivot). */
+static void nth_largest(uint32_t *s, int64_t n, int64_t r)
+{
+    int64_t a = 0, b = n - 1;
+    while (a < b) {
+        uint32_t p = s[a + (b - a) / 2];
+        int64_t i = a, j = b;
+        while (i <= j) {
+            while (s[i] > p)
+                i++;
+            while (s[j] < p)
+                j--;
+            if (i <= j) {
+                uint32_t x = s[i];
+                s[i++] = s[j];
+                s[j--] = x;
+            }
+        }
+        if (r <= j)
+            b = j;
+        else if (r >= i)
+            a = i;
+        else
+            return;
+    }
+}
+
+/* A key that most likely has at least take of the row's n keys at or above
+ * it, and not many more, judged from SAMPLE evenly spaced keys: with the
+ * sample's expected count above the take-th largest key r = take * SAMPLE /
+ * n, the sample's key 2 sqrt(r) + 3 ranks below that. 0 (every key) when
+ * that is past the sample. A floor too high costs time, never the result
+ * (pick counts the keys above it). */
+static uint32_t floor_key(const uint32_t *keys, int64_t n, int64_t take)
+{
+    uint32_t s[SAMPLE];
+    for (int64_t j = 0; j < SAMPLE; j++)
+        s[j] = keys[j * n / SAMPLE];
+    int64_t r = (take * SAMPLE + n - 1) / n;
+    int64_t rank = r + 2 * isqrt_up(r) + 3; /* 0 = the sample's largest */
+    if (rank >= SAMPLE)
+        return 0;
+    nth_largest(s, SAMPLE, rank);
+    return s[rank];
+}
+
+/* The keys at or above floor listed at the front of keys[0..n), in order,
+ * with their positions in at; returns how many. */
+static int64_t list_from(uint32_t *keys, int64_t n, uint32_t floor, int32_t *at, int vec)
+{
 #if X86_TARGETS
     if (vec)
-        order_keys_avx512(bits, n, precision, keys, &lo, &hi);
-    else
+        return list_from_avx512(keys, n, floor, at);
+#else
+    (void)vec;
 #endif
-        for (int64_t j = 0; j < n; j++) {
-            uint32_t v = order_key(bits[j], precision);
-            keys[j] = v;
-            lo = v < lo ? v : lo;
-            hi = v > hi ? v : hi;
-        }
-    int64_t ties, equal;
-    uint32_t t = kth_largest(keys, n, take, lo, hi, buf, &ties, &equal, vec);
+    int64_t l = 0;
+    for (int64_t j = 0; j < n; j++) { /* in place: l <= j */
+        uint32_t v = keys[j];
+        keys[l] = v;
+        at[l] = (int32_t)j;
+        l += v >= floor;
+    }
+    return l;
+}
+
+/* The `take` picks, ascending, into dst: of the n keys, those above t and
+ * the first `ties` equal to it (INT64_MAX: all of them), each written as
+ * first + its position, or first + at[its position] where at is given. */
+static void emit(const uint32_t *keys, const int32_t *at, int64_t n, int64_t take, uint32_t t,
+                 int64_t ties, int64_t first, int32_t *dst, int vec)
+{
 #if X86_TARGETS
     if (vec) {
-        emit_avx512(keys, n, take, t, ties == equal ? INT64_MAX : ties, first, dst);
+        emit_avx512(keys, at, n, take, t, ties, first, dst);
         return;
     }
+#else
+    (void)vec;
 #endif
+    (void)n;
     int64_t w = 0;
-    /* Exactly take keys qualify: the loops stop at the last (w == take). */
-    if (ties == equal) { /* every key equal to the threshold is a pick */
-        for (int64_t j = 0; w < take; j++) {
-            dst[w] = (int32_t)(first + j);
-            w += keys[j] >= t;
-        }
-        return;
-    }
-    for (int64_t j = 0; w < take; j++) { /* the first `ties` of them */
+    /* Exactly take keys qualify: the loop stops at the last (w == take). */
+    for (int64_t j = 0; w < take; j++) {
         uint32_t v = keys[j];
         int64_t tie = (v == t) & (ties > 0);
-        ties -= tie;
-        dst[w] = (int32_t)(first + j);
+        ties -= tie & (ties != INT64_MAX);
+        dst[w] = (int32_t)(first + (at ? at[j] : j));
         w += (v > t) | tie;
     }
+}
+
+/* order_key of n scores into keys, with their range in *lo, *hi. */
+static void order_keys(const uint32_t *bits, int64_t n, int precision, uint32_t *keys,
+                       uint32_t *lo, uint32_t *hi, int vec)
+{
+#if X86_TARGETS
+    if (vec) {
+        order_keys_avx512(bits, n, precision, keys, lo, hi);
+        return;
+    }
+#else
+    (void)vec;
+#endif
+    *lo = UINT32_MAX;
+    *hi = 0;
+    for (int64_t j = 0; j < n; j++) {
+        uint32_t v = order_key(bits[j], precision);
+        keys[j] = v;
+        *lo = v < *lo ? v : *lo;
+        *hi = v > *hi ? v : *hi;
+    }
+}
+
+/* The picks of one row, ascending, into dst[0..take); 0 < take < n. keys
+ * and buf: n entries each; at: n positions. In a row of SAMPLED_MIN keys or
+ * more, only the keys at or above a floor (floor_key) are listed, and only
+ * they go through the radix select and are read again for the picks; a floor
+ * with fewer than take keys at or above it costs the plain way besides. */
+static void pick(const float *scores, int64_t n, int64_t take, int precision, int64_t first,
+                 uint32_t *keys, uint32_t *buf, int32_t *at, int32_t *dst, int vec)
+{
+    const uint32_t *bits = (const uint32_t *)scores;
+    uint32_t lo, hi, t;
+    int64_t ties, equal;
+    order_keys(bits, n, precision, keys, &lo, &hi, vec);
+    if (n >= SAMPLED_MIN) {
+        uint32_t floor = floor_key(keys, n, take);
+        floor = floor > lo ? floor : lo;
+        int64_t listed = list_from(keys, n, floor, at, vec);
+        if (listed >= take) {
+            t = kth_largest(keys, listed, take, floor, hi, buf, &ties, &equal, vec);
+            emit(keys, at, listed, take, t, ties == equal ? INT64_MAX : ties, first, dst, vec);
+            return;
+        }
+        order_keys(bits, n, precision, keys, &lo, &hi, vec); /* the listing overwrote them */
+    }
+    t = kth_largest(keys, n, take, lo, hi, buf, &ties, &equal, vec);
+    emit(keys, NULL, n, take, t, ties == equal ? INT64_MAX : ties, first, dst, vec);
 }
 
 /* The output rows of one tile: row r = (n * c + i) * group + g for KV head
@@ -300,8 +434,9 @@ int stem_select_rows(int64_t nk, int64_t c, int64_t group, const int64_t *s2,
     int vec = vector_passes();
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        uint32_t *keys = malloc(sizeof(uint32_t) * (size_t)(2 * width + 1));
+        uint32_t *keys = malloc(sizeof(uint32_t) * (size_t)(3 * width + 1));
         uint32_t *buf = keys + width;
+        int32_t *at = (int32_t *)(buf + width);
         failed = keys == NULL;
 #pragma omp for schedule(dynamic, 16)
         for (int64_t r = 0; r < rows; r++) {
@@ -321,7 +456,7 @@ int stem_select_rows(int64_t nk, int64_t c, int64_t group, const int64_t *s2,
                     const float *s =
                         scores + ((n * (c - ranked) + i - ranked) * group + g) * width;
                     pick(s + (sink_end[i] - lo), n_cand, take[i], precision, sink_end[i], keys,
-                         buf, row + k, vec);
+                         buf, at, row + k, vec);
                     k += take[i];
                 }
                 for (int64_t j = cand_end[i]; j < s2[i]; k++, j++)
