@@ -524,6 +524,29 @@ def test_bf16_scores_probe_failure_falls_back_with_the_reason(monkeypatch):
 # --------------------------------------------------------------------------- #
 
 
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fill32_sets_exactly_its_words_at_any_start_and_length(threads):
+    """``stem_fill32`` (streaming stores over whole 64-byte lines, ordinary
+    ones at either end) sets each word of its range and no other, from
+    starts off the line and lengths that end inside one."""
+    lib = native.kernel()
+    base = torch.zeros(4096 + 64, dtype=torch.int32)
+    for start, words in [(0, 4096), (1, 4095), (5, 16), (3, 7), (15, 17), (16, 33), (7, 0)]:
+        buf = base.clone()
+        lib.stem_fill32(buf[start:].data_ptr(), words, 0xDEADBEEF, threads)
+        want = base.clone()
+        want[start:start + words] = torch.tensor(0xDEADBEEF, dtype=torch.int64).to(torch.int32)
+        assert torch.equal(buf, want), (start, words)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float32, torch.int64])
+def test_filled_large_outputs_of_any_dtype_equal_full(dtype):
+    shape = (3, native.HUGE_PAGE_MIN_BYTES // 4 // 3 + 17)
+    value = -2.5 if dtype.is_floating_point else -7
+    assert torch.equal(native.filled(shape, value, dtype), torch.full(shape, value, dtype=dtype))
+
+
 @pytest.mark.parametrize("elements", [1000, native.HUGE_PAGE_MIN_BYTES // 4 + 12345])
 def test_filled_equals_full_and_asks_huge_pages_for_the_aligned_interior(elements, monkeypatch):
     """``filled`` gives torch.full's tensor; from HUGE_PAGE_MIN_BYTES on it

@@ -94,6 +94,7 @@ SELECT_ROWS = Library("select_rows", {
                                       ctypes.c_float, _ptr, _i64, ctypes.c_int, _ptr]),
     "stem_scores_dp_built": (ctypes.c_int, []),
     "stem_select_vector": (ctypes.c_int, [ctypes.c_int]),
+    "stem_fill32": (None, [_ptr, _i64, ctypes.c_uint32, ctypes.c_int]),
 }, cflags=("-ffp-contract=off",))  # the scores' two roundings: never one fused multiply-add
 
 # The indexer cache's write (stem_indexer/pipeline/index_cache.py).
@@ -506,8 +507,10 @@ def filled(shape: tuple[int, ...], value: int, dtype: torch.dtype) -> torch.Tens
     on a 2-core AMD EPYC VM: 18 to 26 ms instead of 115 to 306 ms), and
     memory touched before costs none (a model calls the indexer once per
     layer with the same shapes, and drops each layer's output before the
-    next call). The values are the same either way. ``release_outputs``
-    unmaps the released mappings kept."""
+    next call). Four-byte values are written with streaming stores where
+    the selection kernel is built (``stem_fill32``): ordinary stores read
+    each line in before writing it. The values are the same either way.
+    ``release_outputs`` unmaps the released mappings kept."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MAP_PRIVATE"):  # Windows: no reuse
         return torch.full(shape, value, dtype=dtype)
@@ -521,7 +524,13 @@ def filled(shape: tuple[int, ...], value: int, dtype: torch.dtype) -> torch.Tens
         lease = mapping.lend()
         _mappings.append(mapping)
         del _mappings[:-OUTPUTS_KEPT]  # a busy one dropped stays mapped while lent
-    return torch.frombuffer(lease, dtype=dtype).view(shape).fill_(value)
+    out = torch.frombuffer(lease, dtype=dtype).view(shape)
+    lib = kernel()
+    if lib is None or dtype.itemsize != 4:
+        return out.fill_(value)
+    word = torch.tensor([value], dtype=dtype).view(torch.int32).item() & 0xFFFFFFFF
+    lib.stem_fill32(out.data_ptr(), out.numel(), word, torch.get_num_threads())
+    return out
 
 
 def kept_output_bytes() -> int:
