@@ -64,14 +64,20 @@ int stem_select_vector(int mode)
 }
 
 static int64_t gather_scalar(const uint32_t *src, int64_t m, uint32_t b_lo, uint32_t b_span,
-                             uint32_t *dst)
+                             uint32_t *dst, uint32_t *lo, uint32_t *hi)
 {
     int64_t w = 0;
+    uint32_t least = UINT32_MAX, most = 0;
     for (int64_t i = 0; i < m; i++) { /* in place from the second pass on (w <= i) */
         uint32_t v = src[i];
         dst[w] = v;
-        w += v - b_lo <= b_span;
+        bool in = v - b_lo <= b_span;
+        w += in;
+        least = in && v < least ? v : least;
+        most = in && v > most ? v : most;
     }
+    *lo = least;
+    *hi = most;
     return w;
 }
 
@@ -79,9 +85,11 @@ static int64_t gather_scalar(const uint32_t *src, int64_t m, uint32_t b_lo, uint
 #define SEL_TARGET __attribute__((target("avx512f")))
 
 SEL_TARGET static int64_t gather_avx512(const uint32_t *src, int64_t m, uint32_t b_lo,
-                                        uint32_t b_span, uint32_t *dst)
+                                        uint32_t b_span, uint32_t *dst, uint32_t *lo,
+                                        uint32_t *hi)
 {
     const __m512i base = _mm512_set1_epi32((int)b_lo), span = _mm512_set1_epi32((int)b_span);
+    __m512i most = _mm512_setzero_si512(), least = _mm512_set1_epi32(-1);
     int64_t w = 0;
     for (int64_t i = 0; i < m; i += 16) { /* in place too: the 16 are loaded first */
         __mmask16 in = m - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (m - i)) - 1u);
@@ -90,22 +98,28 @@ SEL_TARGET static int64_t gather_avx512(const uint32_t *src, int64_t m, uint32_t
         int got = __builtin_popcount(keep);
         _mm512_mask_storeu_epi32(dst + w, (__mmask16)((1u << got) - 1u),
                                  _mm512_maskz_compress_epi32(keep, v));
+        most = _mm512_mask_max_epu32(most, keep, most, v);
+        least = _mm512_mask_min_epu32(least, keep, least, v);
         w += got;
     }
+    *lo = (uint32_t)_mm512_reduce_min_epu32(least);
+    *hi = (uint32_t)_mm512_reduce_max_epu32(most);
     return w;
 }
 #endif
 
+/* The keys of src[0..m) in [b_lo, b_lo + b_span] into dst, in order, with
+ * their smallest and largest in *lo, *hi; returns how many. */
 static int64_t gather(const uint32_t *src, int64_t m, uint32_t b_lo, uint32_t b_span,
-                      uint32_t *dst, int vec)
+                      uint32_t *dst, uint32_t *lo, uint32_t *hi, int vec)
 {
 #if X86_TARGETS
     if (vec)
-        return gather_avx512(src, m, b_lo, b_span, dst);
+        return gather_avx512(src, m, b_lo, b_span, dst, lo, hi);
 #else
     (void)vec;
 #endif
-    return gather_scalar(src, m, b_lo, b_span, dst);
+    return gather_scalar(src, m, b_lo, b_span, dst, lo, hi);
 }
 
 /* Unsigned key with the order of contract.rank_keys' score part. */
@@ -119,6 +133,27 @@ static inline uint32_t order_key(uint32_t bits, int precision)
         bits = 0; /* -0.0 ranks as +0.0 */
     return bits ^ ((uint32_t)((int32_t)bits >> 31) | 0x80000000u);
 }
+
+#if X86_TARGETS
+/* kth_largest's walk down its four histograms (buckets [0, top]), 16
+ * buckets at a time: the highest bucket of the group holding the k-th
+ * largest key, k reduced by the keys in the groups above it. */
+SEL_TARGET static int skip_groups_avx512(uint32_t (*count)[BUCKETS], int top, int64_t *k)
+{
+    for (int base = top / 16 * 16; base > 0; base -= 16) {
+        __mmask16 in = top - base >= 15 ? (__mmask16)0xFFFF
+                                        : (__mmask16)((1u << (top - base + 1)) - 1u);
+        __m512i sum = _mm512_maskz_loadu_epi32(in, count[0] + base);
+        for (int h = 1; h < 4; h++)
+            sum = _mm512_add_epi32(sum, _mm512_maskz_loadu_epi32(in, count[h] + base));
+        int64_t total = (uint32_t)_mm512_reduce_add_epi32(sum);
+        if (total >= *k)
+            return top - base >= 15 ? base + 15 : top;
+        *k -= total;
+    }
+    return top < 15 ? top : 15;
+}
+#endif
 
 /* The k-th largest (1 <= k <= n) of keys[0..n), all in [lo, hi]: radix
  * select, DIGIT_BITS of the remaining range per pass, each pass on the
@@ -146,6 +181,10 @@ static uint32_t kth_largest(const uint32_t *keys, int64_t n, int64_t k, uint32_t
         for (; i < m; i++)
             count[0][(src[i] - lo) >> shift]++;
         int d = top;
+#if X86_TARGETS
+        if (vec)
+            d = skip_groups_avx512(count, top, &k);
+#endif
         for (;;) { /* the buckets above d hold fewer than k keys */
             int64_t in_d = (int64_t)count[0][d] + count[1][d] + count[2][d] + count[3][d];
             if (in_d >= k)
@@ -155,14 +194,8 @@ static uint32_t kth_largest(const uint32_t *keys, int64_t n, int64_t k, uint32_t
         }
         uint32_t b_lo = lo + ((uint32_t)d << shift);
         uint32_t b_span = d == top ? hi - b_lo : (1u << shift) - 1u;
-        m = gather(src, m, b_lo, b_span, buf, vec);
+        m = gather(src, m, b_lo, b_span, buf, &lo, &hi, vec);
         src = buf;
-        lo = UINT32_MAX;
-        hi = 0;
-        for (i = 0; i < m; i++) {
-            lo = src[i] < lo ? src[i] : lo;
-            hi = src[i] > hi ? src[i] : hi;
-        }
     }
     *ties = k;
     *equal = m;
