@@ -333,13 +333,41 @@ static void nth_largest(uint32_t *s, int64_t n, int64_t r)
     }
 }
 
+#if X86_TARGETS
+/* The rank-th largest (0: the largest) of the SAMPLE keys s, all in [lo,
+ * hi]: the largest key with more than rank of s at or above it, by
+ * bisection over [lo, hi], SAMPLE keys counted per step (no branch on the
+ * keys, at most 32 steps). */
+SEL_TARGET static uint32_t sample_rank_avx512(const uint32_t *s, int64_t rank, uint32_t lo,
+                                              uint32_t hi)
+{
+    __m512i v[SAMPLE / 16];
+    for (int g = 0; g < SAMPLE / 16; g++)
+        v[g] = _mm512_loadu_si512(s + 16 * g);
+    uint32_t a = lo, b = hi; /* more than rank keys at or above a; the answer in [a, b] */
+    while (a < b) {
+        uint32_t mid = a + (b - a) / 2 + 1;
+        const __m512i m = _mm512_set1_epi32((int)mid);
+        int64_t at_or_above = 0;
+        for (int g = 0; g < SAMPLE / 16; g++)
+            at_or_above += __builtin_popcount(_mm512_cmpge_epu32_mask(v[g], m));
+        if (at_or_above > rank)
+            a = mid;
+        else
+            b = mid - 1;
+    }
+    return a;
+}
+#endif
+
 /* A key that most likely has at least take of the row's n keys at or above
  * it, and not many more, judged from SAMPLE evenly spaced keys: with the
  * sample's expected count above the take-th largest key r = take * SAMPLE /
  * n, the sample's key 2 sqrt(r) + 3 ranks below that. 0 (every key) when
  * that is past the sample. A floor too high costs time, never the result
  * (pick counts the keys above it). */
-static uint32_t floor_key(const uint32_t *keys, int64_t n, int64_t take)
+static uint32_t floor_key(const uint32_t *keys, int64_t n, int64_t take, uint32_t lo,
+                          uint32_t hi, int vec)
 {
     uint32_t s[SAMPLE];
     for (int64_t j = 0; j < SAMPLE; j++)
@@ -348,6 +376,12 @@ static uint32_t floor_key(const uint32_t *keys, int64_t n, int64_t take)
     int64_t rank = r + 2 * isqrt_up(r) + 3; /* 0 = the sample's largest */
     if (rank >= SAMPLE)
         return 0;
+#if X86_TARGETS
+    if (vec)
+        return sample_rank_avx512(s, rank, lo, hi);
+#else
+    (void)vec, (void)lo, (void)hi;
+#endif
     nth_largest(s, SAMPLE, rank);
     return s[rank];
 }
@@ -433,7 +467,7 @@ static void pick(const float *scores, int64_t n, int64_t take, int precision, in
     int64_t ties, equal;
     order_keys(bits, n, precision, keys, &lo, &hi, vec);
     if (n >= SAMPLED_MIN) {
-        uint32_t floor = floor_key(keys, n, take);
+        uint32_t floor = floor_key(keys, n, take, lo, hi, vec);
         floor = floor > lo ? floor : lo;
         int64_t listed = list_from(keys, n, floor, at, vec);
         if (listed >= take) {
