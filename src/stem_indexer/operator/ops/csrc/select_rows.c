@@ -6,7 +6,10 @@
  * `take` candidates with the largest ranking keys (contract.rank_keys: the
  * float order with -0.0 == +0.0 and NaN as -inf, ties to the lower block),
  * found with a radix select over the row's own key range and emitted in one
- * ascending pass: no sort, no score is written.
+ * ascending pass: no sort, no score is written. In a long row only the keys
+ * at or above a floor judged from a sample of the row go through the radix
+ * select and the emit (pick); the floor is checked, so it costs time when
+ * wrong, never the result.
  *
  * Only integer operations on the score bits: the scores arrive rounded
  * (scale, then + vbias), so nothing here depends on floating-point flags.
