@@ -18,7 +18,9 @@ English text from this repository's docs, shuffled by paragraph, sent as the
 ``prompt`` of ``/v1/completions``), all of it streamed:
 
 * ``doc16k``: two documents of 16,000 tokens, sent at 0 and 2 s, and
-  ``doc30k``: one of 30,000, sent at 1 s (16 new tokens each);
+  ``doc32k``: one of 32,000, sent at 1 s (16 new tokens each; the model's
+  window is 32,768). ``--long-tokens`` sets the long one's length; the
+  first results files sent 30,000 (``doc30k``);
 * ``shared8k``: three prompts that share their first 8,192 tokens (a
   system prompt or a shared document) and add 1,000 of their own, sent at
   3, 5 and 7 s (the later ones hit the prefix cache);
@@ -60,12 +62,22 @@ DEFAULT_MODEL = Path.home() / ".cache" / "stem_indexer" / "smollm2-135m-yarn4"
 ROOT = areas.BENCHMARKS.parent
 DEFAULT_RESULTS = areas.RESULTS / "vllm_serve.jsonl"
 SERVERS = ("vllm", "stem")
+# The long document's tokens: the model's window (32,768) less its 16 new tokens and
+# some room. Results files before this option held 30,000.
+LONG_TOKENS = 32000
 
 
-def traffic(tokenizer, seed: int, scale: float = 1.0) -> list[dict]:
+def long_kind(tokens: int) -> str:
+    """The long document's kind: ``doc32k`` for 32,000 tokens."""
+    return f"doc{round(tokens / 1000)}k"
+
+
+def traffic(tokenizer, seed: int, scale: float = 1.0, long_tokens: int = LONG_TOKENS
+            ) -> list[dict]:
     """The requests of one run: ``{"kind", "at" (seconds from the start),
     "prompt" (token ids), "max_tokens"}``, the same for every server
-    (``scale`` < 1 shortens every prompt, for a quick check of the driver)."""
+    (``scale`` < 1 shortens every prompt, for a quick check of the driver;
+    ``long_tokens``: the long document's length)."""
     rng = random.Random(seed)
     paragraphs = [p for f in sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
                   for p in f.read_text().split("\n\n") if p.strip()]
@@ -82,7 +94,8 @@ def traffic(tokenizer, seed: int, scale: float = 1.0) -> list[dict]:
     # Arrivals a second apart, in a fixed order, so that both servers see the
     # same queue (requests sent at one instant would race for their places).
     reqs = [{"kind": "doc16k", "at": 0.0, "prompt": text(16000), "max_tokens": 16},
-            {"kind": "doc30k", "at": 1.0, "prompt": text(30000), "max_tokens": 16},
+            {"kind": long_kind(long_tokens), "at": 1.0, "prompt": text(long_tokens),
+             "max_tokens": 16},
             {"kind": "doc16k", "at": 2.0, "prompt": text(16000), "max_tokens": 16}]
     reqs += [{"kind": "shared8k", "at": 3.0 + 2.0 * i, "prompt": shared + text(1000),
               "max_tokens": 16} for i in range(3)]
@@ -195,21 +208,28 @@ def run_traffic(server: Server, reqs: list[dict]) -> tuple[list[dict], float]:
     return results, time.perf_counter() - start
 
 
-def _done(path: Path) -> set[tuple[int, str]]:
+def _done(path: Path, long_tokens: int) -> set[tuple[int, str]]:
+    """The (repetition, server) runs ``path`` holds; ValueError if they ran
+    another long document (one file, one traffic)."""
     if not path.exists():
         return set()
-    return {(r["rep"], r["server"]) for r in map(json.loads, path.read_text().splitlines())
-            if r.get("record") == "run"}
+    runs = [r for r in map(json.loads, path.read_text().splitlines()) if r.get("record") == "run"]
+    other = {r.get("long_tokens", 30000) for r in runs} - {long_tokens}
+    if other:
+        raise ValueError(f"--results {path} holds runs with a long document of "
+                         f"{sorted(other)} tokens, not --long-tokens {long_tokens}: "
+                         "use another file")
+    return {(r["rep"], r["server"]) for r in runs}
 
 
 def run(args) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    reqs = traffic(tokenizer, args.seed, args.scale)
+    reqs = traffic(tokenizer, args.seed, args.scale, args.long_tokens)
     stem = json.loads(args.stem)
     args.results.parent.mkdir(parents=True, exist_ok=True)
-    done = _done(args.results)
+    done = _done(args.results, args.long_tokens)
     sha, cpu = git_sha(), machine()
     for rep in range(args.reps):
         order = SERVERS if rep % 2 == 0 else SERVERS[::-1]
@@ -230,6 +250,7 @@ def run(args) -> None:
                           "requests_per_s": ok / wall, "failed": len(timings) - ok,
                           "stem": stem if name == "stem" else None, "git": sha, "cpu": cpu,
                           "seed": args.seed, "scale": args.scale,
+                          "long_tokens": args.long_tokens,
                           "model": str(args.model)})
             with args.results.open("a") as f:
                 for line in lines:
@@ -248,7 +269,7 @@ def table(args) -> str:
     reps = sorted({r["rep"] for r in runs if {(r["rep"], s) for s in SERVERS}
                    <= {(x["rep"], x["server"]) for x in runs}})
     reqs = [r for r in rows if r["record"] == "request" and r["rep"] in reps]
-    kinds = ["doc16k", "doc30k", "shared8k", "chat"]
+    kinds = list(dict.fromkeys(r["kind"] for r in reqs))  # in the traffic's order
     stem = next(r["stem"] for r in runs if r["stem"])
     out = [f"Machine: {runs[0]['cpu']}; git {runs[0]['git']}; {len(reps)} repetitions, "
            f"servers alternating; Stem settings {json.dumps(stem)}.",
@@ -298,9 +319,14 @@ def main(argv=None) -> None:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--scale", type=float, default=1.0,
                    help="shorten every prompt by this factor (a quick check of the driver)")
+    r.add_argument("--long-tokens", type=int, default=LONG_TOKENS,
+                   help="the long document's tokens (at most the window, 32,768, less 16)")
     r.add_argument("--stem", default='{"preset": "default"}',
                    help="Stem's settings (additional_config['stem']) as JSON")
     args = parser.parse_args(argv)
+    if args.command == "run" and not 0 < args.long_tokens <= 32768 - 16:
+        parser.error(f"--long-tokens must be in [1, 32752] (the window less 16 new tokens), "
+                     f"got {args.long_tokens}")
     if args.command == "run":
         run(args)
     else:
