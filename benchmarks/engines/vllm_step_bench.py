@@ -4,14 +4,15 @@
 
 A random model with SmolLM2-135M's shape (30 layers, 9 query / 3 KV heads,
 head dim 64; random weights: a decode step's cost does not depend on them) is
-written once to ``~/.cache/stem_indexer/random-smollm2-shape``. Two engines in
+written once to ``~/.cache/stem_indexer/random-smollm2-shape-32k``. Two engines in
 this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), vLLM's own CPU backend
 and Stem's (``--attention-backend CUSTOM``, default settings), the same
 engine settings. Each turn submits ``--requests`` prompts of
-``--prompt-tokens`` random tokens (64 unless said) together, once with 1
-new token (prefill only) and once with ``--tokens``; the difference over
-``tokens - 1`` is the time of one decode step of every request. Engines
-alternate within a turn.
+``--prompt-tokens`` random tokens (64 unless said), and ``--long`` more of
+``--long-tokens`` (none unless said: a served mix, short chats decoding
+beside long documents), together, once with 1 new token (prefill only) and
+once with ``--tokens``; the difference over ``tokens - 1`` is the time of
+one decode step of every request. Engines alternate within a turn.
 
 Prefix caching is off unless ``--prefix-caching``: without it the indexer
 cache leaves decode rows' tokens out (nothing reads them), with it it takes
@@ -43,7 +44,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import areas  # noqa: E402,F401  (every area's folder on sys.path)
 
-MODEL = Path.home() / ".cache" / "stem_indexer" / "random-smollm2-shape"
+MODEL = Path.home() / ".cache" / "stem_indexer" / "random-smollm2-shape-32k"
+POSITIONS = 32768
 
 
 def make_model(out: Path) -> None:
@@ -58,7 +60,7 @@ def make_model(out: Path) -> None:
     config = transformers.LlamaConfig(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
         num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-        max_position_embeddings=8192, tie_word_embeddings=True)
+        max_position_embeddings=POSITIONS, tie_word_embeddings=True)
     transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
     vocab = {f"t{i}": i for i in range(49152)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
@@ -112,26 +114,36 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=33)
     parser.add_argument("--prompt-tokens", type=int, default=64,
-                        help="tokens of each prompt (at most 8000: the model's 8192 "
+                        help="tokens of each prompt (at most 32000: the model's 32768 "
                              "positions); long prompts decode over long contexts, and from "
                              "about 7K tokens their prefill runs Stem")
+    parser.add_argument("--long", type=int, default=0,
+                        help="prompts of --long-tokens besides the --requests ones")
+    parser.add_argument("--long-tokens", type=int, default=16000,
+                        help="tokens of each --long prompt (at most 32000)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--prefix-caching", action="store_true",
                         help="both engines with prefix caching (the indexer cache then "
                              "takes the decoded tokens too)")
     parser.add_argument("--record", default=None, help="append the table to this file")
     args = parser.parse_args(argv)
-    if not 1 <= args.prompt_tokens <= 8000:
-        parser.error(f"--prompt-tokens must be in [1, 8000]; got {args.prompt_tokens}")
+    for name in ("prompt_tokens", "long_tokens"):
+        if not 1 <= getattr(args, name) <= 32000:
+            parser.error(f"--{name.replace('_', '-')} must be in [1, 32000]; "
+                         f"got {getattr(args, name)}")
+    if args.long < 0:
+        parser.error(f"--long must be >= 0; got {args.long}")
     make_model(MODEL)
     from vllm import LLM, SamplingParams
 
     from common import cpu_flags, git_sha, machine, write_atomic
 
+    longest = max(args.prompt_tokens, args.long_tokens if args.long else 0)
     engine = dict(model=str(MODEL), dtype="bfloat16",
-                  max_model_len=max(2048, args.prompt_tokens + args.tokens), seed=0,
-                  enable_prefix_caching=args.prefix_caching, max_num_seqs=args.requests,
-                  max_num_batched_tokens=max(2048, 64 * args.requests))
+                  max_model_len=max(2048, longest + args.tokens), seed=0,
+                  enable_prefix_caching=args.prefix_caching,
+                  max_num_seqs=args.requests + args.long,
+                  max_num_batched_tokens=max(2048, 64 * (args.requests + args.long)))
     engines = {"vllm": LLM(**engine),
                "stem": LLM(**engine, attention_backend="CUSTOM", additional_config={"stem": {}})}
     from vllm.v1.attention.backends import cpu_attn
@@ -146,8 +158,9 @@ def main(argv=None) -> int:
     rng = random.Random(0)
 
     def new_prompts() -> list[dict]:
-        return [{"prompt_token_ids": [rng.randrange(3, 49152) for _ in range(args.prompt_tokens)]}
-                for _ in range(args.requests)]
+        lengths = [args.prompt_tokens] * args.requests + [args.long_tokens] * args.long
+        return [{"prompt_token_ids": [rng.randrange(3, 49152) for _ in range(n)]}
+                for n in lengths]
 
     def run(llm, tokens: int, prompts: list[dict] | None = None) -> float:
         prompts = prompts or new_prompts()
@@ -182,15 +195,18 @@ def main(argv=None) -> int:
                     parts.setdefault(part, []).append(decode * per_step)
             print(f"  turn {rep} {name}: {steps[name][-1]:.1f} ms per decode step", flush=True)
     ratios = [s / v for s, v in zip(steps["stem"], steps["vllm"])]
-    lines = [f"\n### A decode step of {args.requests} requests, with and without the plugin\n",
+    mix = f" and {args.long} of {args.long_tokens}" if args.long else ""
+    lines = [f"\n### A decode step of {args.requests} requests{mix}, with and without the "
+             "plugin\n",
              f"Machine: {machine()}; {cpu_flags()}; git {git_sha()}; a random model of "
              f"SmolLM2-135M's shape (30 layers), bf16, {args.requests} requests of "
-             f"{args.prompt_tokens} prompt "
-             f"tokens decoding {args.tokens - 1} steps; prefix caching "
+             f"{args.prompt_tokens} prompt tokens{mix} "
+             f"decoding {args.tokens - 1} steps; prefix caching "
              f"{'on' if args.prefix_caching else 'off'}; {args.reps} turns, engines alternating.",
              "", f"`python benchmarks/engines/vllm_step_bench.py --requests {args.requests} "
              f"--tokens {args.tokens} --reps {args.reps}"
              f"{f' --prompt-tokens {args.prompt_tokens}' if args.prompt_tokens != 64 else ''}"
+             f"{f' --long {args.long} --long-tokens {args.long_tokens}' if args.long else ''}"
              f"{' --prefix-caching' if args.prefix_caching else ''}`", "",
              "| vLLM ms / step | with the plugin ms / step | ratio, median [min, max] | "
              "the plugin's own code ms / step, median [min, max] |", "|---|---|---|---|",
