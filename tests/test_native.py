@@ -27,7 +27,7 @@ import torch
 from stem_indexer import stem_indexer
 from stem_indexer.operator import contract
 from stem_indexer.operator._threads import thread_count
-from stem_indexer.operator.ops import native
+from stem_indexer.operator.ops import native, torch_blas
 from stem_indexer.operator.reference import stem_indexer_reference
 
 needs_kernel = pytest.mark.skipif(native.kernel() is None, reason=native.status(native.SELECT_ROWS))
@@ -526,15 +526,21 @@ def test_bf16_scores_probe_failure_falls_back_with_the_reason(monkeypatch):
 
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
-def test_fill32_sets_exactly_its_words_at_any_start_and_length(threads):
+@pytest.mark.parametrize("isa", [0, 1, 2])
+def test_fill32_sets_exactly_its_words_at_any_start_and_length(threads, isa):
     """``stem_fill32`` (streaming stores over whole 64-byte lines, ordinary
     ones at either end) sets each word of its range and no other, from
-    starts off the line and lengths that end inside one."""
+    starts off the line and lengths that end inside one: with ordinary
+    stores (isa 0), and with AVX2's and AVX-512's streaming stores where
+    the CPU has them."""
+    needs = {1: "avx2", 2: "avx512f"}.get(isa)
+    if needs and needs not in torch_blas.cpu_flags().split():
+        pytest.skip(f"no {needs} on this CPU")
     lib = native.kernel()
     base = torch.zeros(4096 + 64, dtype=torch.int32)
     for start, words in [(0, 4096), (1, 4095), (5, 16), (3, 7), (15, 17), (16, 33), (7, 0)]:
         buf = base.clone()
-        lib.stem_fill32(buf[start:].data_ptr(), words, 0xDEADBEEF, threads)
+        lib.stem_fill32(buf[start:].data_ptr(), words, 0xDEADBEEF, threads, isa)
         want = base.clone()
         want[start:start + words] = torch.tensor(0xDEADBEEF, dtype=torch.int64).to(torch.int32)
         assert torch.equal(buf, want), (start, words)

@@ -94,7 +94,7 @@ SELECT_ROWS = Library("select_rows", {
                                       ctypes.c_float, _ptr, _i64, ctypes.c_int, _ptr]),
     "stem_scores_dp_built": (ctypes.c_int, []),
     "stem_select_vector": (ctypes.c_int, [ctypes.c_int]),
-    "stem_fill32": (None, [_ptr, _i64, ctypes.c_uint32, ctypes.c_int]),
+    "stem_fill32": (None, [_ptr, _i64, ctypes.c_uint32, ctypes.c_int, ctypes.c_int]),
 }, cflags=("-ffp-contract=off",))  # the scores' two roundings: never one fused multiply-add
 
 # The indexer cache's write (stem_indexer/pipeline/index_cache.py).
@@ -529,7 +529,7 @@ def filled(shape: tuple[int, ...], value: int, dtype: torch.dtype) -> torch.Tens
     if lib is None or dtype.itemsize != 4:
         return out.fill_(value)
     word = torch.tensor([value], dtype=dtype).view(torch.int32).item() & 0xFFFFFFFF
-    lib.stem_fill32(out.data_ptr(), out.numel(), word, torch.get_num_threads())
+    lib.stem_fill32(out.data_ptr(), out.numel(), word, torch.get_num_threads(), -1)
     return out
 
 

@@ -571,8 +571,10 @@ __attribute__((target("avx2"))) static void stream_avx2(uint32_t *p, int64_t lin
 
 /* words 32-bit words from p set to value, the whole 64-byte lines inside
  * them with streaming stores (AVX-512 or AVX2; ordinary stores elsewhere),
- * shared by `threads` OpenMP threads. */
-void stem_fill32(uint32_t *p, int64_t words, uint32_t value, int threads)
+ * shared by `threads` OpenMP threads. isa: -1 the best this CPU has, 0
+ * ordinary stores, 1 AVX2, 2 AVX-512 (tests; one the CPU lacks stores
+ * ordinarily). */
+void stem_fill32(uint32_t *p, int64_t words, uint32_t value, int threads, int isa)
 {
     int64_t head = (int64_t)((64 - ((uintptr_t)p & 63)) & 63) / 4;
     head = head < words ? head : words;
@@ -583,15 +585,18 @@ void stem_fill32(uint32_t *p, int64_t words, uint32_t value, int threads)
     bool streamed = false;
 #if X86_TARGETS
     __builtin_cpu_init();
+    bool avx512 = __builtin_cpu_supports("avx512f"), avx2 = __builtin_cpu_supports("avx2");
     if (((uintptr_t)p & 3) == 0) { /* then body is 64-byte aligned */
-        if (__builtin_cpu_supports("avx512f")) {
+        if (avx512 && (isa == -1 || isa == 2)) {
             stream_avx512(body, lines, value, threads);
             streamed = true;
-        } else if (__builtin_cpu_supports("avx2")) {
+        } else if (avx2 && (isa == -1 || isa == 1)) {
             stream_avx2(body, lines, value, threads);
             streamed = true;
         }
     }
+#else
+    (void)isa;
 #endif
     if (!streamed) {
 #pragma omp parallel for num_threads(threads) schedule(static)
