@@ -23,10 +23,12 @@ prefills (what makes long prompts, ``--prompt-tokens`` in the thousands,
 measurable).
 
 Beside the wall clock, the Stem engine's own work is timed where it runs:
-the metadata builder's ``build`` (vLLM's, plus the step's plan) and each
-layer's ``forward``/``do_kv_cache_update`` beyond vLLM's (the plugin's
-counting and checks), summed per step: the plugin's cost without the
-machine's noise around it.
+the step hook (the requests' prompt lengths, read before the metadata is
+built), the metadata builder's ``build`` (vLLM's, plus the step's plan)
+and each layer's ``forward``/``do_kv_cache_update`` beyond vLLM's (the
+plugin's counting and checks), summed per step: the plugin's cost without
+the machine's noise around it. The hook is installed in the process, so the
+wall clock of vLLM's engine here pays it too (a served vLLM does not).
 """
 
 from __future__ import annotations
@@ -144,13 +146,25 @@ def main(argv=None) -> int:
                   enable_prefix_caching=args.prefix_caching,
                   max_num_seqs=args.requests + args.long,
                   max_num_batched_tokens=max(2048, 64 * (args.requests + args.long)))
+    from stem_indexer.integrations.vllm import backend
+
+    clock = Clock()
+    # The step hook (installed by the Stem engine's builder, so timed from
+    # here on) runs for both engines of this process; only the Stem engine's
+    # runs count.
+    hook = backend._record_step
+
+    def timed_hook(*args):
+        t0 = time.perf_counter()
+        try:
+            return hook(*args)
+        finally:
+            clock.add("step hook", time.perf_counter() - t0)
+    backend._record_step = timed_hook
     engines = {"vllm": LLM(**engine),
                "stem": LLM(**engine, attention_backend="CUSTOM", additional_config={"stem": {}})}
     from vllm.v1.attention.backends import cpu_attn
 
-    from stem_indexer.integrations.vllm import backend
-
-    clock = Clock()
     clock.around(backend.StemMetadataBuilder, "build", cpu_attn.CPUAttentionMetadataBuilder)
     clock.around(backend.StemAttentionImpl, "forward", cpu_attn.CPUAttentionBackendImpl)
     clock.around(backend.StemAttentionImpl, "do_kv_cache_update",
