@@ -4,7 +4,10 @@
   infinities, signed zeros, bf16 rounding to ties and to infinity, rows that
   take nothing, one less than all, or everything), against a direct
   statement of the contract: the ``take`` largest ``contract.rank_keys_at``
-  of each row's candidates, ascending, after its sink and before its window.
+  of each row's candidates, ascending, after its sink and before its window;
+  and on rows long enough for its sampled floor, some built so that the
+  sample misleads it.
+* The large outputs' fill (streaming stores) against ``torch.full``.
 * Its build: where a C compiler exists it must build (the suites' native
   variants would otherwise skip quietly); without one, or when disabled, the
   op falls back to torch selection with the same results.
@@ -548,6 +551,8 @@ def test_fill32_sets_exactly_its_words_at_any_start_and_length(threads, isa):
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.float32, torch.int64])
 def test_filled_large_outputs_of_any_dtype_equal_full(dtype):
+    """Four-byte values go through stem_fill32 (their bits as a word), the
+    others through torch: either way torch.full's tensor."""
     shape = (3, native.HUGE_PAGE_MIN_BYTES // 4 // 3 + 17)
     value = -2.5 if dtype.is_floating_point else -7
     assert torch.equal(native.filled(shape, value, dtype), torch.full(shape, value, dtype=dtype))

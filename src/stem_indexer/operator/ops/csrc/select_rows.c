@@ -275,10 +275,10 @@ SEL_TARGET static void order_keys_avx512(const uint32_t *bits, int64_t n, int pr
 }
 
 /* list_from on AVX-512 (in place too: 16 keys are loaded before any store). */
-SEL_TARGET static int64_t list_from_avx512(uint32_t *keys, int64_t n, uint32_t floor,
+SEL_TARGET static int64_t list_from_avx512(uint32_t *keys, int64_t n, uint32_t bound,
                                            int32_t *at)
 {
-    const __m512i base = _mm512_set1_epi32((int)floor), step = _mm512_set1_epi32(16);
+    const __m512i base = _mm512_set1_epi32((int)bound), step = _mm512_set1_epi32(16);
     __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     int64_t l = 0;
     for (int64_t j = 0; j < n; j += 16, idx = _mm512_add_epi32(idx, step)) {
@@ -389,13 +389,13 @@ static uint32_t floor_key(const uint32_t *keys, int64_t n, int64_t take, uint32_
     return s[rank];
 }
 
-/* The keys at or above floor listed at the front of keys[0..n), in order,
+/* The keys at or above `bound` listed at the front of keys[0..n), in order,
  * with their positions in at; returns how many. */
-static int64_t list_from(uint32_t *keys, int64_t n, uint32_t floor, int32_t *at, int vec)
+static int64_t list_from(uint32_t *keys, int64_t n, uint32_t bound, int32_t *at, int vec)
 {
 #if X86_TARGETS
     if (vec)
-        return list_from_avx512(keys, n, floor, at);
+        return list_from_avx512(keys, n, bound, at);
 #else
     (void)vec;
 #endif
@@ -404,7 +404,7 @@ static int64_t list_from(uint32_t *keys, int64_t n, uint32_t floor, int32_t *at,
         uint32_t v = keys[j];
         keys[l] = v;
         at[l] = (int32_t)j;
-        l += v >= floor;
+        l += v >= bound;
     }
     return l;
 }
@@ -470,11 +470,11 @@ static void pick(const float *scores, int64_t n, int64_t take, int precision, in
     int64_t ties, equal;
     order_keys(bits, n, precision, keys, &lo, &hi, vec);
     if (n >= SAMPLED_MIN) {
-        uint32_t floor = floor_key(keys, n, take, lo, hi, vec);
-        floor = floor > lo ? floor : lo;
-        int64_t listed = list_from(keys, n, floor, at, vec);
+        uint32_t bound = floor_key(keys, n, take, lo, hi, vec);
+        bound = bound > lo ? bound : lo;
+        int64_t listed = list_from(keys, n, bound, at, vec);
         if (listed >= take) {
-            t = kth_largest(keys, listed, take, floor, hi, buf, &ties, &equal, vec);
+            t = kth_largest(keys, listed, take, bound, hi, buf, &ties, &equal, vec);
             emit(keys, at, listed, take, t, ties == equal ? INT64_MAX : ties, first, dst, vec);
             return;
         }
