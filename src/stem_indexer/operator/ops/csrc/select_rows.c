@@ -469,9 +469,8 @@ static void pick(const float *scores, int64_t n, int64_t take, int precision, in
     uint32_t lo, hi, t;
     int64_t ties, equal;
     order_keys(bits, n, precision, keys, &lo, &hi, vec);
-    if (n >= SAMPLED_MIN) {
-        uint32_t bound = floor_key(keys, n, take, lo, hi, vec);
-        bound = bound > lo ? bound : lo;
+    uint32_t bound = n >= SAMPLED_MIN ? floor_key(keys, n, take, lo, hi, vec) : 0;
+    if (bound > lo) { /* else every key would be listed: nothing to gain */
         int64_t listed = list_from(keys, n, bound, at, vec);
         if (listed >= take) {
             t = kth_largest(keys, listed, take, bound, hi, buf, &ties, &equal, vec);
