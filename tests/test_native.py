@@ -30,7 +30,7 @@ import torch
 from stem_indexer import stem_indexer
 from stem_indexer.operator import contract
 from stem_indexer.operator._threads import thread_count
-from stem_indexer.operator.ops import native, torch_blas
+from stem_indexer.operator.ops import cpu, native, torch_blas
 from stem_indexer.operator.reference import stem_indexer_reference
 
 needs_kernel = pytest.mark.skipif(native.kernel() is None, reason=native.status(native.SELECT_ROWS))
@@ -430,18 +430,40 @@ needs_bf16_scores = pytest.mark.skipif(not native.bf16_scores_available(16),
                                        reason=native.bf16_scores_status())
 
 
+@pytest.fixture(params=["micro-kernel", "vdpbf16ps"])
+def product_kernel(request, monkeypatch):
+    """The bfloat16 products on torch's micro-kernel, or on this library's
+    vdpbf16ps kernel wherever the CPU has the instruction (also on an AMX
+    CPU, which otherwise uses the micro-kernel)."""
+    if request.param == "vdpbf16ps":
+        lib = native.load(native.SELECT_ROWS)
+        if ("avx512_bf16" not in torch_blas.cpu_flags().split() or lib is None
+                or lib.stem_scores_dp_built() != 1):
+            pytest.skip("no vdpbf16ps on this CPU or compiler")
+        monkeypatch.setattr(native, "dp_scores", lambda: True)
+    else:
+        monkeypatch.setattr(native, "dp_scores", lambda: False)
+    return request.param
+
+
 @needs_bf16_scores
 @pytest.mark.parametrize("heads,group,m,n,k", [(1, 1, 1, 1, 16), (2, 3, 33, 70, 16),
                                                (3, 1, 64, 512, 128), (1, 2, 100, 65, 2048),
                                                (2, 2, 5, 0, 16), (2, 4, 40, 700, 16),
                                                (1, 1, 3, 130, 2084)])
-def test_bf16_scores_equal_the_float32_product(heads, group, m, n, k, passes):
+@pytest.mark.parametrize("stream", [False, True], ids=["stored", "streamed"])
+def test_bf16_scores_equal_the_float32_product(heads, group, m, n, k, passes, stream,
+                                               product_kernel):
     """Integer-valued inputs: exactly the float32 product of the upcast
     inputs, then ``* scale`` and ``+ bias`` rounded one after the other (as
     the float32 path rounds them); others within float32 summation error.
     Query rows of a longer buffer, keys strided by row, the output a strided
-    view whose other columns stay untouched. With the keys packed either
-    way (k = 2084: a tail of pairs short of 16)."""
+    view whose other columns stay untouched: rows off the 64-byte grid, and
+    rows on it (whole tile rows then go through streaming stores where
+    ``stream``). With the keys packed either way (k = 2084: a tail of pairs
+    short of 16), on either product kernel."""
+    if product_kernel == "vdpbf16ps" and passes == "scalar":
+        pytest.skip("the vdpbf16ps kernel packs on AVX-512 whatever the passes")
     gen = torch.Generator().manual_seed(m + n + k + group)
     assert native.bf16_scores_available(k)
     scale = float(torch.tensor(1 / 3.0))  # rounds: a fused multiply-add would differ
@@ -453,11 +475,14 @@ def test_bf16_scores_equal_the_float32_product(heads, group, m, n, k, passes):
         a = make(heads, group, m + 3, k)[:, :, 2:m + 2]
         keys = make(heads, n, k + 6)[..., 3:k + 3]
         bias = torch.rand(heads, n + 5, generator=gen)[:, 2:n + 2]
-        wide = torch.full((heads, m, group, n + 9), math.nan)
-        for with_bias in (True, False):
-            out = wide[..., 4:n + 4]
-            native.scores_bf16(a, keys, out, scale, bias if with_bias else None)
-            assert wide[..., :4].isnan().all() and wide[..., n + 4:].isnan().all()
+        for with_bias, skip in ((True, 4), (False, 4), (True, 0), (False, 0)):
+            # skip 4: rows off the 64-byte grid; 0: every row on it (the
+            # buffer is 64-byte aligned and rows are whole lines apart)
+            wide = torch.full((heads, m, group, (n + 9 + 15) // 16 * 16), math.nan)
+            assert wide.data_ptr() % 64 == 0
+            out = wide[..., skip:n + skip]
+            native.scores_bf16(a, keys, out, scale, bias if with_bias else None, stream)
+            assert wide[..., :skip].isnan().all() and wide[..., n + skip:].isnan().all()
             prod = (a.double() if not integers else a.float()) @ (
                 keys.double() if not integers else keys.float()).transpose(1, 2)[:, None]
             prod = prod.transpose(1, 2)  # (heads, m, group, n)
@@ -472,16 +497,21 @@ def test_bf16_scores_equal_the_float32_product(heads, group, m, n, k, passes):
                 assert err <= 1e-6 * k * float(want.abs().max() + 1)
 
 
-@pytest.mark.parametrize("bf16", [True, False], ids=["bf16-products", "float32-gemm"])
+@pytest.mark.parametrize("bf16", ["bf16-products", "bf16-streamed", "float32-gemm"])
 def test_scores_on_either_product_select_as_the_reference(bf16, monkeypatch):
     """Integer-valued inputs select exactly as the reference whichever way
-    the scores are multiplied (bfloat16 where the CPU has it; strided keys
-    and elsewhere float32), native and torch selection alike."""
+    the scores are multiplied (bfloat16 where the CPU has it, their rows
+    padded and, for large buffers, streamed; strided keys and elsewhere
+    float32), native and torch selection alike."""
+    if bf16 == "bf16-streamed":  # as large buffers are
+        monkeypatch.setattr(cpu, "STREAM_SCORES_BYTES", 0)
+    bf16 = bf16 != "float32-gemm"
     if bf16 and not native.bf16_scores_available(20):
         pytest.skip(native.bf16_scores_status())
     calls = []
     real = native.scores_bf16
-    monkeypatch.setattr(native, "scores_bf16", lambda *a: (calls.append(1), real(*a))[1])
+    monkeypatch.setattr(native, "scores_bf16",
+                        lambda *a: (calls.append(a[-1] if len(a) == 6 else False), real(*a))[1])
     if not bf16:
         monkeypatch.setattr(native, "bf16_scores_available", lambda df: False)
     gen = torch.Generator().manual_seed(9)
@@ -501,6 +531,7 @@ def test_scores_on_either_product_select_as_the_reference(bf16, monkeypatch):
                 out = stem_indexer(**{**inputs, "kflat": keys}, **params)
                 assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1]), kind
     assert bool(calls) == bf16
+    assert any(calls) == (cpu.STREAM_SCORES_BYTES == 0 and bf16)
 
 
 @needs_bf16_scores

@@ -75,12 +75,23 @@ from ..contract import IndexerParams, ceil_div
 from ..metadata import OPERAND_BYTES, tile_rows
 from . import native
 
-# Key blocks per matmul: up to GEMM_KEYS_MAX where every row of the matmul
-# can pick them all; along a causal diagonal, steps of GEMM_KEYS_MIN (a row
-# then computes fewer than GEMM_KEYS_MIN scores it cannot pick). Narrower
-# matmuls run markedly below the SGEMM peak.
+# Key blocks per float32 matmul: up to GEMM_KEYS_MAX where every row of the
+# matmul can pick them all; along a causal diagonal, steps of GEMM_KEYS_MIN (a
+# row then computes fewer than GEMM_KEYS_MIN scores it cannot pick). Narrower
+# matmuls run markedly below the SGEMM peak. The bfloat16 products write
+# straight into the scores, tile by tile in cache, so their calls are not
+# capped: each call ends at a barrier, and at S3 (8,184 key blocks) 17
+# calls of 512 instead of 2 cost about a tenth of the op.
 GEMM_KEYS_MAX = 512
 GEMM_KEYS_MIN = 64
+# Score buffers of at least this many bytes are written with streaming
+# stores by the bfloat16 products: the selection reads them back after the
+# products have read all the keys, so they are out of the caches by then, and
+# ordinary stores would read each line in before writing it (AMX Xeon, S3's
+# 67 MB of scores: the op 0.84x the time with them streamed). Rows are padded
+# to SCORE_ROW_ALIGN floats so that whole tile rows are 64-byte aligned.
+STREAM_SCORES_BYTES = 16 << 20
+SCORE_ROW_ALIGN = 16
 # At most this many key blocks are scored at once; wider rows go in chunks.
 KEY_CHUNK_MAX = 1 << 14
 # A batch's keys are upcast to float32 once (and reused by all its tiles)
@@ -310,7 +321,7 @@ def _select_rows(q, keys_b, vbias_b, facts, scale, params, ws, out, exact=None, 
         if picking:
             lo, hi = int(sink_end[first:].min()), int(cand_end.max())
             scores = _scores(q[:, first:], keys_b, vbias_b, lo, hi, cand_end[first:], scale,
-                             hi - lo, ws, exact)
+                             hi - lo, ws, exact, aligned=True)
         nk = keys_b.shape[0]
         native.select_rows(nk, c, q.shape[0] // nk, s2, sink_end, cand_end, take, scores,
                            first, lo, params.topk_score_precision, out)
@@ -345,8 +356,10 @@ def _select_rows(q, keys_b, vbias_b, facts, scale, params, ws, out, exact=None, 
     return length.to(torch.int32)
 
 
-def _scores(q, keys_b, vbias_b, lo, hi, cand_end, scale, width, ws, exact=None):
-    """Float32 scores (Nk, c, G, width) of key blocks [lo, hi), padding after.
+def _scores(q, keys_b, vbias_b, lo, hi, cand_end, scale, width, ws, exact=None,
+            aligned=False):
+    """Float32 scores (Nk, c, G, width) of key blocks [lo, hi), padding after;
+    with ``aligned``, ``width`` may be rounded up to ``SCORE_ROW_ALIGN``.
 
     Row (n, i, g) is query head n*G + g, query block i. Entries outside a row's
     candidate range may be left unset: the caller masks them. ``exact``: a
@@ -359,16 +372,22 @@ def _scores(q, keys_b, vbias_b, lo, hi, cand_end, scale, width, ws, exact=None):
     nq, c, df = q.shape
     nk = keys_b.shape[0]
     group = nq // nk
+    bf16 = _bf16_gemm(keys_b) and (exact is None or exact.deferred)
+    if bf16 and aligned:  # every row starts on a 64-byte boundary (the buffer does)
+        width = ceil_div(width, SCORE_ROW_ALIGN) * SCORE_ROW_ALIGN
     scores = ws.take("scores", (nk, c, group, width), torch.float32)
-    if _bf16_gemm(keys_b) and (exact is None or exact.deferred):
+    if bf16:
         # bfloat16 operands where they lie, float32 products
         a = q.view(nk, group, c, df)
         if a.stride(-1) != 1 or a.stride(-2) != df:
             a = ws.take("queries", a.shape, torch.bfloat16).copy_(a)
         bias = vbias_b if vbias_b.stride(-1) == 1 else vbias_b.contiguous()
+        stream = 4 * scores.numel() >= STREAM_SCORES_BYTES
         maxima = [native.scores_bf16(a[:, :, r:], keys_b[:, j0:j1],  # scaled and biased
-                                     scores[:, r:, :, j0 - lo:j1 - lo], scale, bias[:, j0:j1])
-                  for _, _, j0, j1, r in gemm_blocks(cand_end.tolist(), lo, hi, hi - lo)]
+                                     scores[:, r:, :, j0 - lo:j1 - lo], scale, bias[:, j0:j1],
+                                     stream)
+                  for _, _, j0, j1, r in gemm_blocks(cand_end.tolist(), lo, hi, hi - lo,
+                                                     widest=hi - lo)]
         if exact is None or not exact.needed(_largest([k for k, _ in maxima]),
                                              _largest([q for _, q in maxima])):
             return scores
@@ -501,13 +520,14 @@ def _abs_max(x: torch.Tensor) -> float:
     return max(-float(lo_hi[:, 0].min()), float(lo_hi[:, 1].max()))
 
 
-def gemm_blocks(cand_ends: list[int], lo: int, hi: int, chunk: int):
+def gemm_blocks(cand_ends: list[int], lo: int, hi: int, chunk: int,
+                widest: int = GEMM_KEYS_MAX):
     """The matmuls of a tile's scores, as ``(u0, u1, j0, j1, r)``.
 
     Key blocks [u0, u1) are one float32 key chunk; within it, key blocks
     [j0, j1) are multiplied with query blocks [r, c), the rows that can pick
     block j0 (``cand_ends``, one per query block, is non-decreasing). Keys
-    that all those rows can pick go in matmuls up to ``GEMM_KEYS_MAX`` wide;
+    that all those rows can pick go in matmuls up to ``widest`` wide;
     along a causal diagonal the steps are ``GEMM_KEYS_MIN`` wide.
     """
     c = len(cand_ends)
@@ -518,7 +538,7 @@ def gemm_blocks(cand_ends: list[int], lo: int, hi: int, chunk: int):
             r = bisect.bisect_right(cand_ends, j0)  # first row that can pick block j0
             if r >= c:
                 return
-            j1 = min(u1, j0 + GEMM_KEYS_MAX, max(cand_ends[r], j0 + GEMM_KEYS_MIN))
+            j1 = min(u1, j0 + widest, max(cand_ends[r], j0 + GEMM_KEYS_MIN))
             yield u0, u1, j0, j1, r
             j0 = j1
 

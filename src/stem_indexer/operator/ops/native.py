@@ -88,10 +88,12 @@ SELECT_ROWS = Library("select_rows", {
                                         ctypes.c_int]),
     "stem_scores_bf16": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64,
                                         _ptr, _i64, _i64, _ptr, _i64, _i64, _i64,
-                                        ctypes.c_float, _ptr, _i64, ctypes.c_int, _ptr]),
+                                        ctypes.c_float, _ptr, _i64, ctypes.c_int,
+                                        ctypes.c_int, _ptr]),
     "stem_scores_dp": (ctypes.c_int, [_i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64,
                                       _ptr, _i64, _i64, _ptr, _i64, _i64, _i64,
-                                      ctypes.c_float, _ptr, _i64, ctypes.c_int, _ptr]),
+                                      ctypes.c_float, _ptr, _i64, ctypes.c_int, ctypes.c_int,
+                                      _ptr]),
     "stem_scores_dp_built": (ctypes.c_int, []),
     "stem_select_vector": (ctypes.c_int, [ctypes.c_int]),
     "stem_fill32": (None, [_ptr, _i64, ctypes.c_uint32, ctypes.c_int, ctypes.c_int]),
@@ -348,7 +350,7 @@ def bf16_scores_available(df: int) -> bool:
 
 
 def scores_bf16(a: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, scale: float = 1.0,
-                bias: torch.Tensor | None = None) -> tuple[float, float]:
+                bias: torch.Tensor | None = None, stream: bool = False) -> tuple[float, float]:
     """``out[h, i, g] = (a[h, g, i] @ keys[h]^T) * scale + bias[h]`` in
     float32, for bfloat16 ``a`` (H, G, m, k) (query head g of key head h; rows
     contiguous) and ``keys`` (H, n, k) (unit stride along k), into float32
@@ -363,6 +365,11 @@ def scores_bf16(a: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, scale: f
     bfloat16 dot product instructions treat subnormal inputs as zero: a
     difference below 2^-126 per product elsewhere). Only after
     ``bf16_scores_available(k)``.
+
+    ``stream``: rows of 64 products that start on a 64-byte boundary of
+    ``out`` are written with streaming stores (on AVX-512), which do not
+    read the lines in first: for outputs too large to be still cached when
+    they are read back. The same values either way.
 
     Returns the largest magnitudes among the elements of ``keys`` and of
     ``a`` (inf, or NaN if one is NaN), found while the kernel packs the keys
@@ -382,7 +389,7 @@ def scores_bf16(a: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, scale: f
     args = (heads, group, m, n, k, a.data_ptr(), a.stride(0), a.stride(1), keys.data_ptr(),
             keys.stride(0), keys.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
             out.stride(2), float(scale), None if bias is None else bias.data_ptr(),
-            0 if bias is None else bias.stride(0), torch.get_num_threads(),
+            0 if bias is None else bias.stride(0), torch.get_num_threads(), int(stream),
             ctypes.byref(magnitudes := (ctypes.c_uint32 * 2)()))
     lib = load(SELECT_ROWS)
     if dp_scores():

@@ -274,22 +274,26 @@ SEL_TARGET static void order_keys_avx512(const uint32_t *bits, int64_t n, int pr
     *hi = (uint32_t)_mm512_reduce_max_epu32(most);
 }
 
-/* list_from on AVX-512 (in place too: 16 keys are loaded before any store). */
-SEL_TARGET static int64_t list_from_avx512(uint32_t *keys, int64_t n, uint32_t bound,
-                                           int32_t *at)
+/* list_at_or_above on AVX-512. */
+SEL_TARGET static int64_t list_at_or_above_avx512(const uint32_t *bits, int64_t n,
+                                                  int precision, uint32_t bound, uint32_t *keys,
+                                                  int32_t *at, uint32_t *hi)
 {
     const __m512i base = _mm512_set1_epi32((int)bound), step = _mm512_set1_epi32(16);
     __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i most = _mm512_setzero_si512();
     int64_t l = 0;
     for (int64_t j = 0; j < n; j += 16, idx = _mm512_add_epi32(idx, step)) {
         __mmask16 in = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1u);
-        __m512i v = _mm512_maskz_loadu_epi32(in, keys + j);
+        __m512i v = order_keys16(_mm512_maskz_loadu_epi32(in, bits + j), precision);
         __mmask16 list = _mm512_mask_cmpge_epu32_mask(in, v, base);
         __mmask16 front = (__mmask16)((1u << __builtin_popcount(list)) - 1u);
         _mm512_mask_storeu_epi32(keys + l, front, _mm512_maskz_compress_epi32(list, v));
         _mm512_mask_storeu_epi32(at + l, front, _mm512_maskz_compress_epi32(list, idx));
+        most = _mm512_mask_max_epu32(most, list, most, v);
         l += __builtin_popcount(list);
     }
+    *hi = (uint32_t)_mm512_reduce_max_epu32(most);
     return l;
 }
 #endif
@@ -364,48 +368,62 @@ SEL_TARGET static uint32_t sample_rank_avx512(const uint32_t *s, int64_t rank, u
 #endif
 
 /* A key that most likely has at least take of the row's n keys at or above
- * it, and not many more, judged from SAMPLE evenly spaced keys: with the
- * sample's expected count above the take-th largest key r = take * SAMPLE /
- * n, the sample's key 2 sqrt(r) + 3 ranks below that. 0 (every key) when
- * that is past the sample. A floor too high costs time, never the result
- * (pick counts the keys above it). */
-static uint32_t floor_key(const uint32_t *keys, int64_t n, int64_t take, uint32_t lo,
-                          uint32_t hi, int vec)
+ * it, and not many more, judged from the keys of SAMPLE evenly spaced scores:
+ * with the sample's expected count above the take-th largest key r = take *
+ * SAMPLE / n, the sample's key 2 sqrt(r) + 3 ranks below that. 0 (every key)
+ * when that is past the sample or is the sample's least key. A floor too
+ * high costs time, never the result (pick counts the keys above it). */
+static uint32_t floor_key(const uint32_t *bits, int64_t n, int64_t take, int precision,
+                          int vec)
 {
-    uint32_t s[SAMPLE];
-    for (int64_t j = 0; j < SAMPLE; j++)
-        s[j] = keys[j * n / SAMPLE];
+    uint32_t s[SAMPLE], lo = UINT32_MAX, hi = 0;
+    for (int64_t j = 0; j < SAMPLE; j++) {
+        s[j] = order_key(bits[j * n / SAMPLE], precision);
+        lo = s[j] < lo ? s[j] : lo;
+        hi = s[j] > hi ? s[j] : hi;
+    }
     int64_t r = (take * SAMPLE + n - 1) / n;
     int64_t rank = r + 2 * isqrt_up(r) + 3; /* 0 = the sample's largest */
     if (rank >= SAMPLE)
         return 0;
+    uint32_t bound;
 #if X86_TARGETS
     if (vec)
-        return sample_rank_avx512(s, rank, lo, hi);
+        bound = sample_rank_avx512(s, rank, lo, hi);
+    else
 #else
-    (void)vec, (void)lo, (void)hi;
+    (void)vec;
 #endif
-    nth_largest(s, SAMPLE, rank);
-    return s[rank];
+    {
+        nth_largest(s, SAMPLE, rank);
+        bound = s[rank];
+    }
+    return bound > lo ? bound : 0; /* at the least: most keys would be listed */
 }
 
-/* The keys at or above `bound` listed at the front of keys[0..n), in order,
- * with their positions in at; returns how many. */
-static int64_t list_from(uint32_t *keys, int64_t n, uint32_t bound, int32_t *at, int vec)
+/* The keys (order_key) of the scores bits[0..n) at or above `bound` listed
+ * in keys, in order, with their positions in at and their largest in *hi;
+ * returns how many. One pass over the scores. */
+static int64_t list_at_or_above(const uint32_t *bits, int64_t n, int precision, uint32_t bound,
+                                uint32_t *keys, int32_t *at, uint32_t *hi, int vec)
 {
 #if X86_TARGETS
     if (vec)
-        return list_from_avx512(keys, n, bound, at);
+        return list_at_or_above_avx512(bits, n, precision, bound, keys, at, hi);
 #else
     (void)vec;
 #endif
     int64_t l = 0;
-    for (int64_t j = 0; j < n; j++) { /* in place: l <= j */
-        uint32_t v = keys[j];
+    uint32_t most = 0;
+    for (int64_t j = 0; j < n; j++) {
+        uint32_t v = order_key(bits[j], precision);
+        bool in = v >= bound;
         keys[l] = v;
         at[l] = (int32_t)j;
-        l += v >= bound;
+        l += in;
+        most = in && v > most ? v : most;
     }
+    *hi = most;
     return l;
 }
 
@@ -459,26 +477,26 @@ static void order_keys(const uint32_t *bits, int64_t n, int precision, uint32_t 
 
 /* The picks of one row, ascending, into dst[0..take); 0 < take < n. keys
  * and buf: n entries each; at: n positions. In a row of SAMPLED_MIN keys or
- * more, only the keys at or above a floor (floor_key) are listed, and only
- * they go through the radix select and are read again for the picks; a floor
- * with fewer than take keys at or above it costs the plain way besides. */
+ * more, only the keys at or above a floor (floor_key) are listed, in the
+ * pass that turns the scores into keys, and only they go through the radix
+ * select and are read again for the picks; a floor with fewer than take keys
+ * at or above it costs the plain way besides. */
 static void pick(const float *scores, int64_t n, int64_t take, int precision, int64_t first,
                  uint32_t *keys, uint32_t *buf, int32_t *at, int32_t *dst, int vec)
 {
     const uint32_t *bits = (const uint32_t *)scores;
     uint32_t lo, hi, t;
     int64_t ties, equal;
-    order_keys(bits, n, precision, keys, &lo, &hi, vec);
-    uint32_t bound = n >= SAMPLED_MIN ? floor_key(keys, n, take, lo, hi, vec) : 0;
-    if (bound > lo) { /* else every key would be listed: nothing to gain */
-        int64_t listed = list_from(keys, n, bound, at, vec);
+    uint32_t bound = n >= SAMPLED_MIN ? floor_key(bits, n, take, precision, vec) : 0;
+    if (bound > 0) {
+        int64_t listed = list_at_or_above(bits, n, precision, bound, keys, at, &hi, vec);
         if (listed >= take) {
             t = kth_largest(keys, listed, take, bound, hi, buf, &ties, &equal, vec);
             emit(keys, at, listed, take, t, ties == equal ? INT64_MAX : ties, first, dst, vec);
             return;
         }
-        order_keys(bits, n, precision, keys, &lo, &hi, vec); /* the listing overwrote them */
     }
+    order_keys(bits, n, precision, keys, &lo, &hi, vec);
     t = kth_largest(keys, n, take, lo, hi, buf, &ties, &equal, vec);
     emit(keys, NULL, n, take, t, ties == equal ? INT64_MAX : ties, first, dst, vec);
 }
@@ -701,16 +719,44 @@ static bool score_task(const score_split *s, int64_t t, int64_t n, int64_t *h, i
     return *u0 < *u1;
 }
 
+#if X86_TARGETS
+/* A whole tile row of SCORE_COLS products scaled and biased (two roundings:
+ * no fused multiply-add from intrinsics) and written to the 64-byte aligned
+ * o with streaming stores: the scores are read back by the selection long
+ * after, so reading their lines in before writing them would only double
+ * the memory traffic. */
+__attribute__((target("avx512f"))) static void store_row_streamed(const float *p, float scale,
+                                                                 const float *bias, float *o)
+{
+    const __m512 f = _mm512_set1_ps(scale);
+    for (int x = 0; x < SCORE_COLS; x += 16) {
+        __m512 v = _mm512_mul_ps(_mm512_loadu_ps(p + x), f);
+        if (bias)
+            v = _mm512_add_ps(v, _mm512_loadu_ps(bias + x));
+        _mm512_stream_ps(o + x, v);
+    }
+}
+#endif
+
 /* SCORE_ROWS or fewer rows of a (row stride k) times the packed keys pk by
  * torch's micro-kernel into the thread's tile, then scaled, biased and
- * stored into out (row stride ldo), columns [0, valid). */
+ * stored into out (row stride ldo), columns [0, valid); streamed where
+ * `stream` and a row is whole and 64-byte aligned (the caller fences). */
 static void brgemm_rows(brgemm_t brgemm, int64_t rows, int64_t k, const uint16_t *a,
                         const uint32_t *pk, float *tile, float scale, const float *bias,
-                        int64_t valid, float *out, int64_t ldo)
+                        int64_t valid, float *out, int64_t ldo, bool stream)
 {
     brgemm(rows, SCORE_COLS, k, k, SCORE_COLS, SCORE_COLS, false, a, (const uint16_t *)pk, tile,
            true);
     for (int64_t r = 0; r < rows; r++) {
+#if X86_TARGETS
+        if (stream && valid == SCORE_COLS && ((uintptr_t)(out + r * ldo) & 63) == 0) {
+            store_row_streamed(tile + r * SCORE_COLS, scale, bias, out + r * ldo);
+            continue;
+        }
+#else
+        (void)stream;
+#endif
         const float *p = tile + r * SCORE_COLS;
         float *o = out + r * ldo;
         if (bias)
@@ -811,10 +857,12 @@ DP_TARGET static uint32_t dp_values_max(const uint16_t *a, int64_t count)
 
 /* rows (1..DP_ROWS, a constant where inlined) rows of a (row stride lda
  * elements) times the packed keys pk (k/2 pairs of 64 keys), scaled, biased
- * and stored into out (row stride ldo), columns [0, valid). */
+ * and stored into out (row stride ldo), columns [0, valid); with streaming
+ * stores where `stream` and a row is whole and 64-byte aligned (as
+ * brgemm_rows; the caller fences). */
 DP_TARGET static inline __attribute__((always_inline)) void
 dp_tile(const int rows, int64_t pairs, const uint16_t *a, int64_t lda, const uint32_t *pk,
-        float scale, const float *bias, int64_t valid, float *out, int64_t ldo)
+        float scale, const float *bias, int64_t valid, float *out, int64_t ldo, bool stream)
 {
     __m512 acc[DP_ROWS][4];
     for (int r = 0; r < rows; r++)
@@ -844,16 +892,21 @@ dp_tile(const int rows, int64_t pairs, const uint16_t *a, int64_t lda, const uin
             __m512 v = _mm512_mul_ps(acc[r][c], s); /* rounded, */
             if (bias)
                 v = _mm512_add_ps(v, add); /* then rounded again */
-            _mm512_mask_storeu_ps(out + r * ldo + 16 * c, keep, v);
+            float *o = out + r * ldo + 16 * c;
+            if (stream && valid == SCORE_COLS && ((uintptr_t)(out + r * ldo) & 63) == 0)
+                _mm512_stream_ps(o, v);
+            else
+                _mm512_mask_storeu_ps(o, keep, v);
         }
     }
 }
 
-#define DP_TILE(R) dp_tile(R, pairs, a + r * lda, lda, pk, scale, bias, valid, out + r * ldo, ldo)
+#define DP_TILE(R)                                                                           \
+    dp_tile(R, pairs, a + r * lda, lda, pk, scale, bias, valid, out + r * ldo, ldo, stream)
 
 DP_TARGET static void dp_rows(int64_t rows, int64_t pairs, const uint16_t *a, int64_t lda,
                               const uint32_t *pk, float scale, const float *bias, int64_t valid,
-                              float *out, int64_t ldo)
+                              float *out, int64_t ldo, bool stream)
 {
     int64_t r = 0;
     for (; r + DP_ROWS <= rows; r += DP_ROWS)
@@ -919,12 +972,18 @@ static int scores(brgemm_t brgemm, release_t release, int64_t heads, int64_t gro
                   int64_t n, int64_t k, const uint16_t *a, int64_t a_head, int64_t a_sub,
                   const uint16_t *keys, int64_t key_head, int64_t key_row, float *out,
                   int64_t out_head, int64_t out_row, int64_t out_sub, float scale,
-                  const float *bias, int64_t bias_head, int threads, uint32_t *magnitudes)
+                  const float *bias, int64_t bias_head, int threads, bool stream,
+                  uint32_t *magnitudes)
 {
     if (heads < 0 || group < 1 || m < 0 || n < 0 || k < 2 || k % 2 || key_row < k)
         return -1;
     bool dp = brgemm == NULL;
     bool vec = dp || vector_packing();
+#if X86_TARGETS
+    stream = stream && __builtin_cpu_supports("avx512f");
+#else
+    stream = false;
+#endif
     score_split split = split_scores(heads, group, m, n, threads);
     int64_t mt = split.mt;
     /* the packed keys (whole 16-pair blocks, 64-byte aligned), then the tile */
@@ -957,13 +1016,17 @@ static int scores(brgemm_t brgemm, release_t release, int64_t heads, int64_t gro
                 }
 #if DP_BUILT
                 if (dp) {
-                    dp_rows(rows, k / 2, ai, k, pk, scale, b, valid, o, out_row);
+                    dp_rows(rows, k / 2, ai, k, pk, scale, b, valid, o, out_row, stream);
                     continue;
                 }
 #endif
-                brgemm_rows(brgemm, rows, k, ai, pk, tile, scale, b, valid, o, out_row);
+                brgemm_rows(brgemm, rows, k, ai, pk, tile, scale, b, valid, o, out_row, stream);
             }
         }
+#if X86_TARGETS
+        if (stream)
+            _mm_sfence(); /* the streamed scores are seen by every thread after the region */
+#endif
         free(pk);
         if (release)
             release(true);
@@ -991,13 +1054,17 @@ static int scores(brgemm_t brgemm, release_t release, int64_t heads, int64_t gro
  * tasks of the first key tile), each as the bits of a bfloat16 with its sign
  * cleared (0x7F80 and above: inf or NaN): whether some product may overflow
  * float32 is then known without another pass over the inputs (ops/cpu.py).
+ * stream: rows of a tile that are whole and 64-byte aligned are written
+ * with streaming stores (AVX-512), for outputs read back long after, by
+ * which time ordinary stores' lines would have left the caches anyway.
  * fns: {brgemm, brgemm_release}. Returns 0, -1 for arguments the probe did
  * not cover, -2 without memory. */
 int stem_scores_bf16(void *const *fns, int64_t heads, int64_t group, int64_t m, int64_t n,
                      int64_t k, const uint16_t *a, int64_t a_head, int64_t a_sub,
                      const uint16_t *keys, int64_t key_head, int64_t key_row, float *out,
                      int64_t out_head, int64_t out_row, int64_t out_sub, float scale,
-                     const float *bias, int64_t bias_head, int threads, uint32_t *magnitudes)
+                     const float *bias, int64_t bias_head, int threads, int stream,
+                     uint32_t *magnitudes)
 {
     brgemm_t brgemm = (brgemm_t)fns[0];
     release_t release = (release_t)fns[1];
@@ -1005,7 +1072,7 @@ int stem_scores_bf16(void *const *fns, int64_t heads, int64_t group, int64_t m, 
         return -1;
     return scores(brgemm, release, heads, group, m, n, k, a, a_head, a_sub, keys, key_head,
                   key_row, out, out_head, out_row, out_sub, scale, bias, bias_head, threads,
-                  magnitudes);
+                  stream != 0, magnitudes);
 }
 
 /* stem_scores_bf16's products (arguments, results, magnitudes and return
@@ -1014,10 +1081,11 @@ int stem_scores_dp(int64_t heads, int64_t group, int64_t m, int64_t n, int64_t k
                    const uint16_t *a, int64_t a_head, int64_t a_sub, const uint16_t *keys,
                    int64_t key_head, int64_t key_row, float *out, int64_t out_head,
                    int64_t out_row, int64_t out_sub, float scale, const float *bias,
-                   int64_t bias_head, int threads, uint32_t *magnitudes)
+                   int64_t bias_head, int threads, int stream, uint32_t *magnitudes)
 {
     if (!DP_BUILT)
         return -1;
     return scores(NULL, NULL, heads, group, m, n, k, a, a_head, a_sub, keys, key_head, key_row,
-                  out, out_head, out_row, out_sub, scale, bias, bias_head, threads, magnitudes);
+                  out, out_head, out_row, out_sub, scale, bias, bias_head, threads, stream != 0,
+                  magnitudes);
 }
