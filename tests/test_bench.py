@@ -57,8 +57,8 @@ def test_gemm_line_is_the_op_without_its_selection(monkeypatch):
     monkeypatch.setattr(torch, "bmm", spy)
     bf16 = native.scores_bf16  # the products on CPUs with bfloat16 dot products
     monkeypatch.setattr(native, "scores_bf16",
-                        lambda a, b, *rest: (seen.append((tuple(a.shape), tuple(b.shape))),
-                                             bf16(a, b, *rest))[1])
+                        lambda a, b, *rest, **kw: (seen.append((tuple(a.shape), tuple(b.shape))),
+                                                   bf16(a, b, *rest, **kw))[1])
     bench.run_op(inputs, metadata, params)
     by_op, seen[:] = list(seen), []
     selected = []

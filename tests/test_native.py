@@ -510,8 +510,8 @@ def test_scores_on_either_product_select_as_the_reference(bf16, monkeypatch):
         pytest.skip(native.bf16_scores_status())
     calls = []
     real = native.scores_bf16
-    monkeypatch.setattr(native, "scores_bf16",
-                        lambda *a: (calls.append(a[-1] if len(a) == 6 else False), real(*a))[1])
+    monkeypatch.setattr(native, "scores_bf16",  # records whether each call streams
+                        lambda *a, **kw: (calls.append(len(a) > 5 and a[5]), real(*a, **kw))[1])
     if not bf16:
         monkeypatch.setattr(native, "bf16_scores_available", lambda df: False)
     gen = torch.Generator().manual_seed(9)
@@ -798,6 +798,7 @@ def test_bf16_scores_report_the_largest_inputs_they_read(kernel, passes, monkeyp
         return native.scores_bf16(a, keys, out)[1]
 
     assert largest_a() == float(a.float().abs().max())
+    assert native.scores_bf16(a, keys, out, queries=False)[1] == 0.0  # not scanned
     a[1, 2, 6, k - 1] = 3e38  # the last element of the last row
     assert largest_a() == float(torch.tensor(3e38).bfloat16())
     a[0, 1, 3, 5] = -math.inf
@@ -854,7 +855,9 @@ def test_exact_products_only_for_tiles_whose_queries_may_overflow(value, monkeyp
     the reference."""
     gen = torch.Generator().manual_seed(6)
     nq, nk, qmax, df = 4, 2, 100, 16  # from about 56 blocks, rows rank
-    for row, exact_calls in ((10, False), (90, True)):
+    # row 60 is in the first product call's rows only (a causal tile's
+    # later calls start further down); row 90 in every call's
+    for row, exact_calls in ((10, False), (60, True), (90, True)):
         q = torch.randint(-3, 4, (1, nq, qmax, df), generator=gen).float()
         k = torch.randint(1, 4, (1, nk, qmax, df), generator=gen).float()
         q[0, 1, row, :2] = value  # dots past float32 (or NaN) with every key

@@ -383,11 +383,13 @@ def _scores(q, keys_b, vbias_b, lo, hi, cand_end, scale, width, ws, exact=None,
             a = ws.take("queries", a.shape, torch.bfloat16).copy_(a)
         bias = vbias_b if vbias_b.stride(-1) == 1 else vbias_b.contiguous()
         stream = 4 * scores.numel() >= STREAM_SCORES_BYTES
+        # The first call's rows [r, c) hold every later call's (r only grows):
+        # only it reports their largest magnitude.
         maxima = [native.scores_bf16(a[:, :, r:], keys_b[:, j0:j1],  # scaled and biased
                                      scores[:, r:, :, j0 - lo:j1 - lo], scale, bias[:, j0:j1],
-                                     stream)
-                  for _, _, j0, j1, r in gemm_blocks(cand_end.tolist(), lo, hi, hi - lo,
-                                                     widest=hi - lo)]
+                                     stream, queries=n == 0)
+                  for n, (_, _, j0, j1, r) in enumerate(
+                      gemm_blocks(cand_end.tolist(), lo, hi, hi - lo, widest=hi - lo))]
         if exact is None or not exact.needed(_largest([k for k, _ in maxima]),
                                              _largest([q for _, q in maxima])):
             return scores

@@ -89,11 +89,11 @@ SELECT_ROWS = Library("select_rows", {
     "stem_scores_bf16": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64,
                                         _ptr, _i64, _i64, _ptr, _i64, _i64, _i64,
                                         ctypes.c_float, _ptr, _i64, ctypes.c_int,
-                                        ctypes.c_int, _ptr]),
+                                        ctypes.c_int, ctypes.c_int, _ptr]),
     "stem_scores_dp": (ctypes.c_int, [_i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64,
                                       _ptr, _i64, _i64, _ptr, _i64, _i64, _i64,
                                       ctypes.c_float, _ptr, _i64, ctypes.c_int, ctypes.c_int,
-                                      _ptr]),
+                                      ctypes.c_int, _ptr]),
     "stem_scores_dp_built": (ctypes.c_int, []),
     "stem_select_vector": (ctypes.c_int, [ctypes.c_int]),
     "stem_fill32": (None, [_ptr, _i64, ctypes.c_uint32, ctypes.c_int, ctypes.c_int]),
@@ -350,7 +350,8 @@ def bf16_scores_available(df: int) -> bool:
 
 
 def scores_bf16(a: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, scale: float = 1.0,
-                bias: torch.Tensor | None = None, stream: bool = False) -> tuple[float, float]:
+                bias: torch.Tensor | None = None, stream: bool = False,
+                queries: bool = True) -> tuple[float, float]:
     """``out[h, i, g] = (a[h, g, i] @ keys[h]^T) * scale + bias[h]`` in
     float32, for bfloat16 ``a`` (H, G, m, k) (query head g of key head h; rows
     contiguous) and ``keys`` (H, n, k) (unit stride along k), into float32
@@ -374,8 +375,9 @@ def scores_bf16(a: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, scale: f
     Returns the largest magnitudes among the elements of ``keys`` and of
     ``a`` (inf, or NaN if one is NaN), found while the kernel packs the keys
     and, for the queries, from cache just before their first product (none
-    when ``n`` is 0): they bound every product without another pass over
-    the inputs."""
+    when ``n`` is 0, or without ``queries``: for rows whose magnitude the
+    caller has from an earlier call): they bound every product without
+    another pass over the inputs."""
     heads, group, m, k = a.shape
     n = keys.shape[1]
     assert a.dtype == keys.dtype == torch.bfloat16 and out.dtype == torch.float32
@@ -390,7 +392,7 @@ def scores_bf16(a: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, scale: f
             keys.stride(0), keys.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
             out.stride(2), float(scale), None if bias is None else bias.data_ptr(),
             0 if bias is None else bias.stride(0), torch.get_num_threads(), int(stream),
-            ctypes.byref(magnitudes := (ctypes.c_uint32 * 2)()))
+            int(queries), ctypes.byref(magnitudes := (ctypes.c_uint32 * 2)()))
     lib = load(SELECT_ROWS)
     if dp_scores():
         name, code = "stem_scores_dp", lib.stem_scores_dp(*args)

@@ -973,7 +973,7 @@ static int scores(brgemm_t brgemm, release_t release, int64_t heads, int64_t gro
                   const uint16_t *keys, int64_t key_head, int64_t key_row, float *out,
                   int64_t out_head, int64_t out_row, int64_t out_sub, float scale,
                   const float *bias, int64_t bias_head, int threads, bool stream,
-                  uint32_t *magnitudes)
+                  bool scan, uint32_t *magnitudes)
 {
     if (heads < 0 || group < 1 || m < 0 || n < 0 || k < 2 || k % 2 || key_row < k)
         return -1;
@@ -1010,7 +1010,7 @@ static int scores(brgemm_t brgemm, release_t release, int64_t heads, int64_t gro
                 int64_t rows = m - i0 < SCORE_ROWS ? m - i0 : SCORE_ROWS;
                 const uint16_t *ai = a + h * a_head + g * a_sub + i0 * k;
                 float *o = out + h * out_head + i0 * out_row + g * out_sub + j0;
-                if (j0 == 0) {
+                if (j0 == 0 && scan) {
                     uint32_t a_seen = rows_max(vec, ai, rows * k);
                     most_a = a_seen > most_a ? a_seen : most_a;
                 }
@@ -1051,7 +1051,8 @@ static int scores(brgemm_t brgemm, release_t release, int64_t heads, int64_t gro
  * product, which is scaled, biased and stored while in cache.
  * magnitudes[0] gets the largest magnitude among the keys' elements read,
  * magnitudes[1] among the query rows' (read once more, from cache, by the
- * tasks of the first key tile), each as the bits of a bfloat16 with its sign
+ * tasks of the first key tile; 0 without `scan`, for rows whose magnitude
+ * the caller already has), each as the bits of a bfloat16 with its sign
  * cleared (0x7F80 and above: inf or NaN): whether some product may overflow
  * float32 is then known without another pass over the inputs (ops/cpu.py).
  * stream: rows of a tile that are whole and 64-byte aligned are written
@@ -1064,7 +1065,7 @@ int stem_scores_bf16(void *const *fns, int64_t heads, int64_t group, int64_t m, 
                      const uint16_t *keys, int64_t key_head, int64_t key_row, float *out,
                      int64_t out_head, int64_t out_row, int64_t out_sub, float scale,
                      const float *bias, int64_t bias_head, int threads, int stream,
-                     uint32_t *magnitudes)
+                     int scan, uint32_t *magnitudes)
 {
     brgemm_t brgemm = (brgemm_t)fns[0];
     release_t release = (release_t)fns[1];
@@ -1072,7 +1073,7 @@ int stem_scores_bf16(void *const *fns, int64_t heads, int64_t group, int64_t m, 
         return -1;
     return scores(brgemm, release, heads, group, m, n, k, a, a_head, a_sub, keys, key_head,
                   key_row, out, out_head, out_row, out_sub, scale, bias, bias_head, threads,
-                  stream != 0, magnitudes);
+                  stream != 0, scan != 0, magnitudes);
 }
 
 /* stem_scores_bf16's products (arguments, results, magnitudes and return
@@ -1081,11 +1082,12 @@ int stem_scores_dp(int64_t heads, int64_t group, int64_t m, int64_t n, int64_t k
                    const uint16_t *a, int64_t a_head, int64_t a_sub, const uint16_t *keys,
                    int64_t key_head, int64_t key_row, float *out, int64_t out_head,
                    int64_t out_row, int64_t out_sub, float scale, const float *bias,
-                   int64_t bias_head, int threads, int stream, uint32_t *magnitudes)
+                   int64_t bias_head, int threads, int stream, int scan,
+                   uint32_t *magnitudes)
 {
     if (!DP_BUILT)
         return -1;
     return scores(NULL, NULL, heads, group, m, n, k, a, a_head, a_sub, keys, key_head, key_row,
                   out, out_head, out_row, out_sub, scale, bias, bias_head, threads, stream != 0,
-                  magnitudes);
+                  scan != 0, magnitudes);
 }
