@@ -267,6 +267,10 @@ def test_rows_the_budget_keeps_whole_run_vllms_kernel_bit_for_bit(model):
     rows = run["stats"]["rows"]
     assert rows.get("dense:budget keeps every block", 0) > 0
     assert not any(k.startswith("sparse") for k in rows)
+    # Every decode row counted once per layer (2), whether its step held only
+    # decodes (counted by the builder) or prefill rows too (by each layer).
+    decodes = sum(p["max_tokens"] - 1 for batch in _prompts() for p in batch)
+    assert rows.get("dense:decode", 0) == 2 * decodes, rows
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import stem_indexer
 from stem_indexer import StemIndexerInputError
 from stem_indexer.pipeline.index_cache import IndexCache
 from stem_indexer.integrations.vllm.kv_read import PageReader
-from stem_indexer.integrations.vllm.rows import (Row, RowKinds, attend_row,
+from stem_indexer.integrations.vllm.rows import (Row, RowKinds, attend_row, decode_only,
                                                   decode_tokens_left_out, plan_row,
                                                   plan_stem_row, select_blocks, virtual_rows)
 from stem_indexer.operator.ops import sparse_attention
@@ -120,6 +120,20 @@ def test_decode_rows_tokens_are_the_ones_left_out():
         True, True, True, False, True, True, False]
     assert decode_tokens_left_out(q_lens, torch.zeros(5, dtype=torch.bool)) is None
     assert not decode_tokens_left_out(torch.tensor([1, 1]), torch.tensor([True, True])).any()
+
+
+def test_a_step_of_decodes_only_is_told_by_its_rows():
+    """Rows of one token past their prompt are decodes; a one-token row still
+    in its prompt (a prompt's last chunk of one token), a chunk, or no
+    decode at all make it another step."""
+    # rows: decode (prompt 5, now 6 tokens), empty, decode (prompt 9, 12 tokens)
+    assert decode_only([0, 1, 1, 2], [6, 4, 12], [5, 4, 9]) == (("decode", 2),
+                                                                ("empty row", 1))
+    assert decode_only([0, 1, 2], [6, 12], [5, 9]) == (("decode", 2),)
+    assert decode_only([0, 1, 2], [6, 12], [6, 9]) is None  # row 0: its prompt's last token
+    assert decode_only([0, 1, 3], [6, 12], [5, 9]) is None  # row 1: two tokens
+    assert decode_only([0, 0, 0], [4, 4], [4, 4]) is None  # empty rows only
+    assert decode_only([0], [], []) is None
 
 
 def test_forgotten_requests_are_bounded():

@@ -67,8 +67,8 @@ from ...operator.ops import sparse_attention as sparse_kernel
 from ...pipeline.index_cache import IndexCache, WriteStage, index_cache_bytes, row_tags, token_tags
 from .kv_read import PageReader
 from .patches import engine_reason, install_step_hook
-from .rows import (Row, RowKinds, StemRow, attend_row, decode_tokens_left_out, plan_row,
-                   plan_stem_row, select_blocks, virtual_rows)
+from .rows import (Row, RowKinds, StemRow, attend_row, decode_only, decode_tokens_left_out,
+                   plan_row, plan_stem_row, select_blocks, virtual_rows)
 from .settings import StemSettings
 from .stats import STATS
 
@@ -160,6 +160,9 @@ class StepPlan:
     #: token is written and no draft is held: its writes may be staged and
     #: carried out at the next step's first write
     stage: bool = False
+    #: every row a decode (or empty), none written: the layers hand the step
+    #: to vLLM's kernel at once, its rows counted for them by the builder
+    decode_only: bool = False
     _padded: tuple = ()  #: (tokens, tags padded to them), made once per step
 
     def tags_for(self, n: int) -> torch.Tensor | None:
@@ -278,6 +281,7 @@ def _step_tags(rows: torch.Tensor, context: torch.Tensor, q_lens: torch.Tensor,
 class StemMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.layers = len(layer_names)  # the layers whose rows a decode-only step counts
         self.settings = StemSettings.from_config(vllm_config.additional_config)
         self.settings.check_kv_block_size(self.block_size)
         # Why none of this group's layers can run Stem ("" when some can): their
@@ -336,6 +340,12 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
         prompts = _STEP.prompts
         if prompts is None or len(prompts) != n:
             return StepPlan(bulk=(("no prompt length", n),))
+        if not self.write_decodes:
+            decodes = decode_only(cm.query_start_loc_cpu[:n + 1].tolist(),
+                                  cm.seq_lens[:n].tolist(), prompts)
+            if decodes is not None:
+                STATS.bulk(tuple((reason, count * self.layers) for reason, count in decodes))
+                return StepPlan(bulk=decodes, write_nothing=True, decode_only=True)
         prompt = torch.tensor(prompts, dtype=torch.int64)
         context = seq_lens - q_lens
         decode = (q_lens > 0) & (context >= prompt)
@@ -796,7 +806,7 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         step = getattr(attn_metadata, "step", None)
-        if step is None or output_scale is not None:
+        if step is None or output_scale is not None or step.decode_only:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
         try:

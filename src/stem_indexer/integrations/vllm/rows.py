@@ -266,3 +266,24 @@ def decode_tokens_left_out(q_lens: torch.Tensor, decode: torch.Tensor) -> torch.
     if not bool(decode.any()):
         return None
     return (~decode).repeat_interleave(q_lens)
+
+
+def decode_only(starts: list[int], seq_lens: list[int],
+                prompts: list[int]) -> tuple[tuple[str, int], ...] | None:
+    """A step whose rows are all decodes (one token, past the prompt) or
+    empty, at least one a decode: its rows by reason, as ``StepPlan.bulk``
+    counts them; None for any other step. ``starts``: the rows' query start
+    offsets (one more than rows), ``seq_lens`` and ``prompts`` per row. Host
+    integers only: the common step of a served engine, planned in
+    microseconds."""
+    decodes = empty = 0
+    for a, b, seq, prompt in zip(starts, starts[1:], seq_lens, prompts):
+        if b == a:
+            empty += 1
+        elif b - a == 1 and seq - 1 >= prompt:
+            decodes += 1
+        else:
+            return None
+    if not decodes:
+        return None
+    return (("decode", decodes),) + ((("empty row", empty),) if empty else ())
