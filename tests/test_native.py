@@ -190,6 +190,28 @@ def test_kernel_writes_a_strided_view_only_where_rows_go():
 
 
 @needs_kernel
+@pytest.mark.parametrize("seed", range(6))
+def test_rows_of_whole_lines_are_streamed_as_the_contract_writes_them(seed, passes):
+    """Rows of whole 64-byte lines (Kmax a multiple of 16, the output
+    aligned) are built aside and streamed out line by line (with the
+    vector passes): the same rows, -1 after each row's length, and the
+    tile's neighbours untouched. Rows of every length class: a few entries,
+    a line and a bit, the whole row."""
+    kmax = 304
+    tile = random_tile(seed, ("normal", "ties", "specials")[seed % 3], kmax=kmax, c=12)
+    nk, c, group, s2, sink_end, cand_end, take, scores, ranked, lo = tile
+    for precision in (1, 2):
+        whole = torch.full((nk * group, c + 4, kmax), -7, dtype=torch.int32)
+        assert whole.data_ptr() % 64 == 0
+        view = whole[:, 2:2 + c]  # rows of whole lines, 2 rows from the start
+        view.fill_(-1)
+        native.select_rows(*tile, precision, view)
+        want = expected_rows(*tile, precision, kmax)
+        assert torch.equal(view, want), (seed, precision)
+        assert bool((whole[:, :2] == -7).all()) and bool((whole[:, 2 + c:] == -7).all())
+
+
+@needs_kernel
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_kernel_threads_agree(threads):
     tile = random_tile(11, "ties", nk=4, c=40, group=4, kmax=300)

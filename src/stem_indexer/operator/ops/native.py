@@ -84,7 +84,7 @@ class Library:
 
 SELECT_ROWS = Library("select_rows", {
     "stem_select_rows": (ctypes.c_int, [_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64,
-                                        _i64, _i64, ctypes.c_int, _ptr, _i64, _i64,
+                                        _i64, _i64, ctypes.c_int, _ptr, _i64, _i64, _i64,
                                         ctypes.c_int]),
     "stem_scores_bf16": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64,
                                         _ptr, _i64, _i64, _ptr, _i64, _i64, _i64,
@@ -583,6 +583,6 @@ def select_rows(nk: int, c: int, group: int, s2: torch.Tensor, sink_end: torch.T
     threads = torch.get_num_threads() if work >= PARALLEL_MIN_WORK else 1
     code = lib.stem_select_rows(nk, c, group, *(t.data_ptr() for t in per_block), scores_ptr,
                                 ranked, lo, width, precision, out.data_ptr(), out.stride(0),
-                                out.stride(1), threads)
+                                out.stride(1), out.shape[-1], threads)
     if code != 0:
         raise MemoryError("stem_select_rows: no memory for its scratch keys")

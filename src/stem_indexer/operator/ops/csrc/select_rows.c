@@ -501,6 +501,19 @@ static void pick(const float *scores, int64_t n, int64_t take, int precision, in
     emit(keys, NULL, n, take, t, ties == equal ? INT64_MAX : ties, first, dst, vec);
 }
 
+#if X86_TARGETS
+/* The first k entries of src to the 64-byte aligned dst, in whole lines of
+ * streaming stores, -1 after them up to the end of the last line. */
+SEL_TARGET static void stream_row(int32_t *dst, const int32_t *src, int64_t k)
+{
+    const __m512i none = _mm512_set1_epi32(-1);
+    for (int64_t j = 0; j < k; j += 16) {
+        __mmask16 in = k - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - j)) - 1u);
+        _mm512_stream_si512((__m512i *)(dst + j), _mm512_mask_loadu_epi32(none, in, src + j));
+    }
+}
+#endif
+
 /* The output rows of one tile: row r = (n * c + i) * group + g for KV head
  * n, query block i of the tile and query g of the head's group (query head
  * n * group + g). Per query block i: s2 visible blocks, candidates
@@ -514,23 +527,36 @@ int stem_select_rows(int64_t nk, int64_t c, int64_t group, const int64_t *s2,
                      const int64_t *sink_end, const int64_t *cand_end, const int64_t *take,
                      const float *scores, int64_t ranked, int64_t lo, int64_t width,
                      int precision, int32_t *out, int64_t head_stride, int64_t row_stride,
-                     int threads)
+                     int64_t kmax, int threads)
 {
     int failed = 0;
     int64_t rows = nk * c * group;
     int vec = vector_passes();
+    /* Rows of whole 64-byte lines are built aside and streamed out line by
+     * line, the last line's tail as the -1 it holds already: the output was
+     * filled by streaming stores, so ordinary stores would read each line
+     * back in first. */
+    bool stream = false;
+#if X86_TARGETS
+    stream = vec && kmax % 16 == 0 && row_stride % 16 == 0 && head_stride % 16 == 0 &&
+             ((uintptr_t)out & 63) == 0;
+#else
+    (void)kmax;
+#endif
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         uint32_t *keys = malloc(sizeof(uint32_t) * (size_t)(3 * width + 1));
         uint32_t *buf = keys + width;
         int32_t *at = (int32_t *)(buf + width);
-        failed = keys == NULL;
+        int32_t *aside = stream ? aligned_alloc(64, sizeof(int32_t) * (size_t)kmax) : NULL;
+        failed = keys == NULL || (stream && aside == NULL);
 #pragma omp for schedule(dynamic, 16)
         for (int64_t r = 0; r < rows; r++) {
-            if (keys == NULL)
+            if (failed)
                 continue;
             int64_t g = r % group, i = (r / group) % c, n = r / (group * c);
-            int32_t *row = out + (n * group + g) * head_stride + i * row_stride;
+            int32_t *dst = out + (n * group + g) * head_stride + i * row_stride;
+            int32_t *row = stream ? aside : dst;
             int64_t k = 0;
             int64_t n_cand = cand_end[i] - sink_end[i];
             if (take[i] >= n_cand) { /* every visible block */
@@ -549,7 +575,16 @@ int stem_select_rows(int64_t nk, int64_t c, int64_t group, const int64_t *s2,
                 for (int64_t j = cand_end[i]; j < s2[i]; k++, j++)
                     row[k] = (int32_t)j;
             }
+#if X86_TARGETS
+            if (stream)
+                stream_row(dst, aside, k);
+#endif
         }
+#if X86_TARGETS
+        if (stream)
+            _mm_sfence(); /* the streamed rows are seen by every thread after the region */
+#endif
+        free(aside);
         free(keys);
     }
     return failed ? -1 : 0;
