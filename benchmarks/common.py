@@ -131,10 +131,15 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], *, reps: int = 5, warmu
 
 
 def write_atomic(path: str | os.PathLike, text: str, *, append: bool = False) -> None:
-    """Write (or append to) ``path`` so that readers never see half a file."""
+    """Write (or append to) ``path`` so that readers never see half a file.
+    Appended text (the benchmarks' markdown records) starts after a blank
+    line, so that its heading is one however the file ended."""
     path = Path(path)
     if append and path.exists():
-        text = path.read_text() + text
+        before = path.read_text()
+        if before and not before.endswith("\n\n"):
+            before += "\n" if before.endswith("\n") else "\n\n"
+        text = before + text
     path.parent.mkdir(parents=True, exist_ok=True)
     _files.write_atomic(path, text)
 

@@ -328,3 +328,18 @@ def test_a_driver_runs_alone_from_the_repository_root():
     proc = subprocess.run([sys.executable, "benchmarks/peers/peer_bench.py", "--help"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "passkey" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("before", ["a", "a\n", "a\n\n", ""])
+def test_appended_records_start_after_a_blank_line(before, tmp_path):
+    """A record appended to a markdown file starts after a blank line (its
+    heading is one) whatever the file ended with, and nothing is added to a
+    new file or doubled after a blank line."""
+    from common import write_atomic
+
+    path = tmp_path / "f.md"
+    path.write_text(before)
+    write_atomic(path, "## b\n", append=True)
+    assert path.read_text() == ("a\n\n## b\n" if before else "## b\n")
+    write_atomic(tmp_path / "new.md", "## c\n", append=True)
+    assert (tmp_path / "new.md").read_text() == "## c\n"
