@@ -137,8 +137,9 @@ def write_atomic(path: str | os.PathLike, text: str, *, append: bool = False) ->
     path = Path(path)
     if append and path.exists():
         before = path.read_text()
-        if before and not before.endswith("\n\n"):
-            before += "\n" if before.endswith("\n") else "\n\n"
+        if before:  # newlines at the join: at least two, one blank line
+            joined = (len(before) - len(before.rstrip("\n"))) + (len(text) - len(text.lstrip("\n")))
+            before += "\n" * max(0, 2 - joined)
         text = before + text
     path.parent.mkdir(parents=True, exist_ok=True)
     _files.write_atomic(path, text)

@@ -330,16 +330,24 @@ def test_a_driver_runs_alone_from_the_repository_root():
     assert proc.returncode == 0 and "passkey" in proc.stdout, proc.stderr
 
 
-@pytest.mark.parametrize("before", ["a", "a\n", "a\n\n", ""])
-def test_appended_records_start_after_a_blank_line(before, tmp_path):
+@pytest.mark.parametrize("before, record, after", [
+    ("a", "## b\n", "a\n\n## b\n"),
+    ("a", "\n## b\n", "a\n\n## b\n"),
+    ("a\n", "## b\n", "a\n\n## b\n"),
+    ("a\n", "\n## b\n", "a\n\n## b\n"),
+    ("a\n\n", "## b\n", "a\n\n## b\n"),
+    ("a\n\n", "\n## b\n", "a\n\n\n## b\n"),  # nothing taken away
+    ("", "## b\n", "## b\n"),
+])
+def test_appended_records_start_after_a_blank_line(before, record, after, tmp_path):
     """A record appended to a markdown file starts after a blank line (its
-    heading is one) whatever the file ended with, and nothing is added to a
-    new file or doubled after a blank line."""
+    heading is one) whatever the file ended with and however the record
+    starts; a new file gets the record as it is."""
     from common import write_atomic
 
     path = tmp_path / "f.md"
     path.write_text(before)
-    write_atomic(path, "## b\n", append=True)
-    assert path.read_text() == ("a\n\n## b\n" if before else "## b\n")
-    write_atomic(tmp_path / "new.md", "## c\n", append=True)
-    assert (tmp_path / "new.md").read_text() == "## c\n"
+    write_atomic(path, record, append=True)
+    assert path.read_text() == after
+    write_atomic(tmp_path / "new.md", record, append=True)
+    assert (tmp_path / "new.md").read_text() == record
