@@ -332,9 +332,6 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def _plan(self, cm, md: StemAttentionMetadata) -> StepPlan:
         n = cm.num_reqs
-        starts = cm.query_start_loc_cpu[:n + 1].to(torch.int64)
-        seq_lens = cm.seq_lens[:n].to(device="cpu", dtype=torch.int64)
-        q_lens = starts[1:] - starts[:-1]
         if _STEP.error:
             return StepPlan(bulk=((_STEP.error, n),))
         prompts = _STEP.prompts
@@ -346,6 +343,9 @@ class StemMetadataBuilder(CPUAttentionMetadataBuilder):
             if decodes is not None:
                 STATS.bulk(tuple((reason, count * self.layers) for reason, count in decodes))
                 return StepPlan(bulk=decodes, write_nothing=True, decode_only=True)
+        starts = cm.query_start_loc_cpu[:n + 1].to(torch.int64)
+        seq_lens = cm.seq_lens[:n].to(device="cpu", dtype=torch.int64)
+        q_lens = starts[1:] - starts[:-1]
         prompt = torch.tensor(prompts, dtype=torch.int64)
         context = seq_lens - q_lens
         decode = (q_lens > 0) & (context >= prompt)
