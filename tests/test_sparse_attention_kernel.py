@@ -312,6 +312,73 @@ def test_keys_a_query_does_not_see_never_reach_it(dtype):
 
 
 # --------------------------------------------------------------------------- #
+# Scores that grow from one online-softmax step to the next
+# --------------------------------------------------------------------------- #
+
+
+def growing_case(seed, rise, dtype=torch.bfloat16):
+    """Rows of 1,100 keys (three steps of 512), every block listed; the keys
+    of block 9 (in the second step) and block 16 (the third) lean toward the
+    queries, so that the last queries' largest scores there exceed their
+    largest in the step before by amounts spread from below ``rise`` to
+    several times it (base-2 units)."""
+    case = make_case(seed, hq=2, hkv=1, sq=1100, bs=64, dim=32, dtype=torch.float32,
+                     p=1.0, empty=0.0)
+    q, k = case["q"].clone(), case["k"].clone()
+    u = torch.nn.functional.normalize(torch.ones(32), dim=0)
+    q += 2.0 * u
+    def top(keys):  # base 2: the median over queries 1024.. of their largest score
+        return float((q[0, 0, 1024:] @ keys.T).amax(-1).median()) * case["scale"] / math.log(2)
+
+    for block in (9, 16):
+        step = k[0, 0, (block // 8) * 512 - 512:(block // 8) * 512]
+        lean = (top(step) + rise) * math.log(2) / (case["scale"] * 2.0)
+        k[:, :, block * 64:(block + 1) * 64] += lean * u
+    case.update(q=q.to(dtype), k=k.to(dtype), v=case["v"].to(dtype))
+    return case
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rise", [3.0, 7.5, 12.0, 60.0])
+def test_scores_rising_across_steps(isa, rise):
+    """A later step's scores above the running max, by less and by more than
+    the kernel lets the running max lag behind (``LAZY_MAX``, 8 in base 2):
+    the output is the reference's on every instruction set and both
+    bfloat16 paths."""
+    for mode in BF16_MODES:
+        try:
+            check(growing_case(50, rise), isa=isa, bf16=mode)
+        except ValueError:
+            pytest.skip(f"{isa} does not run on this CPU")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_nonfinite_values_in_later_steps(isa):
+    """NaN and inf that a row meets only in its second or third step act as
+    in dense attention (rows of three 512-key steps)."""
+    case = growing_case(51, 3.0)
+    gen = torch.Generator().manual_seed(52)
+    for name in ("q", "k", "v"):
+        x = case[name].float().clone()
+        for value in (math.nan, math.inf, -math.inf):
+            t = int(torch.randint(600, 1100, (1,), generator=gen))
+            x[0, 0, t, int(torch.randint(0, 32, (1,), generator=gen))] = value
+        case[name] = x.to(torch.bfloat16)
+    q, k, v = case["q"], case["k"], case["v"]
+    vis = token_mask(case["idx"], case["lengths"], 64, 1100, 1100, case["q_lens"],
+                     case["kv_lens"], True)
+    want, want_lse = reference_attention(q, k, v, vis, scale=case["scale"], return_lse=True)
+    assert bool(want.isnan().any()) and bool(want.isfinite().any())
+    for mode in BF16_MODES:
+        try:
+            out, lse = sa.sparse_attention(**case, lse=True, isa=isa, bf16=mode)
+        except ValueError:
+            pytest.skip(f"{isa} does not run on this CPU")
+        same_nonfinite(out, want, 3e-2)
+        same_nonfinite(lse, want_lse, 1e-4)
+
+
+# --------------------------------------------------------------------------- #
 # The bfloat16 micro-kernel's probe
 # --------------------------------------------------------------------------- #
 

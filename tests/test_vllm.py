@@ -500,11 +500,11 @@ def _assert_rows_match_stem(run: dict, tol: float) -> None:
 def _auto_kernel(dtype: str) -> str:
     """The kernel ``sparse_kernel="auto"`` attends the test model's Stem rows
     with on this machine, by the rule docs/VLLM.md states: Stem's in bfloat16
-    on the packed micro-kernel and a layout read as a strided view (``vec``:
-    every CPU without AMX), vLLM's elsewhere."""
+    on the packed micro-kernel and a layout read as a strided view (``vec``
+    and ``amx``), vLLM's elsewhere."""
     from stem_indexer.operator.ops import sparse_attention
 
-    if dtype != "bfloat16" or HAS_AMX or not sparse_attention.available():
+    if dtype != "bfloat16" or not sparse_attention.available():
         return "vllm"
     return "vllm" if sparse_attention.bf16_packed(32, BLOCK) else "stem"
 
@@ -523,8 +523,6 @@ def test_bf16_sparse_rows_equal_stem_attention_on_the_machines_layout(model):
     ("vllm", "vec", "bfloat16", "sparse_kernel='vllm'"),
     ("stem", "neon", "bfloat16", "the neon cache layout cannot be read back"),
     ("auto", "vec", "float32", "faster only in bfloat16"),
-    ("auto", "amx", "bfloat16", "on the amx layout Stem's kernel, the read included, was not "
-     "measured faster"),
 ])
 def test_where_stems_kernel_does_not_attend_the_choice_says_why(want, isa, dtype, why):
     """The backend's choice of kernel (``sparse_kernel``), without an engine:
@@ -544,6 +542,31 @@ def test_where_stems_kernel_does_not_attend_the_choice_says_why(want, isa, dtype
     kv_cache = torch.zeros(2, 2, 128, 128, dtype=getattr(torch, dtype))
     reader, said = impl._choose_kernel(types.SimpleNamespace(isa=isa), kv_cache)
     assert reader is None and why in said, said
+
+
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+def test_auto_picks_stems_kernel_on_the_layouts_measured_faster(isa):
+    """``sparse_kernel="auto"`` in bfloat16 on the ``vec`` and ``amx``
+    layouts (benchmarks/VLLM.md, each kernel per kept pair): Stem's kernel,
+    on a reader of the layer's pages."""
+    import types
+
+    import torch
+
+    from stem_indexer.integrations.vllm import backend
+    from stem_indexer.integrations.vllm.settings import StemSettings
+    from stem_indexer.operator.ops import sparse_attention
+
+    if isa == "amx" and not HAS_AMX:
+        pytest.skip("the amx layout's writer needs a CPU with AMX")
+    if not sparse_attention.available() or sparse_attention.bf16_packed(64, BLOCK):
+        pytest.skip("Stem's kernel would widen bfloat16 here")
+    impl = backend.StemAttentionImpl.__new__(backend.StemAttentionImpl)
+    impl.settings = StemSettings.from_mapping({})
+    impl.head_size = 64
+    kv_cache = torch.zeros(2, 2, 128, 128, dtype=torch.bfloat16)
+    reader, said = impl._choose_kernel(types.SimpleNamespace(isa=isa), kv_cache)
+    assert reader is not None and said == "", said
 
 
 @pytest.mark.parametrize("kernel, dtype", [("stem", "float32"), ("stem", "bfloat16"),

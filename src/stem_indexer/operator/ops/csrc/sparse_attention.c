@@ -75,6 +75,10 @@ enum { ISA_AUTO = -1, ISA_SCALAR, ISA_AVX2, ISA_AVX512, ISA_AVX512BF16 };
 enum { ERR_MEMORY = 1, ERR_ARGS = 2 };
 
 #define STEP_KEYS 512 /* keys per online-softmax step (rounded to whole blocks) */
+/* A query's running max stays while a step's scores exceed it by at most this
+ * (base 2): its weights are then at most 2^LAZY_MAX, far inside float32 and
+ * bfloat16 range, and the step skips its pass for the max (softmax_step). */
+#define LAZY_MAX 8.0f
 #define ALIGN 64
 
 /* Fortran sgemm_; at::native::cpublas::brgemm (bfloat16, B in VNNI) and
@@ -99,6 +103,9 @@ typedef int (*threads_t)(int);
  *                            (as torch's flash kernel). The exponential is a
  *                            degree-4 polynomial there (relative error 3e-6,
  *                            a thousandth of bfloat16's rounding step).
+ * exp_bf16_top(.., p, top):  exp_bf16 in one pass, for a query whose running
+ *                            max m is finite: *top = the largest s[j] * a - m
+ *                            (AVX-512 only; the others leave it NULL).
  * Exponents at or below -126 give 0 (a weight under 2^-126 of the largest).
  * NaN propagates on every instruction set: max is NaN if any s[j] * a is,
  * and a NaN exponent gives a NaN weight (+inf - +inf is one).
@@ -108,6 +115,9 @@ struct rowops {
     float (*max)(const float *s, int c, float a);
     float (*exp_f32)(float *s, int c, int n, float a, float m);
     float (*exp_bf16)(const float *s, int c, int n, float a, float m, uint16_t *p);
+    /* exp_bf16 with *top, the largest s[j] * a - m (NULL: not offered) */
+    float (*exp_bf16_top)(const float *s, int c, int n, float a, float m, uint16_t *p,
+                          float *top);
 };
 
 /* Nearest even; NaN stays NaN (truncated, quiet: adding to a NaN's payload
@@ -168,26 +178,27 @@ static float exp_bf16_scalar(const float *s, int c, int n, float a, float m, uin
 }
 
 #ifdef HAVE_X86
-/* 2^f for f in [-1/2, 1/2], highest power first: the Cephes exp2f polynomial
- * (degree 6, relative error below 2e-7), or degree 4 (`low`, 3e-6). Both
- * vector widths evaluate it with one fused multiply-add per degree. */
+/* 2^f for f in [0, 1), highest power first: least-squares fits of the
+ * relative error, degree 6 (below 1e-8 before float32 rounding) or degree 4
+ * (`low`, 2.7e-6). Both vector widths evaluate it with one fused
+ * multiply-add per degree. */
 static const float EXP2_POLY[2][7] = {
-    {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
-     5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f},
-    {9.570099e-3f, 5.591786e-2f, 2.4024744e-1f, 6.931218e-1f, 9.999993e-1f}};
+    {2.17022534e-4f, 1.24396884e-3f, 9.67884064e-3f, 5.54833412e-2f, 2.40229830e-1f,
+     6.93147004e-1f, 1.0f},
+    {1.35341650e-2f, 5.20114638e-2f, 2.41442755e-1f, 6.93003833e-1f, 1.00000262f}};
 #define EXP2_DEGREE(low) ((low) ? 4 : 6)
 
-/* 2^x after rounding x to n + f (EXP2_POLY on f, scaled by 2^n). Lanes with
- * x <= -126 give 0, NaN lanes NaN. */
-AVX512 static inline __m512 exp2_512(__m512 x, int low)
+/* 2^x in the lanes of `live`, 0 in the others: 2^floor(x) (vscalefps takes
+ * the floor of its exponent) times EXP2_POLY on x - floor(x) (vreducepss,
+ * one instruction). Lanes with x <= -126 give 0, NaN lanes NaN. */
+AVX512 static inline __m512 exp2_512(__m512 x, int low, __mmask16 live)
 {
-    __mmask16 ok = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GT_OQ);
-    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(x, n), p = _mm512_set1_ps(EXP2_POLY[low][0]);
+    __mmask16 ok = _mm512_mask_cmp_ps_mask(live, x, _mm512_set1_ps(-126.0f), _CMP_NLE_UQ);
+    __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 p = _mm512_set1_ps(EXP2_POLY[low][0]);
     for (int d = 1; d <= EXP2_DEGREE(low); d++)
         p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_POLY[low][d]));
-    __m512 r = _mm512_maskz_scalef_ps(ok, p, n);
-    return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+    return _mm512_maskz_scalef_ps(ok, p, x);
 }
 
 /* Lanes j .. j+15 that lie below c. */
@@ -202,7 +213,7 @@ AVX512 static inline __m512 exp_lanes_512(const float *s, int j, int c, __m512 a
                                           int low)
 {
     __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), a, m);
-    return _mm512_maskz_mov_ps(head_mask(j, c), exp2_512(x, low));
+    return exp2_512(x, low, head_mask(j, c));
 }
 
 /* Four accumulators: one chain of vmaxps would wait on its 4-cycle latency.
@@ -270,6 +281,26 @@ AVX512 static float exp_bf16_512(const float *s, int c, int n, float a, float m,
     EXP_ROW(VEC_512, 1, _mm256_storeu_si256((__m256i *)(p + j), bf16_512(e)));
 }
 
+/* exp_bf16 for a query whose running max m is finite, one pass: *top is set
+ * to the largest s[j] * a - m over j < c (a NaN there may be missed: the sum
+ * is NaN then). */
+AVX512 static float exp_bf16_top_512(const float *s, int c, int n, float a, float m,
+                                     uint16_t *p, float *top)
+{
+    __m512 acc = _mm512_setzero_ps(), av = _mm512_set1_ps(a), mv = _mm512_set1_ps(m);
+    __m512 hi = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < n; j += 16) {
+        __mmask16 live = head_mask(j, c);
+        __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), av, mv);
+        hi = _mm512_mask_max_ps(hi, live, hi, x);
+        __m512 e = exp2_512(x, 1, live);
+        _mm256_storeu_si256((__m256i *)(p + j), bf16_512(e));
+        acc = _mm512_add_ps(acc, e);
+    }
+    *top = _mm512_reduce_max_ps(hi);
+    return _mm512_reduce_add_ps(acc);
+}
+
 #ifdef HAVE_BF16_ISA
 /* With AVX512-BF16: one instruction rounds 32 values (nearest even). */
 AVX512BF16 static float exp_bf16_512bf(const float *s, int c, int n, float a, float m,
@@ -284,13 +315,31 @@ AVX512BF16 static float exp_bf16_512bf(const float *s, int c, int n, float a, fl
     }
     return _mm512_reduce_add_ps(acc);
 }
+
+AVX512BF16 static float exp_bf16_top_512bf(const float *s, int c, int n, float a, float m,
+                                           uint16_t *p, float *top)
+{
+    __m512 acc = _mm512_setzero_ps(), av = _mm512_set1_ps(a), mv = _mm512_set1_ps(m);
+    __m512 hi = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < n; j += 32) {
+        __mmask16 live0 = head_mask(j, c), live1 = head_mask(j + 16, c);
+        __m512 x0 = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), av, mv);
+        __m512 x1 = _mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), av, mv);
+        hi = _mm512_mask_max_ps(_mm512_mask_max_ps(hi, live0, hi, x0), live1, hi, x1);
+        __m512 e0 = exp2_512(x0, 1, live0), e1 = exp2_512(x1, 1, live1);
+        _mm512_storeu_si512((void *)(p + j), (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        acc = _mm512_add_ps(acc, _mm512_add_ps(e0, e1));
+    }
+    *top = _mm512_reduce_max_ps(hi);
+    return _mm512_reduce_add_ps(acc);
+}
 #endif
 
 AVX2 static inline __m256 exp2_256(__m256 x0, int low)
 {
     __m256 ok = _mm256_cmp_ps(x0, _mm256_set1_ps(-126.0f), _CMP_GT_OQ);
     __m256 x = _mm256_max_ps(x0, _mm256_set1_ps(-126.0f)); /* also NaN -> -126 */
-    __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     __m256 f = _mm256_sub_ps(x, n), p = _mm256_set1_ps(EXP2_POLY[low][0]);
     for (int d = 1; d <= EXP2_DEGREE(low); d++)
         p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_POLY[low][d]));
@@ -380,16 +429,16 @@ static int pick_rowops(int isa, struct rowops *ops)
         isa = best;
     if (isa < ISA_SCALAR || isa > best)
         return -1;
-    *ops = (struct rowops){max_scalar, exp_f32_scalar, exp_bf16_scalar};
+    *ops = (struct rowops){max_scalar, exp_f32_scalar, exp_bf16_scalar, NULL};
 #ifdef HAVE_X86
     if (isa == ISA_AVX2)
-        *ops = (struct rowops){max_256, exp_f32_256, exp_bf16_256};
+        *ops = (struct rowops){max_256, exp_f32_256, exp_bf16_256, NULL};
     if (isa == ISA_AVX512)
-        *ops = (struct rowops){max_512, exp_f32_512, exp_bf16_512};
+        *ops = (struct rowops){max_512, exp_f32_512, exp_bf16_512, exp_bf16_top_512};
 #endif
 #ifdef HAVE_BF16_ISA
     if (isa == ISA_AVX512BF16)
-        *ops = (struct rowops){max_512, exp_f32_512, exp_bf16_512bf};
+        *ops = (struct rowops){max_512, exp_f32_512, exp_bf16_512bf, exp_bf16_top_512bf};
 #endif
     return 0;
 }
@@ -582,9 +631,6 @@ static int visible(const struct scratch *sc, const struct row *rw, int t)
     return c;
 }
 
-/* Online softmax over the step's scores: running max m and sum l per query,
- * output rows rescaled when the max grows; probabilities left in the score
- * tile (float32) or in sc->p (bfloat16), zero from column c up to n. */
 /* Every query of the row sees every column of the step. */
 static int sees_all(const struct job *jb, const struct scratch *sc, const struct row *rw)
 {
@@ -592,6 +638,12 @@ static int sees_all(const struct job *jb, const struct scratch *sc, const struct
     return !jb->causal || last->key + last->n <= rw->lim0;
 }
 
+/* Online softmax over the step's scores: running max m and sum l per query,
+ * output rows rescaled when the max grows; probabilities left in the score
+ * tile (float32) or in sc->p (bfloat16), zero from column c up to n. With
+ * bfloat16 on AVX-512, a query past its first step keeps its max while the
+ * step's scores stay within LAZY_MAX of it: one pass over the scores instead
+ * of two, and no rescaling. */
 static void softmax_step(const struct job *jb, struct scratch *sc, const struct row *rw, int n)
 {
     int d = (int)jb->dim, bf16 = sc->p != NULL;
@@ -602,6 +654,19 @@ static void softmax_step(const struct job *jb, struct scratch *sc, const struct 
         if (jb->cap_in != 0.0f) /* scale * s -> cap * tanh(scale * s / cap), in s units */
             for (int j = 0; j < c; j++)
                 s[j] = jb->cap_out * tanhf(s[j] * jb->cap_in);
+        uint16_t *p = bf16 ? sc->p + (size_t)t * jb->ld_p : NULL;
+        if (bf16 && jb->ops.exp_bf16_top && isfinite(sc->m[t])) {
+            /* One pass against the running max, kept while no score exceeds
+             * it by more than LAZY_MAX (weights up to 2^LAZY_MAX then). A NaN
+             * score needs no check: its weight is NaN, so are l and, through
+             * P V, every dimension of the output, as below. */
+            float top, sum = jb->ops.exp_bf16_top(s, c, n, jb->alpha, sc->m[t], p, &top);
+            if (top <= LAZY_MAX) {
+                sc->seen[t] |= c > 0;
+                sc->l[t] += sum;
+                continue;
+            }
+        }
         float mx = c ? jb->ops.max(s, c, jb->alpha) : -INFINITY;
         /* NaN once a NaN score was seen (then every weight is NaN) */
         float m_new = mx != mx || sc->m[t] != sc->m[t] ? NAN : mx > sc->m[t] ? mx : sc->m[t];
@@ -613,7 +678,7 @@ static void softmax_step(const struct job *jb, struct scratch *sc, const struct 
                 memset(s, 0, (size_t)n * sizeof(float));
             continue;
         }
-        float sum = bf16 ? jb->ops.exp_bf16(s, c, n, jb->alpha, m_new, sc->p + (size_t)t * jb->ld_p)
+        float sum = bf16 ? jb->ops.exp_bf16(s, c, n, jb->alpha, m_new, p)
                          : jb->ops.exp_f32(s, c, n, jb->alpha, m_new);
         float corr = exp2f(sc->m[t] - m_new); /* 0 when m was -inf; NaN from inf - inf */
         if (corr != 1.0f) {
