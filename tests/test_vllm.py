@@ -500,8 +500,9 @@ def _assert_rows_match_stem(run: dict, tol: float) -> None:
 def _auto_kernel(dtype: str) -> str:
     """The kernel ``sparse_kernel="auto"`` attends the test model's Stem rows
     with on this machine, by the rule docs/VLLM.md states: Stem's in bfloat16
-    on the packed micro-kernel and a layout read as a strided view (``vec``
-    and ``amx``), vLLM's elsewhere."""
+    on the packed micro-kernel and a layout read as a strided view (``vec``,
+    and ``amx`` up to head size 64: the test model's is 32), vLLM's
+    elsewhere."""
     from stem_indexer.operator.ops import sparse_attention
 
     if dtype != "bfloat16" or not sparse_attention.available():
@@ -519,12 +520,13 @@ def test_bf16_sparse_rows_equal_stem_attention_on_the_machines_layout(model):
     assert run["stats"]["kernels"] == {_auto_kernel("bfloat16"): run["record"]["rows"]}
 
 
-@pytest.mark.parametrize("want, isa, dtype, why", [
-    ("vllm", "vec", "bfloat16", "sparse_kernel='vllm'"),
-    ("stem", "neon", "bfloat16", "the neon cache layout cannot be read back"),
-    ("auto", "vec", "float32", "faster only in bfloat16"),
+@pytest.mark.parametrize("want, isa, dtype, why, head", [
+    ("vllm", "vec", "bfloat16", "sparse_kernel='vllm'", 64),
+    ("stem", "neon", "bfloat16", "the neon cache layout cannot be read back", 64),
+    ("auto", "vec", "float32", "faster only in bfloat16", 64),
+    ("auto", "amx", "bfloat16", "faster only up to head size 64 (this layer's: 128)", 128),
 ])
-def test_where_stems_kernel_does_not_attend_the_choice_says_why(want, isa, dtype, why):
+def test_where_stems_kernel_does_not_attend_the_choice_says_why(want, isa, dtype, why, head):
     """The backend's choice of kernel (``sparse_kernel``), without an engine:
     each rule that leaves the rows to vLLM's kernel names itself."""
     import types
@@ -538,8 +540,8 @@ def test_where_stems_kernel_does_not_attend_the_choice_says_why(want, isa, dtype
         pytest.skip("the amx layout's writer needs a CPU with AMX")
     impl = backend.StemAttentionImpl.__new__(backend.StemAttentionImpl)
     impl.settings = StemSettings.from_mapping({"sparse_kernel": want})
-    impl.head_size = 64
-    kv_cache = torch.zeros(2, 2, 128, 128, dtype=getattr(torch, dtype))
+    impl.head_size = head
+    kv_cache = torch.zeros(2, 2, 128, 2 * head, dtype=getattr(torch, dtype))
     reader, said = impl._choose_kernel(types.SimpleNamespace(isa=isa), kv_cache)
     assert reader is None and why in said, said
 

@@ -281,7 +281,7 @@ def pairs(args) -> None:
     from stem_indexer.integrations.vllm.settings import StemSettings
 
     torch.manual_seed(0)
-    hq, hkv, dim, page = 9, 3, 64, 128
+    (hq, hkv, dim), page = (int(x) for x in args.shape.split(",")), 128
     dtype = getattr(torch, os.environ.get("STEM_BENCH_DTYPE", "bfloat16"))
     isa = _get_attn_isa(dtype, page, dim)
     if isa == "amx":
@@ -292,7 +292,7 @@ def pairs(args) -> None:
     lines = [f"\n### One attention layer, vLLM's kernel against Stem's path ({args.stem})\n",
              header(), "",
              f"`python benchmarks/engines/vllm_bench.py pairs --lengths {args.lengths} "
-             f"--chunk {args.chunk}`",
+             f"--chunk {args.chunk} --shape {args.shape}`",
              f"(Hq {hq}, Hkv {hkv}, D {dim}, {dtype}, cache layout {isa}, "
              f"{torch.get_num_threads()} threads; the row is the prompt's last chunk of "
              f"{args.chunk or 'all its'} tokens; the indexer reads the indexer cache; Stem's "
@@ -570,6 +570,9 @@ def main(argv=None) -> None:
         p.add_argument("--record", default=None, help="append the table to this file")
     sub.choices["pairs"].add_argument("--lengths", default="8192,16384,32768")
     sub.choices["pairs"].add_argument("--reps", type=int, default=3)
+    sub.choices["pairs"].add_argument("--shape", default="9,3,64",
+                                      help="query heads, KV heads, head size (SmolLM2's: "
+                                           "9,3,64; Gemma-3-270M's: 4,1,256)")
     sub.choices["pairs"].add_argument("--chunk", type=int, default=4096,
                                       help="the row's new tokens (0: the whole prompt)")
     sub.choices["speed"].add_argument("--lengths", default="8192,16384,32768")

@@ -82,11 +82,13 @@ _LOG = logging.getLogger("vllm.stem_indexer")
 LAYOUTS = ("amx", "vec", "vec16")
 #: The layouts where Stem's kernel, reading the row's keys and values out of
 #: vLLM's cache, was measured faster than vLLM's kernel on virtual rows
-#: (``sparse_kernel="auto"``; ``vllm_bench.py pairs``, benchmarks/VLLM.md):
-#: ``vec`` on AVX512-BF16 (0.48 of vLLM's cost per pair) and ``amx`` (0.79
-#: to 0.88 of vLLM's dense cost per pair, against 1.03 to 1.05 for vLLM's
-#: kernel on the kept blocks).
-STEM_KERNEL_FASTER_ON = ("vec", "amx")
+#: (``sparse_kernel="auto"``; ``vllm_bench.py pairs``, benchmarks/VLLM.md),
+#: each with the largest head size it was faster at (None: no limit seen):
+#: ``vec`` on AVX512-BF16 (0.48 of vLLM's cost per pair at head size 64);
+#: ``amx`` at head size 64 (0.79 to 0.88 of vLLM's dense cost per pair,
+#: against 1.03 to 1.05 for vLLM's kernel on the kept blocks), not at 128
+#: (0.96 to 1.10, against 1.08 to 1.09) nor 256 (1.23 to 1.43).
+STEM_KERNEL_FASTER_ON: dict[str, int | None] = {"vec": None, "amx": 64}
 
 
 class StemAttentionBackend(CPUAttentionBackend):
@@ -887,6 +889,11 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
             if isa not in STEM_KERNEL_FASTER_ON:
                 return None, (f"on the {isa} layout Stem's kernel, the read included, was not "
                               "measured faster than vLLM's")
+            largest = STEM_KERNEL_FASTER_ON[isa]
+            if largest is not None and self.head_size > largest:
+                return None, (f"on the {isa} layout Stem's kernel, the read included, was "
+                              f"measured faster only up to head size {largest} (this layer's: "
+                              f"{self.head_size})")
             if dtype != torch.bfloat16:
                 return None, f"Stem's kernel is the faster only in bfloat16, not {dtype}"
             refused = sparse_kernel.bf16_packed(self.head_size, self.settings.block_size)

@@ -128,8 +128,9 @@ class StemSettings:
       (``kv_read.PageReader``); ``"vllm"``: vLLM's own kernel on virtual
       rows, one per (query head, query block), whose block tables list the
       kept pages; ``"auto"``: ``"stem"`` where it was measured faster
-      (bfloat16 on the packed micro-kernel, the ``vec`` and ``amx``
-      layouts: ``backend.STEM_KERNEL_FASTER_ON``), ``"vllm"`` elsewhere. Where
+      (bfloat16 on the packed micro-kernel, the ``vec`` layout and the
+      ``amx`` one up to head size 64: ``backend.STEM_KERNEL_FASTER_ON``),
+      ``"vllm"`` elsewhere. Where
       ``"stem"`` cannot run, vLLM's kernel does, said once in the log;
       ``stats()["kernels"]`` counts rows by kernel.
     """
