@@ -275,6 +275,15 @@ def test_sampled_picks_keep_the_forced_blocks_and_the_count():
     assert picks == [[4, 1, 2], [4, 3]]
 
 
+def test_sampled_picks_among_candidates_take_only_those():
+    """The probe's rule: the heaviest of the listed candidates, even where
+    heavier blocks lie outside the list (and fewer where it lists fewer)."""
+    sampled = torch.tensor([[0.1, 0.5, 0.2, 0.15, 0.05], [0.3, 0.0, 0.0, 0.6, 0.1]])
+    picks = fr.sampled_picks(sampled, [[0, 1, 4], [2, 4]], forced={4},
+                             among=[{0, 2, 3}, {1}])
+    assert picks == [[4, 2, 3], [4, 1]]
+
+
 def test_a_cell_leaves_room_for_its_answer_within_the_window():
     import ruler
     # perplexity generates one token; a retrieval task its longest answer

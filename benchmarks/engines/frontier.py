@@ -74,9 +74,13 @@ sample of query blocks past the dense start the exact attention
 probabilities give, per (layer, head, block), the mass of the picked blocks
 and of the same number of heaviest blocks. What the oracle misses is the
 budget's cost; what the selection misses beyond it is the indexer's. A
-last column picks as many blocks per head by the exact mass of each query
+column picks as many blocks per head by the exact mass of each query
 block's last ``--sampled`` queries (sink and window kept): what a second
-scoring pass of that many queries could keep.
+scoring pass of that many queries could keep; the next does the same among
+the indexer's candidates at twice the budget only (the probe's rule,
+``pipeline/probe.py``). The last gives the picked and the oracle's mass
+by quarter of the window (the sampled rows' positions), for the quarters
+past the dense start.
 """
 
 from __future__ import annotations
@@ -653,13 +657,16 @@ def kept_mass(mass, picked: list[list[int]]) -> tuple[float, float]:
     return got / len(picked), best / len(picked)
 
 
-def sampled_picks(sampled, picked: list[list[int]], forced: set[int]) -> list[list[int]]:
+def sampled_picks(sampled, picked: list[list[int]], forced: set[int],
+                  among: list[set[int]] | None = None) -> list[list[int]]:
     """Per head, as many blocks as ``picked[h]``: the ``forced`` ones, then
-    the heaviest others by the ``sampled`` mass [heads, blocks]."""
+    the heaviest others by the ``sampled`` mass [heads, blocks] (of the
+    blocks in ``among[h]`` only, where given)."""
     out = []
     for h, blocks in enumerate(picked):
         free = max(len(blocks) - len(forced), 0)
-        order = [b for b in sampled[h].argsort(descending=True).tolist() if b not in forced]
+        order = [b for b in sampled[h].argsort(descending=True).tolist()
+                 if b not in forced and (among is None or b in among[h])]
         out.append(sorted(forced) + order[:free])
     return out
 
@@ -672,6 +679,7 @@ def oracle(args) -> None:
     import stem_indexer
     from common import machine
     from stem_indexer.operator import contract
+    from stem_indexer.pipeline.probe import probe_params
 
     stems = {s: parse_setting(s) for s in args.settings.split(",") if s != REFERENCE}
     dtype = mq.default_dtype()
@@ -689,51 +697,66 @@ def oracle(args) -> None:
              "documentation window; query blocks sampled past each setting's dense start)\n",
              "| setting | picked blocks' mass | oracle's mass at the same count | budget's cost "
              "(1 - oracle) | indexer's cost (oracle - picked) | lowest layers (picked) | "
-             f"picked by the last {args.sampled} queries' exact mass, same count |",
-             "|---|---|---|---|---|---|---|"]
+             f"picked by the last {args.sampled} queries' exact mass, same count | the same "
+             "among the indexer's candidates at twice the budget (the probe's rule) | "
+             "picked / oracle by quarter of the window |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, stem in stems.items():
         params = contract.IndexerParams.from_kwargs(
             "frontier", **{k: v for k, v in stem.items() if k in contract.PARAM_NAMES
                            or k == "preset"})
         oam = stem.get("oam", True)
-        per_layer = {}
+        indexer = {n: getattr(params, n) for n in contract.PARAM_NAMES}
+        wide = {n: getattr(probe_params(params, 2.0), n) for n in contract.PARAM_NAMES}
+        per_layer, quarters = {}, {}
         for layer, (q, k, v, scale) in sorted(seen.items()):
             bs, stride = params.stem_block_size, params.stem_stride
             inputs = stem_indexer.stem_inputs(q, k, v, stem_block_size=bs, stem_stride=stride,
                                               scale=scale / stride, oam=oam,
                                               oam_lambda=stem.get("oam_lambda", 0.3))
-            idx, lens = stem_indexer.stem_indexer(
-                *inputs, **{n: getattr(params, n) for n in contract.PARAM_NAMES})
+            idx, lens = stem_indexer.stem_indexer(*inputs, **indexer)
+            idx2, lens2 = stem_indexer.stem_indexer(*inputs, **wide)
             qb = idx.shape[2]
             rows = [r for r in range(qb) if int(lens[0, 0, r]) < r + 1]  # sparse rows only
             rows = rows[::max(1, len(rows) // args.rows)][:args.rows]
-            got = best = by_sample = 0.0
+            got = best = by_sample = by_probe = 0.0
             for r in rows:
                 mass = block_mass(q, k, scale, r, bs)
-                picked = [idx[0, h, r, :int(lens[0, h, r])].tolist() for h in range(q.shape[1])]
+                heads = range(q.shape[1])
+                picked = [idx[0, h, r, :int(lens[0, h, r])].tolist() for h in heads]
                 g, b = kept_mass(mass, picked)
                 got, best = got + g, best + b
+                quarters.setdefault(4 * r // qb, []).append((g, b))
                 sink_end, cand_end = (int(x) for x in contract.candidate_range(
                     torch.tensor(r + 1), params.initial_blocks, params.window_size))
                 forced = set(range(sink_end)) | set(range(cand_end, r + 1))
                 sample = block_mass(q, k, scale, r, bs, last=args.sampled)
                 by_sample += kept_mass(mass, sampled_picks(sample, picked, forced))[0]
+                among = [set(idx2[0, h, r, :int(lens2[0, h, r])].tolist()) for h in heads]
+                by_probe += kept_mass(mass, sampled_picks(sample, picked, forced, among))[0]
             if rows:
-                per_layer[layer] = (got / len(rows), best / len(rows), by_sample / len(rows))
+                per_layer[layer] = tuple(x / len(rows) for x in (got, best, by_sample,
+                                                                 by_probe))
         if not per_layer:
-            lines.append(f"| `{name}` | - (every row keeps every block) | - | - | - | - | - |")
+            lines.append(f"| `{name}` | - (every row keeps every block) | - | - | - | - | - | "
+                         "- | - |")
             continue
-        got, best, by_sample = (statistics.mean(x[i] for x in per_layer.values())
-                                for i in range(3))
+        got, best, by_sample, by_probe = (statistics.mean(x[i] for x in per_layer.values())
+                                          for i in range(4))
+        by_quarter = {f"Q{n + 1}": [round(statistics.mean(x[i] for x in quarters[n]), 4)
+                                    for i in range(2)] for n in sorted(quarters)}
         append(Path(args.results), dict(
             kind="oracle", model=args.model, length=args.length, setting=name,
             rows=args.rows, picked=got, oracle=best, sampled=args.sampled,
-            by_sample=by_sample, cpu=machine().split(";")[0],
+            by_sample=by_sample, by_probe=by_probe, by_quarter=by_quarter,
+            cpu=machine().split(";")[0],
             layers={str(n): [round(x, 4) for x in v] for n, v in per_layer.items()}))
         low = sorted(per_layer, key=lambda n: per_layer[n][0])[:3]
         lines.append(f"| `{name}` | {got:.3f} | {best:.3f} | {1 - best:.3f} | {best - got:.3f} | "
                      + ", ".join(f"{n}: {per_layer[n][0]:.2f}" for n in low)
-                     + f" | {by_sample:.3f} |")
+                     + f" | {by_sample:.3f} | {by_probe:.3f} | "
+                     + ", ".join(f"{n} {g:.3f} / {b:.3f}" for n, (g, b) in by_quarter.items())
+                     + " |")
         print(lines[-1], flush=True)
     text = "\n".join(lines)
     print(text)
