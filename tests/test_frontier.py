@@ -275,6 +275,16 @@ def test_sampled_picks_keep_the_forced_blocks_and_the_count():
     assert picks == [[4, 1, 2], [4, 3]]
 
 
+def test_starved_queries_are_counted_per_query_not_per_block():
+    """Two heads of two queries over three blocks: head 0's second query puts
+    0.7 on block 2, which head 0 does not keep; the block mean (0.4) would
+    not show that it loses more than half."""
+    per_query = torch.tensor([[[0.9, 0.0, 0.1], [0.2, 0.1, 0.7]],
+                              [[0.5, 0.5, 0.0], [0.3, 0.3, 0.4]]], dtype=torch.float64)
+    assert fr.starved(per_query, [[0, 1], [0, 1, 2]]) == (1, 4)
+    assert fr.starved(per_query, [[2], [0]], below=0.5) == (2, 4)  # 0.5 is not under it
+
+
 def test_sampled_picks_among_candidates_take_only_those():
     """The probe's rule: the heaviest of the listed candidates, even where
     heavier blocks lie outside the list (and fewer where it lists fewer)."""

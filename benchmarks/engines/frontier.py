@@ -78,9 +78,12 @@ column picks as many blocks per head by the exact mass of each query
 block's last ``--sampled`` queries (sink and window kept): what a second
 scoring pass of that many queries could keep; the next does the same among
 the indexer's candidates at twice the budget only (the probe's rule,
-``pipeline/probe.py``). The last gives the picked and the oracle's mass
+``pipeline/probe.py``). The next gives the picked and the oracle's mass
 by quarter of the window (the sampled rows' positions), for the quarters
-past the dense start.
+past the dense start. The last counts the (head, query) pairs that keep
+under half of their own attention, with the picked blocks and with the
+probe's: a mean over a block's queries can hide single queries that lose
+most of theirs.
 """
 
 from __future__ import annotations
@@ -629,10 +632,10 @@ def plot(args) -> None:
 # --------------------------------------------------------------------------- #
 
 
-def block_mass(q, k, scale: float, row: int, bs: int, last: int | None = None):
-    """[heads, key blocks] float64: the attention probability each key block
-    gets, averaged over query block ``row``'s queries (its ``last`` ones
-    where given; causal, exact)."""
+def query_mass(q, k, scale: float, row: int, bs: int, last: int | None = None):
+    """[heads, queries, key blocks] float64: the attention probability each
+    of query block ``row``'s queries (its ``last`` ones where given) gives
+    each key block (causal, exact)."""
     import torch
 
     group = q.shape[1] // k.shape[1]
@@ -643,8 +646,26 @@ def block_mass(q, k, scale: float, row: int, bs: int, last: int | None = None):
     logits = qs @ ks.transpose(1, 2) * scale
     pos_q = torch.arange(first, end)[:, None]
     logits = logits.masked_fill(torch.arange(end)[None, :] > pos_q, -math.inf)
-    p = torch.softmax(logits, -1).mean(1)  # [heads, keys]
-    return p.view(p.shape[0], row + 1, bs).sum(-1)
+    p = torch.softmax(logits, -1)  # [heads, queries, keys]
+    return p.view(p.shape[0], p.shape[1], row + 1, bs).sum(-1)
+
+
+def block_mass(q, k, scale: float, row: int, bs: int, last: int | None = None):
+    """[heads, key blocks] float64: the attention probability each key block
+    gets, averaged over query block ``row``'s queries (its ``last`` ones
+    where given; causal, exact)."""
+    return query_mass(q, k, scale, row, bs, last).mean(1)
+
+
+def starved(per_query, picked: list[list[int]], below: float = 0.5) -> tuple[int, int]:
+    """(queries, of all) whose picked blocks hold less than ``below`` of
+    their own attention: per head ``h``, the queries of ``per_query[h]``
+    (``query_mass``) over the blocks ``picked[h]``."""
+    low = total = 0
+    for h, blocks in enumerate(picked):
+        kept = per_query[h][:, blocks].sum(-1)
+        low, total = low + int((kept < below).sum()), total + kept.numel()
+    return low, total
 
 
 def kept_mass(mass, picked: list[list[int]]) -> tuple[float, float]:
@@ -699,8 +720,9 @@ def oracle(args) -> None:
              "(1 - oracle) | indexer's cost (oracle - picked) | lowest layers (picked) | "
              f"picked by the last {args.sampled} queries' exact mass, same count | the same "
              "among the indexer's candidates at twice the budget (the probe's rule) | "
-             "picked / oracle by quarter of the window |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "picked / oracle by quarter of the window | queries keeping under half their "
+             "attention: picked, the probe's rule |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, stem in stems.items():
         params = contract.IndexerParams.from_kwargs(
             "frontier", **{k: v for k, v in stem.items() if k in contract.PARAM_NAMES
@@ -708,7 +730,7 @@ def oracle(args) -> None:
         oam = stem.get("oam", True)
         indexer = {n: getattr(params, n) for n in contract.PARAM_NAMES}
         wide = {n: getattr(probe_params(params, 2.0), n) for n in contract.PARAM_NAMES}
-        per_layer, quarters = {}, {}
+        per_layer, quarters, hungry = {}, {}, [0, 0, 0]
         for layer, (q, k, v, scale) in sorted(seen.items()):
             bs, stride = params.stem_block_size, params.stem_stride
             inputs = stem_indexer.stem_inputs(q, k, v, stem_block_size=bs, stem_stride=stride,
@@ -721,7 +743,8 @@ def oracle(args) -> None:
             rows = rows[::max(1, len(rows) // args.rows)][:args.rows]
             got = best = by_sample = by_probe = 0.0
             for r in rows:
-                mass = block_mass(q, k, scale, r, bs)
+                per_query = query_mass(q, k, scale, r, bs)
+                mass = per_query.mean(1)
                 heads = range(q.shape[1])
                 picked = [idx[0, h, r, :int(lens[0, h, r])].tolist() for h in heads]
                 g, b = kept_mass(mass, picked)
@@ -730,16 +753,19 @@ def oracle(args) -> None:
                 sink_end, cand_end = (int(x) for x in contract.candidate_range(
                     torch.tensor(r + 1), params.initial_blocks, params.window_size))
                 forced = set(range(sink_end)) | set(range(cand_end, r + 1))
-                sample = block_mass(q, k, scale, r, bs, last=args.sampled)
+                sample = per_query[:, -args.sampled:].mean(1)
                 by_sample += kept_mass(mass, sampled_picks(sample, picked, forced))[0]
                 among = [set(idx2[0, h, r, :int(lens2[0, h, r])].tolist()) for h in heads]
-                by_probe += kept_mass(mass, sampled_picks(sample, picked, forced, among))[0]
+                probed = sampled_picks(sample, picked, forced, among)
+                by_probe += kept_mass(mass, probed)[0]
+                (a, n), (b, _) = starved(per_query, picked), starved(per_query, probed)
+                hungry = [hungry[0] + a, hungry[1] + b, hungry[2] + n]
             if rows:
                 per_layer[layer] = tuple(x / len(rows) for x in (got, best, by_sample,
                                                                  by_probe))
         if not per_layer:
             lines.append(f"| `{name}` | - (every row keeps every block) | - | - | - | - | - | "
-                         "- | - |")
+                         "- | - | - |")
             continue
         got, best, by_sample, by_probe = (statistics.mean(x[i] for x in per_layer.values())
                                           for i in range(4))
@@ -749,6 +775,7 @@ def oracle(args) -> None:
             kind="oracle", model=args.model, length=args.length, setting=name,
             rows=args.rows, picked=got, oracle=best, sampled=args.sampled,
             by_sample=by_sample, by_probe=by_probe, by_quarter=by_quarter,
+            starved=hungry[0], starved_probe=hungry[1], queries=hungry[2],
             cpu=machine().split(";")[0],
             layers={str(n): [round(x, 4) for x in v] for n, v in per_layer.items()}))
         low = sorted(per_layer, key=lambda n: per_layer[n][0])[:3]
@@ -756,7 +783,7 @@ def oracle(args) -> None:
                      + ", ".join(f"{n}: {per_layer[n][0]:.2f}" for n in low)
                      + f" | {by_sample:.3f} | {by_probe:.3f} | "
                      + ", ".join(f"{n} {g:.3f} / {b:.3f}" for n, (g, b) in by_quarter.items())
-                     + " |")
+                     + f" | {hungry[0] / hungry[2]:.2%}, {hungry[1] / hungry[2]:.2%} |")
         print(lines[-1], flush=True)
     text = "\n".join(lines)
     print(text)
