@@ -134,16 +134,22 @@ class PageReader:
         pages = pages.to(torch.int64)
         flat = kv_cache.view(kv_cache.shape[0], self.heads, -1)
         n = pages.shape[0]
+        # The pages' blocks gathered whole (contiguous copies), then each half
+        # put in token order by one strided copy (a gather through the
+        # strided view and then a reshape made two strided copies).
+        blocks = flat.index_select(0, pages)
 
         def tokens(at: torch.Tensor, view) -> torch.Tensor:
             if view is not None:
                 offset, sizes, strides = view
-                x = flat.as_strided((flat.shape[0], self.heads, *sizes),
-                                    (flat.stride(0), flat.stride(1), *strides),
-                                    flat.storage_offset() + offset)[pages]
+                x = blocks.as_strided((n, self.heads, *sizes),
+                                      (blocks.stride(0), blocks.stride(1), *strides),
+                                      blocks.storage_offset() + offset)
             else:
-                x = flat[pages][:, :, at].view(n, self.heads, self.page, self.dim)
-            return x.transpose(0, 1).reshape(self.heads, n * self.page, self.dim)
+                x = blocks[:, :, at].view(n, self.heads, self.page, self.dim)
+            out = torch.empty((self.heads, n, *x.shape[2:]), dtype=x.dtype, device=x.device)
+            out.copy_(x.transpose(0, 1))
+            return out.view(self.heads, n * self.page, self.dim)
 
         return (tokens(self.key_at, self.key_view),
                 tokens(self.value_at, self.value_view) if values else None)
