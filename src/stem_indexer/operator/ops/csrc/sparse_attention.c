@@ -189,7 +189,7 @@ static const float EXP2_POLY[2][7] = {
 #define EXP2_DEGREE(low) ((low) ? 4 : 6)
 
 /* 2^x in the lanes of `live`, 0 in the others: 2^floor(x) (vscalefps takes
- * the floor of its exponent) times EXP2_POLY on x - floor(x) (vreducepss,
+ * the floor of its exponent) times EXP2_POLY on x - floor(x) (vreduceps,
  * one instruction). Lanes with x <= -126 give 0, NaN lanes NaN. */
 AVX512 static inline __m512 exp2_512(__m512 x, int low, __mmask16 live)
 {
