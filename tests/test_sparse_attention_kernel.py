@@ -325,7 +325,7 @@ def growing_case(seed, rise, dtype=torch.bfloat16):
     case = make_case(seed, hq=2, hkv=1, sq=1100, bs=64, dim=32, dtype=torch.float32,
                      p=1.0, empty=0.0)
     q, k = case["q"].clone(), case["k"].clone()
-    u = torch.nn.functional.normalize(torch.ones(32), dim=0)
+    u = F.normalize(torch.ones(32), dim=0)
     q += 2.0 * u
     def top(keys):  # base 2: the median over queries 1024.. of their largest score
         return float((q[0, 0, 1024:] @ keys.T).amax(-1).median()) * case["scale"] / math.log(2)

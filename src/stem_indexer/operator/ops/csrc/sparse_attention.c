@@ -276,11 +276,6 @@ AVX512 static float exp_f32_512(float *s, int c, int n, float a, float m)
     EXP_ROW(VEC_512, 0, _mm512_storeu_ps(s + j, e));
 }
 
-AVX512 static float exp_bf16_512(const float *s, int c, int n, float a, float m, uint16_t *p)
-{
-    EXP_ROW(VEC_512, 1, _mm256_storeu_si256((__m256i *)(p + j), bf16_512(e)));
-}
-
 /* exp_bf16 for a query whose running max m is finite, one pass: *top is set
  * to the largest s[j] * a - m over j < c (a NaN there may be missed: the sum
  * is NaN then). */
@@ -301,21 +296,15 @@ AVX512 static float exp_bf16_top_512(const float *s, int c, int n, float a, floa
     return _mm512_reduce_add_ps(acc);
 }
 
-#ifdef HAVE_BF16_ISA
-/* With AVX512-BF16: one instruction rounds 32 values (nearest even). */
-AVX512BF16 static float exp_bf16_512bf(const float *s, int c, int n, float a, float m,
-                                       uint16_t *p)
+/* exp_bf16 on AVX-512: the same pass, its largest exponent unused. */
+AVX512 static float exp_bf16_512(const float *s, int c, int n, float a, float m, uint16_t *p)
 {
-    __m512 acc = _mm512_setzero_ps(), av = _mm512_set1_ps(a), mv = _mm512_set1_ps(m);
-    for (int j = 0; j < n; j += 32) {
-        __m512 e0 = exp_lanes_512(s, j, c, av, mv, 1);
-        __m512 e1 = exp_lanes_512(s, j + 16, c, av, mv, 1);
-        _mm512_storeu_si512((void *)(p + j), (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-        acc = _mm512_add_ps(acc, _mm512_add_ps(e0, e1));
-    }
-    return _mm512_reduce_add_ps(acc);
+    float top;
+    return exp_bf16_top_512(s, c, n, a, m, p, &top);
 }
 
+#ifdef HAVE_BF16_ISA
+/* With AVX512-BF16: one instruction rounds 32 values (nearest even). */
 AVX512BF16 static float exp_bf16_top_512bf(const float *s, int c, int n, float a, float m,
                                            uint16_t *p, float *top)
 {
@@ -332,6 +321,13 @@ AVX512BF16 static float exp_bf16_top_512bf(const float *s, int c, int n, float a
     }
     *top = _mm512_reduce_max_ps(hi);
     return _mm512_reduce_add_ps(acc);
+}
+
+AVX512BF16 static float exp_bf16_512bf(const float *s, int c, int n, float a, float m,
+                                       uint16_t *p)
+{
+    float top;
+    return exp_bf16_top_512bf(s, c, n, a, m, p, &top);
 }
 #endif
 
