@@ -79,7 +79,12 @@ def plant(case, value):
 
 def check(case, **kw):
     """Run the kernel; compare with the reference; return its output."""
-    out = sa.sparse_attention(**case, **kw)
+    return agrees(case, sa.sparse_attention(**case, **kw))
+
+
+def agrees(case, out):
+    """Assert that ``out`` is the float64 reference's on ``case`` (as close as
+    SDPA is, zero where nothing is visible); return it."""
     assert out.dtype == case["q"].dtype and out.shape == case["q"].shape
     q, k, v = (clean(case[n], case[ln]) for n, ln in (("q", "q_lens"), ("k", "kv_lens"),
                                                        ("v", "kv_lens")))
@@ -521,3 +526,158 @@ def test_python_threads_at_once_each_equal_the_reference(dtype):
         torch.set_num_threads(before)
     for n, out in outs:
         assert torch.equal(out, alone[n])
+
+
+# --------------------------------------------------------------------------- #
+# Keys and values packed straight from the pages of a paged cache
+# --------------------------------------------------------------------------- #
+
+
+def amx_views(page, dim):
+    """Where vLLM's ``amx`` layout puts a page's keys and values in its
+    (page, head) block of ``2 * page * dim`` elements: keys in tiles of 16
+    tokens by pairs of dimensions, values in tiles of 16 dimensions by pairs
+    of tokens (``kv_read.PageReader.key_view`` finds these for vLLM's writer)."""
+    keys = (0, (page // 16, 16, dim // 2, 2), (16 * dim, 2, 32, 1))
+    values = (page * dim, (page // 2, 2, dim // 16, 16), (32, 1, page * 16, 2))
+    return keys, values
+
+
+def token_major_views(page, dim):
+    """Keys and values row after row (not packable by lines)."""
+    return (0, (page, 1, dim, 1), (dim, 0, 1, 0)), (page * dim, (page, 1, dim, 1), (dim, 0, 1, 0))
+
+
+def to_pages(case, page, views, seed, garbage=math.nan):
+    """``case``'s keys and values written into a paged cache [pages, Hkv,
+    2 * page * D] through ``views``, each sequence on pages in a random order
+    among unused ones that hold ``garbage``; the table's entries past a
+    sequence's pages are -1 (never to be read). Returns (cache, table)."""
+    gen = torch.Generator().manual_seed(seed)
+    k, v = case["k"], case["v"]
+    batch, hkv, skv, dim = k.shape
+    width = -(-skv // page)
+    num_pages = batch * width + 3
+    cache = torch.full((num_pages, hkv, 2 * page * dim), garbage, dtype=k.dtype)
+    order = torch.randperm(num_pages, generator=gen)
+    table = torch.full((batch, width), -1, dtype=torch.int32)
+    for b in range(batch):
+        need = -(-int(case["kv_lens"][b]) // page)
+        table[b, :need] = order[b * width:b * width + need].to(torch.int32)
+        for n in range(need):
+            for x, (offset, sizes, strides) in zip((k, v), views):
+                tokens = x[b, :, n * page:(n + 1) * page]  # [Hkv, <= page, D]
+                full = torch.full((hkv, page, dim), garbage, dtype=x.dtype)
+                full[:, :tokens.shape[1]] = tokens
+                blocks = cache[int(table[b, n])]
+                place = blocks.as_strided((hkv, *sizes), (blocks.stride(0), *strides),
+                                          blocks.storage_offset() + offset)
+                place.copy_(full.view(hkv, sizes[0], sizes[1], sizes[2], sizes[3]))
+    return cache, table
+
+
+def run_paged(case, page, views, seed, garbage=math.nan, **kw):
+    cache, table = to_pages(case, page, views, seed, garbage)
+    return sa.sparse_attention_paged(
+        case["q"], cache, table, page, *views, case["idx"], case["lengths"], case["q_lens"],
+        case["kv_lens"], case["block_size"], case["causal"], case["scale"], **kw)
+
+
+needs_packing = pytest.mark.skipif(
+    sa.paged_refused(128, 64, 128, *amx_views(128, 64)) is not None,
+    reason=f"keys cannot be packed from pages here: "
+           f"{sa.paged_refused(128, 64, 128, *amx_views(128, 64))}")
+
+
+@needs_packing
+@pytest.mark.parametrize("page,bs,dim", [(128, 128, 64), (16, 32, 64), (32, 16, 128),
+                                         (64, 64, 32)])
+def test_paged_keys_and_values_give_the_reference(page, bs, dim):
+    """Batches of several lengths, chunked prefill (fewer queries than keys),
+    a last page the sequence only partly fills (NaN past it, as in every
+    unused page): the reference's output."""
+    sq = 3 * bs + 7
+    case = make_case(60 + page, batch=3, hq=4, hkv=2, sq=sq, skv=sq + 2 * page + 5, dim=dim,
+                     bs=bs, dtype=torch.bfloat16, q_lens=[sq, sq - 20, 9],
+                     kv_lens=[sq + 2 * page + 5, sq + page - 3, 40], p=0.5)
+    out = agrees(case, run_paged(case, page, amx_views(page, dim), seed=page))
+    assert bool(out.isfinite().all())
+
+
+@needs_packing
+def test_paged_row_spanning_many_steps_and_pages():
+    """A long row (2,600 keys: six steps of 512, 21 pages of 128), every
+    block listed, and its log-sum-exp."""
+    case = make_case(70, hq=2, hkv=1, sq=256, skv=2600, dim=64, bs=128, dtype=torch.bfloat16,
+                     p=1.0, empty=0.0)
+    out, lse = run_paged(case, 128, amx_views(128, 64), seed=1, lse=True)
+    agrees(case, out)
+    q, k, v = case["q"], case["k"], case["v"]
+    vis = token_mask(case["idx"], case["lengths"], 128, 256, 2600, case["q_lens"],
+                     case["kv_lens"], True)
+    _, want = reference_attention(q, k, v, vis, scale=case["scale"], return_lse=True)
+    assert (lse.double() - want).abs().max().item() < 1e-2
+
+
+@needs_packing
+@pytest.mark.parametrize("causal", [True, False])
+def test_paged_nonfinite_values_act_as_in_dense_attention(causal):
+    """NaN and inf in valid keys and values (V read from the packed pages
+    where a step must go query by query) reach the outputs as in dense
+    attention; the garbage past each sequence's keys leaks nothing."""
+    for seed in range(2):
+        case = make_case(30 + seed, batch=2, hq=4, hkv=2, sq=70, skv=90, dim=32, bs=16,
+                         causal=causal, dtype=torch.bfloat16, q_lens=[70, 41],
+                         kv_lens=[90, 53], p=0.6)
+        case = plant_specials(case, seed)
+        out, lse = run_paged(case, 16, amx_views(16, 32), seed, lse=True)
+        q, k, v = (clean(case[n], case[ln]) for n, ln in (
+            ("q", "q_lens"), ("k", "kv_lens"), ("v", "kv_lens")))
+        vis = token_mask(case["idx"], case["lengths"], 16, 70, 90, case["q_lens"],
+                         case["kv_lens"], causal)
+        want, want_lse = reference_attention(q, k, v, vis, scale=case["scale"],
+                                             return_lse=True)
+        assert bool(want.isnan().any()) and bool(want.isinf().any())
+        same_nonfinite(out, want, 3e-2)
+        same_nonfinite(lse, want_lse, 1e-4)
+
+
+@needs_packing
+def test_paged_unseen_keys_never_reach_a_query():
+    """NaN in key 40's K and V, inside the block it shares with earlier
+    queries: those stay finite (the step's P V goes query by query)."""
+    case = make_case(40, hq=2, hkv=1, sq=64, dim=32, bs=32, dtype=torch.bfloat16, p=1.0,
+                     empty=0.0)
+    for name in ("k", "v"):
+        x = case[name].clone()
+        x[:, :, 40] = math.nan
+        case[name] = x
+    out = run_paged(case, 16, amx_views(16, 32), seed=2)
+    assert bool(out[:, :, :40].isfinite().all())
+    assert bool(out[:, :, 40:].isnan().all())
+
+
+@needs_packing
+def test_paged_refuses_what_it_cannot_read():
+    case = make_case(80, hq=2, hkv=1, sq=64, skv=64, dim=32, bs=32, dtype=torch.bfloat16)
+    views = amx_views(16, 32)
+    cache, table = to_pages(case, 16, views, seed=3)
+    args = dict(idx=case["idx"], lengths=case["lengths"], q_lens=case["q_lens"],
+                kv_lens=case["kv_lens"], block_size=32, causal=True, scale=case["scale"])
+
+    def call(q=case["q"], cache=cache, table=table, page=16, views=views, **kw):
+        return sa.sparse_attention_paged(q, cache, table, page, *views, **{**args, **kw})
+
+    with pytest.raises(ValueError, match="runs of 16 tokens"):
+        call(views=token_major_views(16, 32))
+    with pytest.raises(TypeError, match="bfloat16"):
+        call(q=case["q"].float())
+    bad = table.clone()
+    bad[0, 1] = cache.shape[0]
+    with pytest.raises(ValueError, match="table entries in use"):
+        call(table=bad)
+    with pytest.raises(ValueError, match="kv_lens"):
+        call(kv_lens=torch.tensor([65]))
+    with pytest.raises(ValueError, match="must cover"):
+        call(page=32, views=amx_views(32, 32))  # views of 32 tokens in blocks of 16
+    agrees(case, call())  # and the call itself is sound

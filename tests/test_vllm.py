@@ -603,6 +603,9 @@ def test_amx_engine_runs_stem_on_the_amx_layout(model):
     lines = [x for x in run["log"].splitlines() if "Stem prefill of request" in x]
     for kind in ("continuation", "prefix hit"):
         assert any(re.search(rf"rows sparse \([^)]*{kind} [1-9]", x) for x in lines), lines
+    if _auto_kernel("bfloat16") == "stem":  # the kernel packs the amx pages itself
+        assert run["log"].count("Stem rows run Stem's block-sparse kernel on keys and values "
+                                "it packs straight from vLLM's amx cache pages") == 1
     # The long prompts' tokens on the amx layout: not yet measured on a CPU with AMX.
     assert assert_close_tokens(run, plain(model, BF16), long_prompts=False)
 

@@ -20,7 +20,8 @@ import stem_indexer
 from stem_indexer import StemIndexerInputError
 from stem_indexer.pipeline.index_cache import IndexCache
 from stem_indexer.integrations.vllm.kv_read import PageReader
-from stem_indexer.integrations.vllm.rows import (Row, RowKinds, attend_row, decode_only,
+from stem_indexer.integrations.vllm.rows import (Row, RowKinds, attend_row, attend_row_paged,
+                                                 decode_only,
                                                   decode_tokens_left_out, plan_row,
                                                   plan_stem_row, select_blocks, virtual_rows)
 from stem_indexer.operator.ops import sparse_attention
@@ -558,3 +559,40 @@ def test_the_reader_takes_only_its_own_cache_shape():
     kv, pages, _, _ = _shuffled_pages(_vec_writer, torch.bfloat16)
     with pytest.raises(ValueError, match="kv_cache must be"):
         reader.read(kv, pages)
+
+
+@pytest.mark.skipif(not sparse_attention.available()
+                    or sparse_attention.bf16_packed(32, 32) is not None,
+                    reason="Stem's kernel has no bfloat16 micro-kernel here")
+@pytest.mark.parametrize("context, q_len", [(0, 400), (300, 211), (1640, 64), (3097, 303)])
+def test_stems_kernel_packing_tiled_pages_itself_is_attention_on_the_selection(context, q_len):
+    """The ``amx`` layout (here its stand-in writer): the kernel packs the
+    row's keys and values straight from the shuffled pages
+    (``attend_row_paged``), against float64 attention masked to the listed
+    blocks; the ``vec`` layout is refused with the reason."""
+    page, hq, hkv, dim, bs = 32, 4, 2, 32, 32
+    s = StemSettings.from_mapping({"preset": "tight", "stem_block_size": bs, "stem_stride": 8,
+                                   "exact_tail": 0})
+    gen = torch.Generator().manual_seed(context + q_len)
+    row = Row(0, 0, q_len, context, 4000)
+    query = torch.randn(q_len, hq, dim, generator=gen).to(torch.bfloat16)
+    k, v = torch.randn(2, hkv, row.seq_len, dim, generator=gen).to(torch.bfloat16)
+    num_pages = 130
+    raw = torch.full((num_pages, hkv, page, 2 * dim), float("nan"), dtype=torch.bfloat16)
+    key_cache, value_cache = raw.view(num_pages, hkv, 2 * page, dim).chunk(2, dim=2)
+    pages = torch.randperm(num_pages, generator=gen)[:math.ceil(row.seq_len / page)]
+    t = torch.arange(row.seq_len)
+    _tile_writer(k.transpose(0, 1), v.transpose(0, 1), key_cache, value_cache,
+                 pages[t // page] * page + t % page)
+    scale = 1 / math.sqrt(dim)
+    plan, (idx, lengths) = _select(query.float(), k.float(), v.float(), row, scale, s, page,
+                                   pages.to(torch.int32))
+    reader = PageReader.probe(_tile_writer, page, hkv, dim, torch.bfloat16)
+    assert sparse_attention.paged_refused(page, dim, bs, reader.key_view,
+                                          reader.value_view) is None
+    got = attend_row_paged(query, raw, reader, idx, lengths, plan, scale)
+    want = _masked_attention(query, k, v, idx, lengths, row, bs, scale)
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+    vec = PageReader.probe(_vec_writer, page, hkv, dim, torch.bfloat16)
+    assert "runs of 16 tokens" in sparse_attention.paged_refused(page, dim, bs, vec.key_view,
+                                                                 vec.value_view)

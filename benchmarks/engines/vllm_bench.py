@@ -276,8 +276,10 @@ def pairs(args) -> None:
 
     from stem_indexer.pipeline.index_cache import IndexCache
     from stem_indexer.integrations.vllm.backend import page_reader
-    from stem_indexer.integrations.vllm.rows import (Row, attend_row, plan_row, plan_stem_row,
-                                                     select_blocks, virtual_rows)
+    from stem_indexer.integrations.vllm.rows import (Row, attend_row, attend_row_paged,
+                                                     plan_row, plan_stem_row, select_blocks,
+                                                     virtual_rows)
+    from stem_indexer.operator.ops.sparse_attention import paged_refused
     from stem_indexer.integrations.vllm.settings import StemSettings
 
     torch.manual_seed(0)
@@ -288,6 +290,8 @@ def pairs(args) -> None:
         torch._C._cpu._init_amx()  # a process's first tile instruction needs it
     settings = StemSettings.from_mapping(json.loads(args.stem))
     reader = page_reader(isa, dtype, page, hkv, dim)
+    refused = ("not bfloat16" if dtype != torch.bfloat16 else
+               paged_refused(page, dim, settings.block_size, reader.key_view, reader.value_view))
     scale = 1 / math.sqrt(dim)
     lines = [f"\n### One attention layer, vLLM's kernel against Stem's path ({args.stem})\n",
              header(), "",
@@ -296,12 +300,16 @@ def pairs(args) -> None:
              f"(Hq {hq}, Hkv {hkv}, D {dim}, {dtype}, cache layout {isa}, "
              f"{torch.get_num_threads()} threads; the row is the prompt's last chunk of "
              f"{args.chunk or 'all its'} tokens; the indexer reads the indexer cache; Stem's "
-             "kernel time includes reading the row's keys and values out of vLLM's cache)", "",
+             "kernel time includes reading the row's keys and values out of vLLM's cache: "
+             + ("the kernel packs them straight from its pages)" if refused is None else
+                f"read in token order first, as they cannot be packed from its pages: {refused})"),
+             "",
              "| tokens | density | vLLM (ms) | indexer (ms) | vLLM's kernel on virtual rows "
-             "(ms) | Stem's kernel, the read included (ms) | Stem with Stem's kernel: "
+             "(ms) | Stem's kernel, the read included (ms) | the same, keys and values read "
+             "in token order first (ms) | Stem with Stem's kernel: "
              "speed-up, median [min, max] | per kept pair / vLLM's per visible pair: "
              "vLLM's kernel, Stem's |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for length in [int(x) for x in args.lengths.split(",")]:
         chunk = min(args.chunk or length, length)
         nb = length // page + 2
@@ -346,24 +354,31 @@ def pairs(args) -> None:
             ops.cpu_attention_with_kv_cache(vq, flat_k, flat_v, out, vqsl, vr.seq_lens, scale,
                                             True, None, -1, vr.block_table, 0.0, vmd, None)
 
-        def on_stems_kernel(sel):
+        def read_first(sel):
             k, v = reader.read_heads(kv, plan.pages)
             attend_row(query, k, v, *sel, plan, scale)
 
-        times = {"dense": [], "index": [], "virtual": [], "stem": []}
+        def on_stems_kernel(sel):
+            if refused is None:  # as the backend does
+                attend_row_paged(query, kv, reader, *sel, plan, scale)
+            else:
+                read_first(sel)
+
+        times = {"dense": [], "index": [], "virtual": [], "stem": [], "read": []}
         sel = index()
         for _ in range(args.reps):  # the calls alternate within each repetition
             for name, fn in (("dense", dense), ("index", index), ("virtual", on_virtual_rows),
-                             ("stem", on_stems_kernel)):
+                             ("stem", on_stems_kernel), ("read", read_first)):
                 t0 = time.perf_counter()
-                fn(sel) if name in ("virtual", "stem") else fn()
+                fn(sel) if name in ("virtual", "stem", "read") else fn()
                 times[name].append(time.perf_counter() - t0)
         # the pairs the kernels ran: the budget's, and the prompt's widened tail
         share = float(sel[1].sum()) / (hq * plan_row(row, settings).visible)
-        d, i, k, st = (statistics.median(times[n]) * 1e3
-                       for n in ("dense", "index", "virtual", "stem"))
+        d, i, k, st, rd = (statistics.median(times[n]) * 1e3
+                           for n in ("dense", "index", "virtual", "stem", "read"))
         ratios = [a / (b + c) for a, b, c in zip(times["dense"], times["index"], times["stem"])]
         lines.append(f"| {length} | {share:.0%} | {d:.0f} | {i:.0f} | {k:.0f} | {st:.0f} "
+                     f"| {rd:.0f} "
                      f"| {statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}] "
                      f"| {(k / share) / d:.2f}, {(st / share) / d:.2f} |")
         print(lines[-1], flush=True)

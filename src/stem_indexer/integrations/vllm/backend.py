@@ -67,8 +67,8 @@ from ...operator.ops import sparse_attention as sparse_kernel
 from ...pipeline.index_cache import IndexCache, WriteStage, index_cache_bytes, row_tags, token_tags
 from .kv_read import PageReader
 from .patches import engine_reason, install_step_hook
-from .rows import (Row, RowKinds, StemRow, attend_row, decode_only, decode_tokens_left_out,
-                   plan_row, plan_stem_row, select_blocks, virtual_rows)
+from .rows import (Row, RowKinds, StemRow, attend_row, attend_row_paged, decode_only,
+                   decode_tokens_left_out, plan_row, plan_stem_row, select_blocks, virtual_rows)
 from .settings import StemSettings
 from .stats import STATS
 
@@ -629,7 +629,9 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         self.index_cache: IndexCache | None = None
         self.held = None  # speculative decoding: (step, key, value, slots, tags) held back
         self.staged_for = None  # the KV cache this layer's staged writes were checked for
-        self.sparse = None  # (reader,): Stem's kernel reads the pages; (None,): vLLM's kernel
+        # (reader, paged): Stem's kernel reads the pages, packing them itself where
+        # paged; (None, False): vLLM's kernel
+        self.sparse = None
         self.ordinal = _LAYER_COUNT[0]
         _LAYER_COUNT[0] += 1
         _WRITING_LAYERS[0] += not self.layer_reason
@@ -849,25 +851,39 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                 reason = "indexer cache incomplete"
         return reason
 
-    def _sparse_reader(self, layer, kv_cache: torch.Tensor) -> PageReader | None:
+    def _sparse_reader(self, layer, kv_cache: torch.Tensor) -> tuple[PageReader | None, bool]:
         """The reader of this layer's pages where Stem's kernel attends its
         Stem rows (``sparse_kernel``), None where vLLM's kernel does on
-        virtual rows. Chosen at the layer's first Stem row; the choice is
-        said once per process."""
+        virtual rows; and whether the kernel packs the keys and values
+        straight from the pages (else the reader reads them out first).
+        Chosen at the layer's first Stem row; the choice is said once per
+        process."""
         if self.sparse is None:
             reader, why = self._choose_kernel(layer, kv_cache)
-            self.sparse = (reader,)
             isa = getattr(layer, "isa", "unknown")
-            if reader is not None:
+            refused = "vLLM's kernel runs"
+            if reader is not None and kv_cache.dtype != torch.bfloat16:
+                refused = f"the cache is {kv_cache.dtype}, not bfloat16"
+            elif reader is not None:
+                refused = sparse_kernel.paged_refused(kv_cache.shape[2], self.head_size,
+                                                      self.settings.block_size, reader.key_view,
+                                                      reader.value_view)
+            self.sparse = (reader, refused is None)
+            if self.sparse[1]:
                 _report_once("kernel:stem", "Stem rows run Stem's block-sparse kernel on keys "
-                             "and values read from vLLM's %s cache", isa, level=logging.INFO)
+                             "and values it packs straight from vLLM's %s cache pages", isa,
+                             level=logging.INFO)
+            elif reader is not None:
+                _report_once("kernel:stem", "Stem rows run Stem's block-sparse kernel on keys "
+                             "and values read from vLLM's %s cache (not packed from its pages: "
+                             "%s)", isa, refused, level=logging.INFO)
             elif self.settings.sparse_kernel == "stem":
                 _report_once(f"kernel:{why}", "sparse_kernel='stem' cannot run here (%s); "
                              "Stem rows run vLLM's kernel on virtual rows", why)
             else:
                 _report_once(f"kernel:{why}", "Stem rows run vLLM's kernel on virtual rows "
                              "(%s)", why, level=logging.INFO)
-        return self.sparse[0]
+        return self.sparse
 
     def _choose_kernel(self, layer, kv_cache: torch.Tensor) -> tuple[PageReader | None, str]:
         """(the reader, "") where Stem's kernel attends this layer's Stem rows;
@@ -977,7 +993,7 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                                                    -1).chunk(2, dim=2)
             self._run_dense(layer, query, key_cache, value_cache, step.batch, out)
         s, cache = self.settings, self.index_cache
-        reader = self._sparse_reader(layer, kv_cache)
+        reader, paged = self._sparse_reader(layer, kv_cache)
         virtual, done, traces = [], [], []
         for plan in step.stem:
             row = plan.row
@@ -985,7 +1001,7 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
             kflat, vbias = cache.inputs(plan.pages, row.seq_len, s.block_size, s.oam,
                                         s.oam_lambda, stat_runs=plan.paged.oam_runs)
             keys = values = None
-            if reader is not None:
+            if reader is not None and not paged:
                 keys, values = reader.read_heads(kv_cache, plan.pages)
             elif s.probe_queries:
                 keys, _ = self._keys_reader(layer, kv_cache).read_heads(kv_cache, plan.pages,
@@ -993,7 +1009,10 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
             idx, lengths = select_blocks(q, kflat, vbias, plan, self.scale, s,
                                          None if keys is None else keys.transpose(0, 1),
                                          self.logits_soft_cap)
-            if reader is not None:
+            if paged:
+                out[row.start:row.start + row.q_len] = attend_row_paged(
+                    q, kv_cache, reader, idx, lengths, plan, self.scale, self.logits_soft_cap)
+            elif reader is not None:
                 out[row.start:row.start + row.q_len] = attend_row(
                     q, keys, values, idx, lengths, plan, self.scale, self.logits_soft_cap)
             else:

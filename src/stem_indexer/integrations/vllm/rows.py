@@ -36,9 +36,11 @@ work is done once per step by ``plan_stem_row``, in the metadata builder;
 each layer then runs tensor work only (``select_blocks``, ``virtual_rows``).
 
 The kept blocks are attended by one of two kernels (the ``sparse_kernel``
-setting). Stem's CPU block-sparse kernel (``attend_row``) takes the row's
-keys and values as read from vLLM's cache (``kv_read.PageReader``) and the
-selection as it is. Or the kept blocks become *virtual rows* of vLLM's own
+setting). Stem's CPU block-sparse kernel takes the selection as it is, and
+the row's keys and values either packed by the kernel straight from vLLM's
+cache pages, where their layout allows it (``attend_row_paged``: the
+``amx`` layout), or as read from vLLM's cache (``attend_row``, with
+``kv_read.PageReader``). Or the kept blocks become *virtual rows* of vLLM's own
 paged kernel: for
 query head ``h`` and query block ``i``, the block's query tokens attend a
 sequence made of the pages of the kept key blocks, in ascending order. The
@@ -55,12 +57,12 @@ import torch
 
 from ...operator import contract
 from ...operator.contract import PARAM_NAMES, ceil_div
-from ...operator.ops.sparse_attention import sparse_attention
+from ...operator.ops.sparse_attention import sparse_attention, sparse_attention_paged
 from ...pipeline.paged import PagedPlan, select_on_inputs, stem_paged_plan, window_queries
 from .settings import StemSettings
 
 __all__ = ["Row", "RowKinds", "RowPlan", "plan_row", "StemRow", "plan_stem_row",
-           "select_blocks", "attend_row", "virtual_rows", "VirtualRows",
+           "select_blocks", "attend_row", "attend_row_paged", "virtual_rows", "VirtualRows",
            "decode_tokens_left_out"]
 
 
@@ -218,6 +220,21 @@ def attend_row(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     out = sparse_attention(window_queries(query, p.q_map), keys[None], values[None],
                            indices[None], lengths[None], p.window_lens, p.seq_lens,
                            p.params.stem_block_size, True, scale, softcap or None)
+    return out.transpose(1, 2).flatten(0, 1)[p.out_map]
+
+
+def attend_row_paged(query: torch.Tensor, kv_cache: torch.Tensor, reader, indices: torch.Tensor,
+                     lengths: torch.Tensor, plan: StemRow, scale: float,
+                     softcap: float | None = None) -> torch.Tensor:
+    """``attend_row`` with the row's keys and values packed by the kernel
+    straight from vLLM's cache ``kv_cache [num_pages, Hkv, page, 2D]``,
+    where ``reader`` (its ``kv_read.PageReader``) says they lie; the layout
+    must pass ``sparse_attention.paged_refused``."""
+    p = plan.paged
+    out = sparse_attention_paged(window_queries(query, p.q_map), kv_cache, plan.pages[None],
+                                 kv_cache.shape[2], reader.key_view, reader.value_view,
+                                 indices[None], lengths[None], p.window_lens, p.seq_lens,
+                                 p.params.stem_block_size, True, scale, softcap or None)
     return out.transpose(1, 2).flatten(0, 1)[p.out_map]
 
 

@@ -57,6 +57,10 @@ LIB = native.Library("sparse_attention", {
                                      _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int,
                                      ctypes.c_double, ctypes.c_double, _int, _int, _ptr, _int,
                                      _int]),
+    "stem_sparse_attention_paged": (_int, [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr,
+                                           _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _ptr,
+                                           _i64, _ptr, _ptr, _ptr, _int, ctypes.c_double,
+                                           ctypes.c_double, _ptr, _int, _int]),
 })
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -191,39 +195,151 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: tor
     float32 log-sum-exp [B, Hq, Sq] (natural log) of the scores each query
     attended (-inf where it saw none, and at padded positions).
     """
-    found = torch_blas.symbols()[0]
-    lib = native.load(LIB)
-    if found is None or lib is None:
-        raise RuntimeError(f"sparse_attention: kernel unavailable ({status()})")
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"sparse_attention: q, k, v must share a dtype among {list(DTYPES)}; "
                         f"got {q.dtype}, {k.dtype}, {v.dtype}")
-    if bf16 not in BF16_MODES or isa not in ISAS:
-        raise ValueError(f"sparse_attention: bf16 in {BF16_MODES}, isa in {list(ISAS)}; "
-                         f"got {bf16!r}, {isa!r}")
-    batch, hq, sq, dim = q.shape
-    hkv, skv = k.shape[1], k.shape[2]
-    qmax = -(-sq // block_size)
-    if idx.shape[:3] != (batch, hq, qmax) or lengths.shape != (batch, hq, qmax):
-        raise ValueError(f"sparse_attention: idx {tuple(idx.shape)} / lengths "
-                         f"{tuple(lengths.shape)} do not match {(batch, hq, qmax)}")
-    mode = _mode(q.dtype, bf16, dim, block_size)
+    lib, blas = _prepare("sparse_attention", q, idx, lengths, block_size, bf16, isa)
+    mode = _mode(q.dtype, bf16, q.shape[3], block_size)
     q, k, v = (t.contiguous() for t in (q, k, v))
-    idx, lengths, q_lens, kv_lens = (t.to(torch.int64).contiguous()
-                                     for t in (idx, lengths, q_lens, kv_lens))
+    idx, lengths, q_lens, kv_lens = _int64(idx, lengths, q_lens, kv_lens)
     out = torch.empty_like(q)
-    lse_out = torch.empty((batch, hq, sq), dtype=torch.float32) if lse else None
-    table = (ctypes.c_void_p * 4)(found["sgemm_"], found[torch_blas.CPUBLAS[0]],
-                                  found[torch_blas.CPUBLAS[1]], found[torch_blas.MKL[1]])
+    lse_out = torch.empty(q.shape[:3], dtype=torch.float32) if lse else None
     code = lib.stem_sparse_attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-        None if lse_out is None else lse_out.data_ptr(), batch, hq, hkv, sq, skv, dim,
-        block_size, idx.data_ptr(), idx.shape[3], lengths.data_ptr(), q_lens.data_ptr(),
-        kv_lens.data_ptr(), int(bool(causal)), float(scale), float(softcap or 0.0),
-        DTYPES[q.dtype], mode, table, ISAS[isa], torch.get_num_threads())
+        None if lse_out is None else lse_out.data_ptr(), q.shape[0], q.shape[1], k.shape[1],
+        q.shape[2], k.shape[2], q.shape[3], block_size, idx.data_ptr(), idx.shape[3],
+        lengths.data_ptr(), q_lens.data_ptr(), kv_lens.data_ptr(), int(bool(causal)), float(scale),
+        float(softcap or 0.0), DTYPES[q.dtype], mode, blas, ISAS[isa], torch.get_num_threads())
+    _raise_for("sparse_attention", code, f"shapes {tuple(q.shape)}, {tuple(k.shape)}")
+    return (out, lse_out) if lse else out
+
+
+def _prepare(who: str, q: torch.Tensor, idx: torch.Tensor, lengths: torch.Tensor,
+             block_size: int, bf16: str, isa: str):
+    """The library and the GEMM table, after the checks both entry points
+    share."""
+    found = torch_blas.symbols()[0]
+    lib = native.load(LIB)
+    if found is None or lib is None:
+        raise RuntimeError(f"{who}: kernel unavailable ({status()})")
+    if bf16 not in BF16_MODES or isa not in ISAS:
+        raise ValueError(f"{who}: bf16 in {BF16_MODES}, isa in {list(ISAS)}; "
+                         f"got {bf16!r}, {isa!r}")
+    if q.dim() != 4:
+        raise ValueError(f"{who}: q must be [B, Hq, Sq, D]; got {tuple(q.shape)}")
+    batch, hq, sq, _ = q.shape
+    qmax = -(-sq // block_size)
+    if idx.shape[:3] != (batch, hq, qmax) or lengths.shape != (batch, hq, qmax):
+        raise ValueError(f"{who}: idx {tuple(idx.shape)} / lengths "
+                         f"{tuple(lengths.shape)} do not match {(batch, hq, qmax)}")
+    blas = (ctypes.c_void_p * 4)(found["sgemm_"], found[torch_blas.CPUBLAS[0]],
+                                 found[torch_blas.CPUBLAS[1]], found[torch_blas.MKL[1]])
+    return lib, blas
+
+
+def _int64(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.to(torch.int64).contiguous() for t in tensors)
+
+
+def _raise_for(who: str, code: int, what: str) -> None:
     if code == _ERR_MEMORY:
-        raise MemoryError("sparse_attention: no memory for the kernel's scratch")
+        raise MemoryError(f"{who}: no memory for the kernel's scratch")
     if code != 0:
-        raise ValueError(f"sparse_attention: arguments refused by the kernel (isa={isa!r} "
-                         f"may not run on this CPU; shapes {tuple(q.shape)}, {tuple(k.shape)})")
+        raise ValueError(f"{who}: arguments refused by the kernel (the isa asked for may not "
+                         f"run on this CPU; {what})")
+
+
+# --------------------------------------------------------------------------- #
+# Keys and values packed straight from a paged cache
+# --------------------------------------------------------------------------- #
+
+#: ``(offset, sizes, strides)`` of keys or values in one (page, KV head)
+#: block: sizes ``(page // a, a, D // b, b)``, element (t, d) at ``offset +
+#: (t // a, t % a, d // b, d % b) . strides`` (``kv_read.PageReader.key_view``)
+View = tuple[int, tuple[int, ...], tuple[int, ...]]
+
+
+def paged_refused(page: int, dim: int, block_size: int, key_view: View | None,
+                  value_view: View | None) -> str | None:
+    """Why ``sparse_attention_paged`` cannot pack keys and values straight
+    from pages of this layout, or None where it can: the pack copies 64-byte
+    lines, so the keys must lie in runs of 16 tokens two dimensions wide
+    (vLLM's ``amx`` layout), the values in runs of dimensions two tokens
+    wide; and the micro-kernel must take bfloat16 here (``bf16_packed``)."""
+    if key_view is None or value_view is None:
+        return "the keys or values are not a strided view of the page"
+    (_, (_, ka, _, kb), (_, k1, _, k3)), (_, (_, va, _, _), (_, v1, _, v3)) = key_view, value_view
+    if page % 16 or ka % 16 or k1 != 2 or kb % 2 or k3 != 1:
+        return "the keys do not lie in runs of 16 tokens by pairs of dimensions"
+    if va % 2 or v1 != 1 or v3 != 2:
+        return "the values do not lie in runs of dimensions by pairs of tokens"
+    step = (1 if block_size >= STEP_KEYS else STEP_KEYS // block_size) * block_size
+    if step % 16:
+        return f"the kernel's steps of {step} keys are not whole runs of 16"
+    return _unpackable(dim, block_size) or brgemm_probe(dim, block_size)
+
+
+def sparse_attention_paged(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
+                           page: int, key_view: View, value_view: View, idx: torch.Tensor,
+                           lengths: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor,
+                           block_size: int, causal: bool, scale: float,
+                           softcap: float | None = None, *, lse: bool = False,
+                           isa: str = "auto") -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``sparse_attention`` in bfloat16 with the keys and values read from a
+    paged cache by the kernel's own packing (no copy of them in token order).
+
+    ``cache [num_pages, Hkv, ...]`` bfloat16: the (page, KV head) block
+    ``cache[p, h]`` is contiguous and holds a page's keys and values where
+    ``key_view`` and ``value_view`` say (each ``View``; as
+    ``kv_read.PageReader.probe`` finds them for vLLM's layouts). ``table [B,
+    W]`` integer: the page of each sequence's tokens ``[n * page, (n + 1) *
+    page)``, for ``n < ceil(kv_len / page)`` (entries past them are not
+    read). The layout must pass ``paged_refused``. Otherwise as
+    ``sparse_attention`` (with Skv the largest ``kv_len``)."""
+    who = "sparse_attention_paged"
+    if q.dtype != torch.bfloat16 or cache.dtype != torch.bfloat16:
+        raise TypeError(f"{who}: q and cache must be bfloat16; got {q.dtype}, {cache.dtype}")
+    lib, blas = _prepare(who, q, idx, lengths, block_size, "brgemm", isa)
+    batch, _, _, dim = q.shape
+    why = paged_refused(page, dim, block_size, key_view, value_view)
+    if why:
+        raise ValueError(f"{who}: keys and values cannot be packed from these pages ({why})")
+    if cache.dim() < 3 or not cache[:1, :1].is_contiguous() or cache.stride(-1) != 1:
+        raise ValueError(f"{who}: cache must be [num_pages, Hkv, ...] with each (page, head) "
+                         f"block contiguous; got {tuple(cache.shape)} strides {cache.stride()}")
+    num_pages, hkv = cache.shape[:2]
+    block = cache[0, 0].numel()
+    for name, (offset, sizes, strides) in (("key_view", key_view), ("value_view", value_view)):
+        last = offset + sum((n - 1) * st for n, st in zip(sizes, strides))
+        if sizes[0] * sizes[1] != page or sizes[2] * sizes[3] != dim or offset < 0 or last >= block:
+            raise ValueError(f"{who}: {name} {sizes} must cover {page} tokens by {dim} "
+                             f"dimensions inside a block of {block} elements")
+    if table.dim() != 2 or table.shape[0] != batch or table.dtype.is_floating_point:
+        raise ValueError(f"{who}: table must be integer [{batch}, W]; got "
+                         f"{tuple(table.shape)} {table.dtype}")
+    if q_lens.shape != (batch,) or kv_lens.shape != (batch,):
+        raise ValueError(f"{who}: q_lens and kv_lens must be [{batch}]")
+    idx, lengths, q_lens, kv_lens, table = _int64(idx, lengths, q_lens, kv_lens, table)
+    need = -(-kv_lens // page)
+    if bool((kv_lens < 0).any()) or bool((need > table.shape[1]).any()):
+        raise ValueError(f"{who}: kv_lens must be in [0, {table.shape[1] * page}] (the table's "
+                         f"{table.shape[1]} pages of {page}); got {kv_lens.tolist()}")
+    used = table[torch.arange(table.shape[1]) < need[:, None]]
+    if used.numel() and not (0 <= int(used.min()) and int(used.max()) < num_pages):
+        raise ValueError(f"{who}: table entries in use must be pages in [0, {num_pages})")
+    views = torch.tensor([[offset, sizes[1], strides[0], strides[1], sizes[3], strides[2],
+                           strides[3]] for offset, sizes, strides in (key_view, value_view)],
+                         dtype=torch.int64)
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    lse_out = torch.empty(q.shape[:3], dtype=torch.float32) if lse else None
+    skv = int(kv_lens.max()) if batch else 0
+    code = lib.stem_sparse_attention_paged(
+        q.data_ptr(), cache.data_ptr(), table.data_ptr(), table.shape[1], page, cache.stride(0),
+        cache.stride(1), views.data_ptr(), out.data_ptr(),
+        None if lse_out is None else lse_out.data_ptr(), batch, q.shape[1], hkv, q.shape[2],
+        skv, dim, block_size, idx.data_ptr(), idx.shape[3], lengths.data_ptr(),
+        q_lens.data_ptr(), kv_lens.data_ptr(), int(bool(causal)), float(scale),
+        float(softcap or 0.0), blas, ISAS[isa], torch.get_num_threads())
+    _raise_for(who, code, f"q {tuple(q.shape)}, cache {tuple(cache.shape)}")
     return (out, lse_out) if lse else out

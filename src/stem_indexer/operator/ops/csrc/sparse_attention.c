@@ -41,7 +41,10 @@
  *               at::native::cpublas::brgemm (oneDNN's micro-kernel, the one
  *               torch's own flash attention uses: AMX tiles, or vdpbf16ps)
  *               on whole blocks, and P is rounded to bfloat16 as torch's
- *               flash kernel does.
+ *               flash kernel does. The keys and values may also be packed
+ *               straight from the pages of a paged cache whose layout packs
+ *               by 64-byte lines (struct paged; vLLM's `amx` layout):
+ *               stem_sparse_attention_paged.
  *
  * The rows already share the cores, so MKL must run serially in each thread:
  * inside an active libgomp region it does by itself (MKL_Get_Max_Threads()
@@ -443,6 +446,25 @@ static int pick_rowops(int isa, struct rowops *ops)
  * The problem, per-thread scratch, one step's pieces.
  * -------------------------------------------------------------------------- */
 
+/* Where the keys (or the values) lie in one (page, KV head) block of a paged
+ * cache: element (t, d), t the token's offset in its page, at
+ *   off + (t / a) * s0 + (t % a) * s1 + (d / b) * s2 + (d % b) * s3. */
+struct kv_view {
+    int64_t off, a, s0, s1, b, s2, s3;
+};
+
+/* MODE_BRGEMM with K and V packed straight from a paged cache of bfloat16
+ * blocks, (page p, KV head h) at cache + p * page_stride + h * head_stride.
+ * Supported where the pack is a copy of 64-byte lines (paged_views_ok): keys
+ * in runs of 16 tokens per pair of dimensions, values in runs of b pairs of
+ * dimensions per pair of tokens (vLLM's `amx` layout is such). */
+struct paged {
+    const uint16_t *cache;
+    const int64_t *table; /* [B, table_w]: the page of tokens [n * page, (n + 1) * page) */
+    int64_t table_w, page, page_stride, head_stride;
+    struct kv_view k, v;
+};
+
 struct job {
     const void *q, *k, *v;
     void *out;
@@ -458,6 +480,7 @@ struct job {
     brgemm_t brgemm;
     struct rowops ops;
     uint16_t *kp, *vp; /* MODE_BRGEMM: the current KV head packed (see pack_chunk) */
+    const struct paged *paged; /* K and V read from a paged cache (k, v NULL); or NULL */
 };
 
 struct piece {
@@ -558,10 +581,68 @@ static void pack_v(const uint16_t *v, int64_t d, int64_t kc, int64_t valid, uint
     }
 }
 
+/* Whether pack_paged can copy these views by lines: keys in runs of 16
+ * tokens two dimensions wide (words of 16 tokens adjacent), values in runs of
+ * b dimensions two tokens wide (a token pair's words adjacent along d). */
+static int paged_views_ok(const struct paged *pg, int64_t dim)
+{
+    const struct kv_view *k = &pg->k, *v = &pg->v;
+    return pg->page > 0 && pg->page % 16 == 0 && k->a > 0 && k->a % 16 == 0 &&
+           k->s1 == 2 && k->b > 0 && k->b % 2 == 0 && dim % k->b == 0 && k->s3 == 1 &&
+           v->a > 0 && v->a % 2 == 0 && v->s1 == 1 && v->b > 0 && dim % v->b == 0 &&
+           v->s3 == 2 && pg->page % k->a == 0 && pg->page % v->a == 0;
+}
+
+/* pack_chunk's copy from the pages, 16 keys at a time (one page holds them
+ * all): their K^T words (one 64-byte line per pair of dimensions) and their
+ * 8 V rows of pairs (b words per line); keys past kv_len are zeros and their
+ * pages are never read. */
+static void pack_paged(const struct job *jb, int64_t b, int64_t h, int64_t first,
+                       int64_t valid)
+{
+    const struct paged *pg = jb->paged;
+    int64_t d = jb->dim, kc = jb->step_keys;
+    uint32_t *kp = (uint32_t *)(jb->kp + first * d), *vp = (uint32_t *)(jb->vp + first * d);
+    for (int64_t j0 = 0; j0 < kc; j0 += 16) {
+        uint32_t *vrows = vp + j0 / 2 * d;
+        if (j0 >= valid) {
+            for (int64_t w = 0; w < d / 2; w++)
+                memset(kp + w * kc + j0, 0, 64);
+            memset(vrows, 0, (size_t)8 * d * sizeof(uint32_t));
+            continue;
+        }
+        int64_t tok = first + j0, t = tok % pg->page;
+        const uint16_t *blk = pg->cache + pg->table[b * pg->table_w + tok / pg->page] *
+                                              pg->page_stride + h * pg->head_stride;
+        const struct kv_view *kv = &pg->k, *vv = &pg->v;
+        const uint16_t *src = blk + kv->off + t / kv->a * kv->s0 + t % kv->a * 2;
+        for (int64_t w = 0; w < d / 2; w++)
+            memcpy(kp + w * kc + j0, src + 2 * w / kv->b * kv->s2 + 2 * w % kv->b, 64);
+        for (int64_t pair = 0; pair < 8; pair++) {
+            int64_t tt = t + 2 * pair;
+            const uint16_t *row = blk + vv->off + tt / vv->a * vv->s0 + tt % vv->a;
+            for (int64_t g = 0; g < d / vv->b; g++)
+                memcpy(vrows + pair * d + g * vv->b, row + g * vv->s2,
+                       (size_t)vv->b * sizeof(uint32_t));
+        }
+        for (int64_t j = valid - j0; j < 16; j++) { /* past kv_len (j0 < valid here) */
+            for (int64_t w = 0; w < d / 2; w++)
+                kp[w * kc + j0 + j] = 0;
+            uint16_t *half = (uint16_t *)(vrows + j / 2 * d) + j % 2;
+            for (int64_t e = 0; e < d; e++)
+                half[2 * e] = 0;
+        }
+    }
+}
+
 static void pack_chunk(const struct job *jb, int64_t slice, int64_t c)
 {
     int64_t d = jb->dim, kc = jb->step_keys, b = slice / jb->hkv;
     int64_t valid = jb->kv_lens[b] - c * kc; /* keys of the chunk below kv_len */
+    if (jb->paged) {
+        pack_paged(jb, b, slice % jb->hkv, c * kc, valid);
+        return;
+    }
     int64_t at = (slice * jb->skv + c * kc) * d;
     pack_k((const uint16_t *)jb->k + at, d, kc, valid, (uint32_t *)(jb->kp + c * kc * d));
     pack_v((const uint16_t *)jb->v + at, d, kc, valid, (uint32_t *)(jb->vp + c * kc * d));
@@ -704,6 +785,24 @@ static int finite_rows(const struct job *jb, const char *x, int64_t n)
     return 1;
 }
 
+/* MODE_BRGEMM: V's element (key, e) in the packed values (pairs of keys). */
+static inline uint16_t packed_v(const struct job *jb, int64_t key, int64_t e)
+{
+    return jb->vp[(key & ~(int64_t)1) * jb->dim + 2 * e + (key & 1)];
+}
+
+/* finite_rows of V's rows [key, key + n), read where the step reads them. */
+static int finite_v(const struct job *jb, const struct row *rw, int64_t key, int64_t n)
+{
+    if (jb->mode != MODE_BRGEMM)
+        return finite_rows(jb, rw->v + (size_t)key * jb->dim * esize(jb), n);
+    for (int64_t j = key; j < key + n; j++)
+        for (int64_t e = 0; e < jb->dim; e++)
+            if ((packed_v(jb, j, e) & 0x7F80u) == 0x7F80u)
+                return 0;
+    return 1;
+}
+
 /* Whether P V may go through a GEMM: no query has an invisible column whose
  * V row holds NaN or inf (weighted 0, it would still give NaN). The columns
  * some query does not see are those from the first query's count up to
@@ -716,14 +815,13 @@ static int gemm_pv_ok(const struct job *jb, const struct scratch *sc, const stru
     if (all && ncols == rw->ncols)
         return 1;
     int c0 = all ? rw->ncols : visible(sc, rw, 0);
-    size_t row = (size_t)jb->dim * esize(jb);
     for (int p = 0; p < rw->np; p++) {
         const struct piece *pc = &sc->pieces[p];
         int64_t end = pc->col + pc->n + (p == rw->np - 1 ? ncols - rw->ncols : 0);
         int64_t a = c0 > pc->col ? c0 : pc->col; /* columns [a, end) of this piece */
         int64_t key = pc->key + (a - pc->col), e = pc->key + (end - pc->col);
         e = e < kv_len ? e : kv_len;
-        if (key < e && !finite_rows(jb, rw->v + (size_t)key * row, e - key))
+        if (key < e && !finite_v(jb, rw, key, e - key))
             return 0;
     }
     return 1;
@@ -745,7 +843,10 @@ static void pv_exact(const struct job *jb, const struct scratch *sc, const struc
                 float w = sc->p ? bf16_float(sc->p[(size_t)t * jb->ld_p + col])
                                 : sc->s[(size_t)t * jb->ld_s + col];
                 int64_t at = (pc->key + j) * d;
-                if (jb->dtype == F32) {
+                if (jb->mode == MODE_BRGEMM) {
+                    for (int64_t e = 0; e < d; e++)
+                        o[e] += w * bf16_float(packed_v(jb, pc->key + j, e));
+                } else if (jb->dtype == F32) {
                     const float *v = (const float *)rw->v + at;
                     for (int64_t e = 0; e < d; e++)
                         o[e] += w * v[e];
@@ -905,9 +1006,12 @@ static int row_init(const struct job *jb, struct scratch *sc, int64_t row, struc
         widen(sc->q32, (const uint16_t *)q, nq * d);
         rw->q = sc->q32;
     }
-    int64_t kv_off = (b * jb->hkv + h / (jb->hq / jb->hkv)) * jb->skv * d * (int64_t)esize(jb);
-    rw->k = (const char *)jb->k + kv_off;
-    rw->v = (const char *)jb->v + kv_off;
+    if (!jb->paged) { /* paged: MODE_BRGEMM reads only the packed K and V */
+        int64_t kv_off = (b * jb->hkv + h / (jb->hq / jb->hkv)) * jb->skv * d *
+                         (int64_t)esize(jb);
+        rw->k = (const char *)jb->k + kv_off;
+        rw->v = (const char *)jb->v + kv_off;
+    }
     for (int t = 0; t < nq; t++)
         sc->m[t] = -INFINITY, sc->l[t] = 0.0f, sc->seen[t] = 0;
     memset(sc->o, 0, (size_t)nq * d * sizeof(float));
@@ -1017,6 +1121,47 @@ static int run(const struct job *jb, threads_t threads, release_t release, int n
     return failed ? ERR_MEMORY : 0;
 }
 
+/* Checks the sizes, sets up and runs the job; jb holds the problem. */
+static int attention(struct job *jb, double scale, double softcap, void *const *blas, int isa,
+                     int nthreads)
+{
+    int64_t batch = jb->batch, hq = jb->hq, hkv = jb->hkv, sq = jb->sq, skv = jb->skv;
+    int64_t dim = jb->dim, bs = jb->bs;
+    int mode = jb->mode, dtype = jb->dtype, packed = mode == MODE_BRGEMM;
+    jb->alpha = (float)(scale * 1.4426950408889634);
+    jb->cap_in = softcap > 0 ? (float)(scale / softcap) : 0.0f;
+    jb->cap_out = softcap > 0 ? (float)(softcap / scale) : 0.0f;
+    jb->sgemm = (sgemm_t)blas[0], jb->brgemm = (brgemm_t)blas[1];
+    if (batch < 0 || hq < 1 || hkv < 1 || hq % hkv || sq < 0 || skv < 0 || dim < 1 ||
+        softcap < 0 || (softcap > 0 && scale == 0) ||
+        bs < 1 || jb->width < 0 || dim > 65536 || bs > 65536 ||
+        (dtype == F32) != (mode == MODE_SGEMM) || (dtype != F32 && dtype != BF16) ||
+        (mode != MODE_SGEMM && mode != MODE_WIDEN && !packed) ||
+        (packed ? !jb->brgemm || !blas[2] || dim % 2 || bs % 2 : !jb->sgemm) ||
+        (jb->paged && (!packed || !paged_views_ok(jb->paged, dim))) ||
+        pick_rowops(isa, &jb->ops))
+        return ERR_ARGS;
+    jb->qmax = (sq + bs - 1) / bs;
+    jb->step_blocks = bs >= STEP_KEYS ? 1 : (int)(STEP_KEYS / bs);
+    jb->step_keys = jb->step_blocks * (int)bs;
+    if (jb->paged && jb->step_keys % 16)
+        return ERR_ARGS; /* pack_paged copies 16 keys at a time */
+    /* Strides off powers of two (cache sets), rows on 64-byte lines (AMX loads). */
+    jb->ld_s = (jb->step_keys + 15) / 16 * 16 + 16;
+    jb->ld_p = (jb->step_keys + 31) / 32 * 32 + 32;
+    if (packed) {
+        int64_t keys = ((skv + bs - 1) / bs * bs + jb->step_keys - 1) / jb->step_keys *
+                       jb->step_keys;
+        jb->kp = alloc((size_t)keys * dim * sizeof(uint16_t));
+        jb->vp = alloc((size_t)keys * dim * sizeof(uint16_t));
+    }
+    int err = packed && (!jb->kp || !jb->vp)
+                  ? ERR_MEMORY
+                  : run(jb, (threads_t)blas[3], (release_t)blas[2], nthreads < 1 ? 1 : nthreads);
+    free(jb->kp), free(jb->vp);
+    return err;
+}
+
 /* q [B, Hq, Sq, D], k and v [B, Hkv, Skv, D], out [B, Hq, Sq, D]: contiguous,
  * one dtype (F32 or BF16). idx [B, Hq, Qmax, width] int64, each row's first
  * lengths[b, h, i] entries ascending, in [0, ceil(Skv / bs)), no duplicates;
@@ -1033,37 +1178,36 @@ int stem_sparse_attention(const void *q, const void *k, const void *v, void *out
                           void *const *blas, int isa, int nthreads)
 {
     struct job jb = {.q = q, .k = k, .v = v, .out = out, .lse = lse, .batch = batch, .hq = hq,
-                     .hkv = hkv,
+                     .hkv = hkv, .sq = sq, .skv = skv, .dim = dim, .bs = bs, .width = width,
+                     .idx = idx, .lengths = lengths, .q_lens = q_lens, .kv_lens = kv_lens,
+                     .causal = causal, .dtype = dtype, .mode = mode};
+    return attention(&jb, scale, softcap, blas, isa, nthreads);
+}
+
+/* As stem_sparse_attention in MODE_BRGEMM, bfloat16, with K and V packed
+ * straight from the pages of a paged cache (struct paged): cache, table [B,
+ * table_w] int64 (the pages of each sequence's first ceil(kv_len / page) runs
+ * of tokens, each in [0, pages)), the strides in elements, and views[14]: the
+ * keys' kv_view then the values' (off, a, s0, s1, b, s2, s3). skv: at least
+ * the largest kv_len. ERR_ARGS also where the views are not copied by lines
+ * (paged_views_ok). */
+int stem_sparse_attention_paged(const void *q, const void *cache, const int64_t *table,
+                                int64_t table_w, int64_t page, int64_t page_stride,
+                                int64_t head_stride, const int64_t *views, void *out,
+                                float *lse, int64_t batch, int64_t hq, int64_t hkv, int64_t sq,
+                                int64_t skv, int64_t dim, int64_t bs, const int64_t *idx,
+                                int64_t width, const int64_t *lengths, const int64_t *q_lens,
+                                const int64_t *kv_lens, int causal, double scale,
+                                double softcap, void *const *blas, int isa, int nthreads)
+{
+    const int64_t *kw = views, *vw = views + 7;
+    struct paged pg = {.cache = cache, .table = table, .table_w = table_w, .page = page,
+                       .page_stride = page_stride, .head_stride = head_stride,
+                       .k = {kw[0], kw[1], kw[2], kw[3], kw[4], kw[5], kw[6]},
+                       .v = {vw[0], vw[1], vw[2], vw[3], vw[4], vw[5], vw[6]}};
+    struct job jb = {.q = q, .out = out, .lse = lse, .batch = batch, .hq = hq, .hkv = hkv,
                      .sq = sq, .skv = skv, .dim = dim, .bs = bs, .width = width, .idx = idx,
                      .lengths = lengths, .q_lens = q_lens, .kv_lens = kv_lens,
-                     .causal = causal, .dtype = dtype, .mode = mode,
-                     .alpha = (float)(scale * 1.4426950408889634),
-                     .cap_in = softcap > 0 ? (float)(scale / softcap) : 0.0f,
-                     .cap_out = softcap > 0 ? (float)(softcap / scale) : 0.0f,
-                     .sgemm = (sgemm_t)blas[0], .brgemm = (brgemm_t)blas[1]};
-    int packed = mode == MODE_BRGEMM;
-    if (batch < 0 || hq < 1 || hkv < 1 || hq % hkv || sq < 0 || skv < 0 || dim < 1 ||
-        softcap < 0 || (softcap > 0 && scale == 0) ||
-        bs < 1 || width < 0 || dim > 65536 || bs > 65536 ||
-        (dtype == F32) != (mode == MODE_SGEMM) || (dtype != F32 && dtype != BF16) ||
-        (mode != MODE_SGEMM && mode != MODE_WIDEN && !packed) ||
-        (packed ? !jb.brgemm || !blas[2] || dim % 2 || bs % 2 : !jb.sgemm) ||
-        pick_rowops(isa, &jb.ops))
-        return ERR_ARGS;
-    jb.qmax = (sq + bs - 1) / bs;
-    jb.step_blocks = bs >= STEP_KEYS ? 1 : (int)(STEP_KEYS / bs);
-    jb.step_keys = jb.step_blocks * (int)bs;
-    /* Strides off powers of two (cache sets), rows on 64-byte lines (AMX loads). */
-    jb.ld_s = (jb.step_keys + 15) / 16 * 16 + 16;
-    jb.ld_p = (jb.step_keys + 31) / 32 * 32 + 32;
-    if (packed) {
-        int64_t keys = ((skv + bs - 1) / bs * bs + jb.step_keys - 1) / jb.step_keys * jb.step_keys;
-        jb.kp = alloc((size_t)keys * dim * sizeof(uint16_t));
-        jb.vp = alloc((size_t)keys * dim * sizeof(uint16_t));
-    }
-    int err = packed && (!jb.kp || !jb.vp)
-                  ? ERR_MEMORY
-                  : run(&jb, (threads_t)blas[3], (release_t)blas[2], nthreads < 1 ? 1 : nthreads);
-    free(jb.kp), free(jb.vp);
-    return err;
+                     .causal = causal, .dtype = BF16, .mode = MODE_BRGEMM, .paged = &pg};
+    return attention(&jb, scale, softcap, blas, isa, nthreads);
 }
