@@ -543,9 +543,27 @@ def amx_views(page, dim):
     return keys, values
 
 
+def vec_views(page, dim):
+    """vLLM's ``vec`` layout: keys transposed ([D, page]), values row-major
+    (runs of 16-bit elements: packed two runs at a time)."""
+    return (0, (page, 1, dim, 1), (1, 0, page, 0)), (page * dim, (page, 1, dim, 1), (dim, 0, 1, 0))
+
+
+def tiled_halves_views(page, dim):
+    """Keys in tiles of 16 tokens per dimension ([page / 16, D, 16]), values
+    in tiles of 16 dimensions per token ([D / 16, page, 16]): runs split on
+    both axes."""
+    keys = (0, (page // 16, 16, dim, 1), (16 * dim, 1, 16, 0))
+    values = (page * dim, (page, 1, dim // 16, 16), (16, 0, 16 * page, 1))
+    return keys, values
+
+
 def token_major_views(page, dim):
-    """Keys and values row after row (not packable by lines)."""
+    """Keys and values row after row: the keys' tokens are not adjacent."""
     return (0, (page, 1, dim, 1), (dim, 0, 1, 0)), (page * dim, (page, 1, dim, 1), (dim, 0, 1, 0))
+
+
+LAYOUTS = {"amx": amx_views, "vec": vec_views, "tiled halves": tiled_halves_views}
 
 
 def to_pages(case, page, views, seed, garbage=math.nan):
@@ -590,17 +608,20 @@ needs_packing = pytest.mark.skipif(
 
 
 @needs_packing
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("page,bs,dim", [(128, 128, 64), (16, 32, 64), (32, 16, 128),
                                          (64, 64, 32)])
-def test_paged_keys_and_values_give_the_reference(page, bs, dim):
+def test_paged_keys_and_values_give_the_reference(page, bs, dim, layout):
     """Batches of several lengths, chunked prefill (fewer queries than keys),
     a last page the sequence only partly fills (NaN past it, as in every
-    unused page): the reference's output."""
+    unused page), in each layout the pack takes: the reference's output."""
     sq = 3 * bs + 7
     case = make_case(60 + page, batch=3, hq=4, hkv=2, sq=sq, skv=sq + 2 * page + 5, dim=dim,
                      bs=bs, dtype=torch.bfloat16, q_lens=[sq, sq - 20, 9],
                      kv_lens=[sq + 2 * page + 5, sq + page - 3, 40], p=0.5)
-    out = agrees(case, run_paged(case, page, amx_views(page, dim), seed=page))
+    views = LAYOUTS[layout](page, dim)
+    assert sa.paged_refused(page, dim, bs, *views) is None
+    out = agrees(case, run_paged(case, page, views, seed=page))
     assert bool(out.isfinite().all())
 
 
@@ -620,8 +641,9 @@ def test_paged_row_spanning_many_steps_and_pages():
 
 
 @needs_packing
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("causal", [True, False])
-def test_paged_nonfinite_values_act_as_in_dense_attention(causal):
+def test_paged_nonfinite_values_act_as_in_dense_attention(causal, layout):
     """NaN and inf in valid keys and values (V read from the packed pages
     where a step must go query by query) reach the outputs as in dense
     attention; the garbage past each sequence's keys leaks nothing."""
@@ -630,7 +652,7 @@ def test_paged_nonfinite_values_act_as_in_dense_attention(causal):
                          causal=causal, dtype=torch.bfloat16, q_lens=[70, 41],
                          kv_lens=[90, 53], p=0.6)
         case = plant_specials(case, seed)
-        out, lse = run_paged(case, 16, amx_views(16, 32), seed, lse=True)
+        out, lse = run_paged(case, 16, LAYOUTS[layout](16, 32), seed, lse=True)
         q, k, v = (clean(case[n], case[ln]) for n, ln in (
             ("q", "q_lens"), ("k", "kv_lens"), ("v", "kv_lens")))
         vis = token_mask(case["idx"], case["lengths"], 16, 70, 90, case["q_lens"],
@@ -668,8 +690,11 @@ def test_paged_refuses_what_it_cannot_read():
     def call(q=case["q"], cache=cache, table=table, page=16, views=views, **kw):
         return sa.sparse_attention_paged(q, cache, table, page, *views, **{**args, **kw})
 
-    with pytest.raises(ValueError, match="runs of 16 tokens"):
+    with pytest.raises(ValueError, match="keys lie neither"):
         call(views=token_major_views(16, 32))
+    keys, _ = amx_views(16, 32)
+    with pytest.raises(ValueError, match="values lie neither"):  # values column-major
+        call(views=(keys, (16 * 32, (16, 1, 32, 1), (1, 0, 16, 0))))
     with pytest.raises(TypeError, match="bfloat16"):
         call(q=case["q"].float())
     bad = table.clone()

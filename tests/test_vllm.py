@@ -185,6 +185,47 @@ def test_pages_read_back_are_what_vllms_writer_packed(isa, dtype, page):
     assert torch.equal(keys[:n], k.transpose(0, 1)) and torch.equal(values[:n], v.transpose(0, 1))
 
 
+@pytest.mark.parametrize("page", [32, 128])
+@pytest.mark.parametrize("isa", ["vec", "vec16", "amx"])  # LAYOUTS' bfloat16 ones
+def test_stems_kernel_packs_vllms_own_pages(isa, page):
+    """Stem's kernel packing the keys and values itself from pages that
+    vLLM's own writer filled, in each bfloat16 layout it packs (``amx`` and
+    ``vec``; where it cannot, the reason), against float64 attention masked
+    to a random selection."""
+    import torch
+
+    from stem_indexer.integrations.vllm.backend import page_reader
+    from stem_indexer.operator.ops import sparse_attention
+    from stem_indexer.testing import reference_attention, token_mask
+
+    if isa == "amx" and not HAS_AMX:
+        pytest.skip("the amx layout needs a CPU with AMX (amx_bf16)")
+    if isa in ("vec", "amx") and page % 32:
+        pytest.skip(f"vLLM's {isa} layout takes pages of a multiple of 32 tokens")
+    hq, hkv, dim, bs, seq, q_len = 4, 2, 64, 32, 3 * page + 45, 100
+    gen = torch.Generator().manual_seed(page)
+    k, v = (torch.randn(hkv, seq, dim, generator=gen).to(torch.bfloat16) for _ in range(2))
+    kv, _, pages = _paged(k, v, page, 9, page, isa)
+    reader = page_reader(isa, torch.bfloat16, page, hkv, dim)
+    why = sparse_attention.paged_refused(page, dim, bs, reader.key_view, reader.value_view)
+    if why is not None:
+        assert isa not in ("vec", "amx"), why  # the two layouts the pack is for
+        pytest.skip(f"the {isa} layout is read first: {why}")
+    q = torch.randn(1, hq, q_len, dim, generator=gen).to(torch.bfloat16)
+    qb, kb = -(-q_len // bs), -(-seq // bs)
+    keep = (torch.rand(1, hq, qb, kb, generator=gen) < 0.5) | (
+        torch.arange(kb) == torch.arange(qb)[:, None] + kb - qb)
+    idx = torch.where(keep, torch.arange(kb), kb).sort(-1).values
+    idx, lengths = torch.where(idx < kb, idx, -1), keep.sum(-1)
+    q_lens, kv_lens = torch.tensor([q_len]), torch.tensor([seq])
+    out = sparse_attention.sparse_attention_paged(
+        q, kv, pages[None], page, reader.key_view, reader.value_view, idx, lengths, q_lens,
+        kv_lens, bs, True, dim ** -0.5)
+    vis = token_mask(idx, lengths, bs, q_len, seq, q_lens, kv_lens, True)
+    want = reference_attention(q, k[None], v[None], vis, scale=dim ** -0.5)
+    assert (out.double() - want).abs().max().item() < 2e-2
+
+
 @pytest.mark.parametrize("tail", [0, 200], ids=["no-tail", "tail"])
 @pytest.mark.parametrize("isa, dtype", LAYOUTS)
 @pytest.mark.parametrize("context, q_len", [(0, 900), (1000, 333), (2047, 1), (1601, 700)])

@@ -564,12 +564,15 @@ def test_the_reader_takes_only_its_own_cache_shape():
 @pytest.mark.skipif(not sparse_attention.available()
                     or sparse_attention.bf16_packed(32, 32) is not None,
                     reason="Stem's kernel has no bfloat16 micro-kernel here")
+@pytest.mark.parametrize("write", [_tile_writer, _vec_writer], ids=["amx", "vec"])
 @pytest.mark.parametrize("context, q_len", [(0, 400), (300, 211), (1640, 64), (3097, 303)])
-def test_stems_kernel_packing_tiled_pages_itself_is_attention_on_the_selection(context, q_len):
-    """The ``amx`` layout (here its stand-in writer): the kernel packs the
-    row's keys and values straight from the shuffled pages
+def test_stems_kernel_packing_the_pages_itself_is_attention_on_the_selection(context, q_len,
+                                                                             write):
+    """The ``amx`` and ``vec`` layouts (here their stand-in writers): the
+    kernel packs the row's keys and values straight from the shuffled pages
     (``attend_row_paged``), against float64 attention masked to the listed
-    blocks; the ``vec`` layout is refused with the reason."""
+    blocks; a layout whose keys' tokens are not adjacent is refused with the
+    reason."""
     page, hq, hkv, dim, bs = 32, 4, 2, 32, 32
     s = StemSettings.from_mapping({"preset": "tight", "stem_block_size": bs, "stem_stride": 8,
                                    "exact_tail": 0})
@@ -582,17 +585,17 @@ def test_stems_kernel_packing_tiled_pages_itself_is_attention_on_the_selection(c
     key_cache, value_cache = raw.view(num_pages, hkv, 2 * page, dim).chunk(2, dim=2)
     pages = torch.randperm(num_pages, generator=gen)[:math.ceil(row.seq_len / page)]
     t = torch.arange(row.seq_len)
-    _tile_writer(k.transpose(0, 1), v.transpose(0, 1), key_cache, value_cache,
-                 pages[t // page] * page + t % page)
+    write(k.transpose(0, 1), v.transpose(0, 1), key_cache, value_cache,
+          pages[t // page] * page + t % page)
     scale = 1 / math.sqrt(dim)
     plan, (idx, lengths) = _select(query.float(), k.float(), v.float(), row, scale, s, page,
                                    pages.to(torch.int32))
-    reader = PageReader.probe(_tile_writer, page, hkv, dim, torch.bfloat16)
+    reader = PageReader.probe(write, page, hkv, dim, torch.bfloat16)
     assert sparse_attention.paged_refused(page, dim, bs, reader.key_view,
                                           reader.value_view) is None
     got = attend_row_paged(query, raw, reader, idx, lengths, plan, scale)
     want = _masked_attention(query, k, v, idx, lengths, row, bs, scale)
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
-    vec = PageReader.probe(_vec_writer, page, hkv, dim, torch.bfloat16)
-    assert "runs of 16 tokens" in sparse_attention.paged_refused(page, dim, bs, vec.key_view,
-                                                                 vec.value_view)
+    pairs = PageReader.probe(_pair_writer, page, hkv, dim, torch.bfloat16)
+    assert "keys lie neither" in sparse_attention.paged_refused(page, dim, bs, pairs.key_view,
+                                                                pairs.value_view)

@@ -285,7 +285,7 @@ def pairs(args) -> None:
     torch.manual_seed(0)
     (hq, hkv, dim), page = (int(x) for x in args.shape.split(",")), 128
     dtype = getattr(torch, os.environ.get("STEM_BENCH_DTYPE", "bfloat16"))
-    isa = _get_attn_isa(dtype, page, dim)
+    isa = args.layout or _get_attn_isa(dtype, page, dim)
     if isa == "amx":
         torch._C._cpu._init_amx()  # a process's first tile instruction needs it
     settings = StemSettings.from_mapping(json.loads(args.stem))
@@ -296,7 +296,8 @@ def pairs(args) -> None:
     lines = [f"\n### One attention layer, vLLM's kernel against Stem's path ({args.stem})\n",
              header(), "",
              f"`python benchmarks/engines/vllm_bench.py pairs --lengths {args.lengths} "
-             f"--chunk {args.chunk} --shape {args.shape}`",
+             f"--chunk {args.chunk} --shape {args.shape}"
+             + (f" --layout {args.layout}`" if args.layout else "`"),
              f"(Hq {hq}, Hkv {hkv}, D {dim}, {dtype}, cache layout {isa}, "
              f"{torch.get_num_threads()} threads; the row is the prompt's last chunk of "
              f"{args.chunk or 'all its'} tokens; the indexer reads the indexer cache; Stem's "
@@ -590,6 +591,10 @@ def main(argv=None) -> None:
                                            "9,3,64; Gemma-3-270M's: 4,1,256)")
     sub.choices["pairs"].add_argument("--chunk", type=int, default=4096,
                                       help="the row's new tokens (0: the whole prompt)")
+    sub.choices["pairs"].add_argument("--layout", default="",
+                                      help="vLLM's cache layout (its isa: vec, amx); default "
+                                           "vLLM's choice on this CPU (vec is what AVX-512 "
+                                           "CPUs without AMX run)")
     sub.choices["speed"].add_argument("--lengths", default="8192,16384,32768")
     sub.choices["speed"].add_argument("--concurrency", default="1,4")
     sub.choices["speed"].add_argument("--reps", type=int, default=2)

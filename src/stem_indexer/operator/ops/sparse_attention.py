@@ -262,17 +262,25 @@ View = tuple[int, tuple[int, ...], tuple[int, ...]]
 def paged_refused(page: int, dim: int, block_size: int, key_view: View | None,
                   value_view: View | None) -> str | None:
     """Why ``sparse_attention_paged`` cannot pack keys and values straight
-    from pages of this layout, or None where it can: the pack copies 64-byte
-    lines, so the keys must lie in runs of 16 tokens two dimensions wide
-    (vLLM's ``amx`` layout), the values in runs of dimensions two tokens
-    wide; and the micro-kernel must take bfloat16 here (``bf16_packed``)."""
+    from pages of this layout, or None where it can. The pack goes 16 tokens
+    at a time, by runs (csrc ``pack_kinds``): each half must hold either the
+    micro-kernel's 32-bit words in runs (vLLM's ``amx`` layout: keys in tiles
+    of 16 tokens by pairs of dimensions, values in tiles of dimensions by
+    pairs of tokens) or its 16-bit elements in runs along the same axis
+    (vLLM's ``vec`` layout: keys transposed, values row-major). The
+    micro-kernel must also take bfloat16 here (``bf16_packed``)."""
     if key_view is None or value_view is None:
         return "the keys or values are not a strided view of the page"
-    (_, (_, ka, _, kb), (_, k1, _, k3)), (_, (_, va, _, _), (_, v1, _, v3)) = key_view, value_view
-    if page % 16 or ka % 16 or k1 != 2 or kb % 2 or k3 != 1:
-        return "the keys do not lie in runs of 16 tokens by pairs of dimensions"
-    if va % 2 or v1 != 1 or v3 != 2:
-        return "the values do not lie in runs of dimensions by pairs of tokens"
+    (_, (_, ka, _, kb), (k0, k1, _, k3)), (_, (_, va, _, vb), (_, v1, v2, v3)) = (key_view,
+                                                                                    value_view)
+    if page % 16:
+        return f"pages of {page} tokens are not whole runs of 16"
+    words = ka % 16 == 0 and k1 == 2 and kb % 2 == 0 and k3 == 1
+    if not words and not (k0 == 1 if ka == 1 else ka % 16 == 0 and k1 == 1):
+        return "the keys lie neither in words of 16 tokens nor in runs of 16 tokens"
+    words = va % 2 == 0 and v1 == 1 and v3 == 2
+    if not words and not (v2 == 1 if vb == 1 else v3 == 1):
+        return "the values lie neither in words of a pair of tokens nor in runs of dimensions"
     step = (1 if block_size >= STEP_KEYS else STEP_KEYS // block_size) * block_size
     if step % 16:
         return f"the kernel's steps of {step} keys are not whole runs of 16"

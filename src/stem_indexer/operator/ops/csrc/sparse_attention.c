@@ -455,14 +455,25 @@ struct kv_view {
 
 /* MODE_BRGEMM with K and V packed straight from a paged cache of bfloat16
  * blocks, (page p, KV head h) at cache + p * page_stride + h * head_stride.
- * Supported where the pack is a copy of 64-byte lines (paged_views_ok): keys
- * in runs of 16 tokens per pair of dimensions, values in runs of b pairs of
- * dimensions per pair of tokens (vLLM's `amx` layout is such). */
+ * Each half is packed in one of two ways (pack_kinds), or the views are
+ * refused:
+ *   PACK_WORDS   the half already holds the micro-kernel's 32-bit words in
+ *                runs: keys, 16 tokens' words of a pair of dimensions;
+ *                values, b dimensions' words of a pair of tokens (vLLM's
+ *                `amx` layout): line copies.
+ *   PACK_HALVES  the half holds runs of 16-bit elements along the axis the
+ *                words run on: keys, 16 tokens of one dimension; values,
+ *                dimensions of one token (vLLM's `vec` layout: keys
+ *                transposed, values row-major): two runs interleaved. */
+enum { PACK_NONE, PACK_WORDS, PACK_HALVES };
+
 struct paged {
     const uint16_t *cache;
     const int64_t *table; /* [B, table_w]: the page of tokens [n * page, (n + 1) * page) */
     int64_t table_w, page, page_stride, head_stride;
     struct kv_view k, v;
+    int kind_k, kind_v; /* PACK_WORDS or PACK_HALVES */
+    int64_t run_v;      /* PACK_HALVES values: dimensions per contiguous run */
 };
 
 struct job {
@@ -581,26 +592,50 @@ static void pack_v(const uint16_t *v, int64_t d, int64_t kc, int64_t valid, uint
     }
 }
 
-/* Whether pack_paged can copy these views by lines: keys in runs of 16
- * tokens two dimensions wide (words of 16 tokens adjacent), values in runs of
- * b dimensions two tokens wide (a token pair's words adjacent along d). */
-static int paged_views_ok(const struct paged *pg, int64_t dim)
+/* Element (t, d)'s place in its block. */
+static inline int64_t view_at(const struct kv_view *x, int64_t t, int64_t d)
+{
+    return x->off + t / x->a * x->s0 + t % x->a * x->s1 + d / x->b * x->s2 + d % x->b * x->s3;
+}
+
+/* How each half of the pages is packed (struct paged); 0 where one cannot be. */
+static int pack_kinds(struct paged *pg, int64_t dim)
 {
     const struct kv_view *k = &pg->k, *v = &pg->v;
-    return pg->page > 0 && pg->page % 16 == 0 && k->a > 0 && k->a % 16 == 0 &&
-           k->s1 == 2 && k->b > 0 && k->b % 2 == 0 && dim % k->b == 0 && k->s3 == 1 &&
-           v->a > 0 && v->a % 2 == 0 && v->s1 == 1 && v->b > 0 && dim % v->b == 0 &&
-           v->s3 == 2 && pg->page % k->a == 0 && pg->page % v->a == 0;
+    if (pg->page < 16 || pg->page % 16 || k->a < 1 || k->b < 1 || v->a < 1 || v->b < 1 ||
+        pg->page % k->a || pg->page % v->a || dim % k->b || dim % v->b)
+        return 0;
+    /* keys: 16 tokens' words adjacent, or 16 tokens of a dimension adjacent */
+    if (k->a % 16 == 0 && k->s1 == 2 && k->b % 2 == 0 && k->s3 == 1)
+        pg->kind_k = PACK_WORDS;
+    else if (k->a == 1 ? k->s0 == 1 : k->a % 16 == 0 && k->s1 == 1)
+        pg->kind_k = PACK_HALVES;
+    /* values: a token pair's words adjacent along d, or a token's dimensions */
+    if (v->a % 2 == 0 && v->s1 == 1 && v->s3 == 2)
+        pg->kind_v = PACK_WORDS;
+    else if (v->b == 1 ? v->s2 == 1 : v->s3 == 1) {
+        pg->kind_v = PACK_HALVES;
+        pg->run_v = v->b == 1 ? dim : v->b;
+    }
+    return pg->kind_k != PACK_NONE && pg->kind_v != PACK_NONE;
+}
+
+/* out[i] = lo[i] | hi[i] << 16: two runs of 16-bit elements as 32-bit words. */
+static void interleave(uint32_t *out, const uint16_t *lo, const uint16_t *hi, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        out[i] = lo[i] | (uint32_t)hi[i] << 16;
 }
 
 /* pack_chunk's copy from the pages, 16 keys at a time (one page holds them
- * all): their K^T words (one 64-byte line per pair of dimensions) and their
- * 8 V rows of pairs (b words per line); keys past kv_len are zeros and their
- * pages are never read. */
+ * all): their K^T words (per pair of dimensions, one 64-byte line) and their
+ * 8 V rows of pairs; keys past kv_len are zeros and their pages are never
+ * read. */
 static void pack_paged(const struct job *jb, int64_t b, int64_t h, int64_t first,
                        int64_t valid)
 {
     const struct paged *pg = jb->paged;
+    const struct kv_view *kv = &pg->k, *vv = &pg->v;
     int64_t d = jb->dim, kc = jb->step_keys;
     uint32_t *kp = (uint32_t *)(jb->kp + first * d), *vp = (uint32_t *)(jb->vp + first * d);
     for (int64_t j0 = 0; j0 < kc; j0 += 16) {
@@ -614,16 +649,23 @@ static void pack_paged(const struct job *jb, int64_t b, int64_t h, int64_t first
         int64_t tok = first + j0, t = tok % pg->page;
         const uint16_t *blk = pg->cache + pg->table[b * pg->table_w + tok / pg->page] *
                                               pg->page_stride + h * pg->head_stride;
-        const struct kv_view *kv = &pg->k, *vv = &pg->v;
-        const uint16_t *src = blk + kv->off + t / kv->a * kv->s0 + t % kv->a * 2;
-        for (int64_t w = 0; w < d / 2; w++)
-            memcpy(kp + w * kc + j0, src + 2 * w / kv->b * kv->s2 + 2 * w % kv->b, 64);
+        for (int64_t w = 0; w < d / 2; w++) {
+            const uint16_t *lo = blk + view_at(kv, t, 2 * w);
+            if (pg->kind_k == PACK_WORDS)
+                memcpy(kp + w * kc + j0, lo, 64);
+            else
+                interleave(kp + w * kc + j0, lo, blk + view_at(kv, t, 2 * w + 1), 16);
+        }
         for (int64_t pair = 0; pair < 8; pair++) {
             int64_t tt = t + 2 * pair;
-            const uint16_t *row = blk + vv->off + tt / vv->a * vv->s0 + tt % vv->a;
-            for (int64_t g = 0; g < d / vv->b; g++)
-                memcpy(vrows + pair * d + g * vv->b, row + g * vv->s2,
-                       (size_t)vv->b * sizeof(uint32_t));
+            uint32_t *row = vrows + pair * d;
+            if (pg->kind_v == PACK_WORDS)
+                for (int64_t g = 0; g < d; g += vv->b)
+                    memcpy(row + g, blk + view_at(vv, tt, g), (size_t)vv->b * sizeof(uint32_t));
+            else
+                for (int64_t g = 0; g < d; g += pg->run_v)
+                    interleave(row + g, blk + view_at(vv, tt, g), blk + view_at(vv, tt + 1, g),
+                               pg->run_v);
         }
         for (int64_t j = valid - j0; j < 16; j++) { /* past kv_len (j0 < valid here) */
             for (int64_t w = 0; w < d / 2; w++)
@@ -1138,7 +1180,7 @@ static int attention(struct job *jb, double scale, double softcap, void *const *
         (dtype == F32) != (mode == MODE_SGEMM) || (dtype != F32 && dtype != BF16) ||
         (mode != MODE_SGEMM && mode != MODE_WIDEN && !packed) ||
         (packed ? !jb->brgemm || !blas[2] || dim % 2 || bs % 2 : !jb->sgemm) ||
-        (jb->paged && (!packed || !paged_views_ok(jb->paged, dim))) ||
+        (jb->paged && !packed) ||
         pick_rowops(isa, &jb->ops))
         return ERR_ARGS;
     jb->qmax = (sq + bs - 1) / bs;
@@ -1189,8 +1231,8 @@ int stem_sparse_attention(const void *q, const void *k, const void *v, void *out
  * table_w] int64 (the pages of each sequence's first ceil(kv_len / page) runs
  * of tokens, each in [0, pages)), the strides in elements, and views[14]: the
  * keys' kv_view then the values' (off, a, s0, s1, b, s2, s3). skv: at least
- * the largest kv_len. ERR_ARGS also where the views are not copied by lines
- * (paged_views_ok). */
+ * the largest kv_len. ERR_ARGS also where a half cannot be packed by runs
+ * (pack_kinds). */
 int stem_sparse_attention_paged(const void *q, const void *cache, const int64_t *table,
                                 int64_t table_w, int64_t page, int64_t page_stride,
                                 int64_t head_stride, const int64_t *views, void *out,
@@ -1205,6 +1247,8 @@ int stem_sparse_attention_paged(const void *q, const void *cache, const int64_t 
                        .page_stride = page_stride, .head_stride = head_stride,
                        .k = {kw[0], kw[1], kw[2], kw[3], kw[4], kw[5], kw[6]},
                        .v = {vw[0], vw[1], vw[2], vw[3], vw[4], vw[5], vw[6]}};
+    if (!pack_kinds(&pg, dim))
+        return ERR_ARGS;
     struct job jb = {.q = q, .out = out, .lse = lse, .batch = batch, .hq = hq, .hkv = hkv,
                      .sq = sq, .skv = skv, .dim = dim, .bs = bs, .width = width, .idx = idx,
                      .lengths = lengths, .q_lens = q_lens, .kv_lens = kv_lens,
