@@ -542,7 +542,7 @@ def _auto_kernel(dtype: str) -> str:
     """The kernel ``sparse_kernel="auto"`` attends the test model's Stem rows
     with on this machine, by the rule docs/VLLM.md states: Stem's in bfloat16
     on the packed micro-kernel and a layout read as a strided view (``vec``,
-    and ``amx`` up to head size 64: the test model's is 32), vLLM's
+    and ``amx`` up to head size 128: the test model's is 32), vLLM's
     elsewhere."""
     from stem_indexer.operator.ops import sparse_attention
 
@@ -565,7 +565,7 @@ def test_bf16_sparse_rows_equal_stem_attention_on_the_machines_layout(model):
     ("vllm", "vec", "bfloat16", "sparse_kernel='vllm'", 64),
     ("stem", "neon", "bfloat16", "the neon cache layout cannot be read back", 64),
     ("auto", "vec", "float32", "faster only in bfloat16", 64),
-    ("auto", "amx", "bfloat16", "faster only up to head size 64 (this layer's: 128)", 128),
+    ("auto", "amx", "bfloat16", "faster only up to head size 128 (this layer's: 256)", 256),
 ])
 def test_where_stems_kernel_does_not_attend_the_choice_says_why(want, isa, dtype, why, head):
     """The backend's choice of kernel (``sparse_kernel``), without an engine:
@@ -587,8 +587,9 @@ def test_where_stems_kernel_does_not_attend_the_choice_says_why(want, isa, dtype
     assert reader is None and why in said, said
 
 
+@pytest.mark.parametrize("head", [64, 128])
 @pytest.mark.parametrize("isa", ["vec", "amx"])
-def test_auto_picks_stems_kernel_on_the_layouts_measured_faster(isa):
+def test_auto_picks_stems_kernel_on_the_layouts_measured_faster(isa, head):
     """``sparse_kernel="auto"`` in bfloat16 on the ``vec`` and ``amx``
     layouts (benchmarks/VLLM.md, each kernel per kept pair): Stem's kernel,
     on a reader of the layer's pages."""
@@ -602,12 +603,12 @@ def test_auto_picks_stems_kernel_on_the_layouts_measured_faster(isa):
 
     if isa == "amx" and not HAS_AMX:
         pytest.skip("the amx layout's writer needs a CPU with AMX")
-    if not sparse_attention.available() or sparse_attention.bf16_packed(64, BLOCK):
+    if not sparse_attention.available() or sparse_attention.bf16_packed(head, BLOCK):
         pytest.skip("Stem's kernel would widen bfloat16 here")
     impl = backend.StemAttentionImpl.__new__(backend.StemAttentionImpl)
     impl.settings = StemSettings.from_mapping({})
-    impl.head_size = 64
-    kv_cache = torch.zeros(2, 2, 128, 128, dtype=torch.bfloat16)
+    impl.head_size = head
+    kv_cache = torch.zeros(2, 2, 128, 2 * head, dtype=torch.bfloat16)
     reader, said = impl._choose_kernel(types.SimpleNamespace(isa=isa), kv_cache)
     assert reader is not None and said == "", said
 

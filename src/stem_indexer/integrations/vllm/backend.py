@@ -30,9 +30,12 @@ sorts the rows and does all their host work.
   ``decoded_pages="write"``, every token is written, staged per step);
 * ``forward`` runs, for each Stem row, the indexer on the row's queries and
   the indexer cache's entries of its pages (its keys and values are read
-  back only for pages decode steps filled), then vLLM's own paged kernel
-  on *virtual rows* that list only the kept pages, in the layer's own
-  cache layout (``amx``, ``vec`` or ``vec16``).
+  back only for pages decode steps filled), then attends the kept blocks
+  (``sparse_kernel``): with Stem's CPU kernel, which packs the row's keys
+  and values straight from the layer's cache pages (``amx`` and ``vec``
+  layouts) or takes them read out first, or with vLLM's own paged kernel on
+  *virtual rows* that list only the kept pages, in the layer's own cache
+  layout (``amx``, ``vec`` or ``vec16``).
 
 A layer Stem cannot serve (sliding window, ALiBi, attention sinks, encoder or
 cross attention, KV sharing, a quantised KV cache, a cache layout other than
@@ -80,15 +83,17 @@ _LOG = logging.getLogger("vllm.stem_indexer")
 
 #: vLLM's CPU cache layouts (``layer.isa``) whose attention runs on virtual rows.
 LAYOUTS = ("amx", "vec", "vec16")
-#: The layouts where Stem's kernel, reading the row's keys and values out of
-#: vLLM's cache, was measured faster than vLLM's kernel on virtual rows
-#: (``sparse_kernel="auto"``; ``vllm_bench.py pairs``, benchmarks/VLLM.md),
-#: each with the largest head size it was faster at (None: no limit seen):
-#: ``vec`` on AVX512-BF16 (0.48 of vLLM's cost per pair at head size 64);
-#: ``amx`` at head size 64 (0.79 to 0.88 of vLLM's dense cost per pair,
-#: against 1.03 to 1.05 for vLLM's kernel on the kept blocks), not at 128
-#: (0.96 to 1.10, against 1.08 to 1.09) nor 256 (1.23 to 1.43).
-STEM_KERNEL_FASTER_ON: dict[str, int | None] = {"vec": None, "amx": 64}
+#: The layouts where Stem's kernel, its keys and values taken from vLLM's
+#: cache pages included, was measured faster than vLLM's kernel on virtual
+#: rows (``sparse_kernel="auto"``; ``vllm_bench.py pairs``,
+#: benchmarks/VLLM.md), each with the largest head size it was faster at
+#: (None: no limit seen): ``vec`` on AVX512-BF16 (0.48 of vLLM's cost per
+#: pair at head size 64, the keys read out first); ``amx``, packing the pages
+#: itself, at head size 64 (0.74 to 0.76 of vLLM's dense cost per pair,
+#: against 1.05 to 1.06 for vLLM's kernel on the kept blocks) and 128 (0.89
+#: to 0.93, against 1.11 to 1.13), not at 256 (1.10 to 1.21, against 1.11
+#: to 1.12).
+STEM_KERNEL_FASTER_ON: dict[str, int | None] = {"vec": None, "amx": 128}
 
 
 class StemAttentionBackend(CPUAttentionBackend):

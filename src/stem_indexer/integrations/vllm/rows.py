@@ -39,8 +39,8 @@ The kept blocks are attended by one of two kernels (the ``sparse_kernel``
 setting). Stem's CPU block-sparse kernel takes the selection as it is, and
 the row's keys and values either packed by the kernel straight from vLLM's
 cache pages, where their layout allows it (``attend_row_paged``: the
-``amx`` layout), or as read from vLLM's cache (``attend_row``, with
-``kv_read.PageReader``). Or the kept blocks become *virtual rows* of vLLM's own
+``amx`` and ``vec`` layouts), or as read from vLLM's cache (``attend_row``,
+with ``kv_read.PageReader``). Or the kept blocks become *virtual rows* of vLLM's own
 paged kernel: for
 query head ``h`` and query block ``i``, the block's query tokens attend a
 sequence made of the pages of the kept key blocks, in ascending order. The

@@ -124,12 +124,13 @@ class StemSettings:
       is written at its step (staged for every layer at once);
     * ``sparse_kernel`` (``"auto"``): what attends a Stem row's kept blocks.
       ``"stem"``: Stem's CPU block-sparse kernel (``sparse_attention``) on
-      the row's keys and values read from vLLM's cache
+      the row's keys and values, packed straight from vLLM's cache pages
+      (``amx`` and ``vec`` layouts) or read out of them first
       (``kv_read.PageReader``); ``"vllm"``: vLLM's own kernel on virtual
       rows, one per (query head, query block), whose block tables list the
       kept pages; ``"auto"``: ``"stem"`` where it was measured faster
       (bfloat16 on the packed micro-kernel, the ``vec`` layout and the
-      ``amx`` one up to head size 64: ``backend.STEM_KERNEL_FASTER_ON``),
+      ``amx`` one up to head size 128: ``backend.STEM_KERNEL_FASTER_ON``),
       ``"vllm"`` elsewhere. Where
       ``"stem"`` cannot run, vLLM's kernel does, said once in the log;
       ``stats()["kernels"]`` counts rows by kernel.

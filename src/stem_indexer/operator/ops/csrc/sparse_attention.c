@@ -42,9 +42,9 @@
  *               torch's own flash attention uses: AMX tiles, or vdpbf16ps)
  *               on whole blocks, and P is rounded to bfloat16 as torch's
  *               flash kernel does. The keys and values may also be packed
- *               straight from the pages of a paged cache whose layout packs
- *               by 64-byte lines (struct paged; vLLM's `amx` layout):
- *               stem_sparse_attention_paged.
+ *               straight from the pages of a paged cache whose halves lie
+ *               in runs of words or of 16-bit elements (struct paged;
+ *               vLLM's `amx` and `vec` layouts): stem_sparse_attention_paged.
  *
  * The rows already share the cores, so MKL must run serially in each thread:
  * inside an active libgomp region it does by itself (MKL_Get_Max_Threads()
