@@ -94,6 +94,7 @@ import math
 import os
 import statistics
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -620,8 +621,9 @@ def plot(args) -> None:
         ax.set_title(f"{model}, {nominal} tokens")
         ax.set_xlabel("time to first token: speed-up against vLLM's backend")
         ax.set_ylabel("perplexity change against vLLM's backend (%)")
-    fig.suptitle("green: at dense's accuracy; red: not; grey: retrieval unmeasured. Hollow: "
-                 "no timed trial, x from the perplexity requests' wall time", fontsize=9)
+    legend = ("green: at dense's accuracy; red: not; grey: retrieval unmeasured. Hollow: no "
+              "timed trial, x from the perplexity requests' wall time")
+    fig.suptitle(textwrap.fill(legend, 13 * 6 * len(groups)), fontsize=9)  # ~13 chars an inch
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
     print(f"wrote {args.out}")
