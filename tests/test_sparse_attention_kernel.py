@@ -697,6 +697,7 @@ def test_paged_refuses_what_it_cannot_read():
         call(views=(keys, (16 * 32, (16, 1, 32, 1), (1, 0, 16, 0))))
     with pytest.raises(TypeError, match="bfloat16"):
         call(q=case["q"].float())
+    assert "not bfloat16" in sa.paged_refused(16, 32, 32, *views, torch.float32)
     bad = table.clone()
     bad[0, 1] = cache.shape[0]
     with pytest.raises(ValueError, match="table entries in use"):

@@ -290,8 +290,8 @@ def pairs(args) -> None:
         torch._C._cpu._init_amx()  # a process's first tile instruction needs it
     settings = StemSettings.from_mapping(json.loads(args.stem))
     reader = page_reader(isa, dtype, page, hkv, dim)
-    refused = ("not bfloat16" if dtype != torch.bfloat16 else
-               paged_refused(page, dim, settings.block_size, reader.key_view, reader.value_view))
+    refused = paged_refused(page, dim, settings.block_size, reader.key_view, reader.value_view,
+                            dtype)
     scale = 1 / math.sqrt(dim)
     lines = [f"\n### One attention layer, vLLM's kernel against Stem's path ({args.stem})\n",
              header(), "",

@@ -866,14 +866,10 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         if self.sparse is None:
             reader, why = self._choose_kernel(layer, kv_cache)
             isa = getattr(layer, "isa", "unknown")
-            refused = "vLLM's kernel runs"
-            if reader is not None and kv_cache.dtype != torch.bfloat16:
-                refused = f"the cache is {kv_cache.dtype}, not bfloat16"
-            elif reader is not None:
-                refused = sparse_kernel.paged_refused(kv_cache.shape[2], self.head_size,
-                                                      self.settings.block_size, reader.key_view,
-                                                      reader.value_view)
-            self.sparse = (reader, refused is None)
+            refused = None if reader is None else sparse_kernel.paged_refused(
+                kv_cache.shape[2], self.head_size, self.settings.block_size, reader.key_view,
+                reader.value_view, kv_cache.dtype)
+            self.sparse = (reader, reader is not None and refused is None)
             if self.sparse[1]:
                 _report_once("kernel:stem", "Stem rows run Stem's block-sparse kernel on keys "
                              "and values it packs straight from vLLM's %s cache pages", isa,

@@ -260,15 +260,19 @@ View = tuple[int, tuple[int, ...], tuple[int, ...]]
 
 
 def paged_refused(page: int, dim: int, block_size: int, key_view: View | None,
-                  value_view: View | None) -> str | None:
+                  value_view: View | None,
+                  dtype: torch.dtype = torch.bfloat16) -> str | None:
     """Why ``sparse_attention_paged`` cannot pack keys and values straight
     from pages of this layout, or None where it can. The pack goes 16 tokens
     at a time, by runs (csrc ``pack_kinds``): each half must hold either the
     micro-kernel's 32-bit words in runs (vLLM's ``amx`` layout: keys in tiles
     of 16 tokens by pairs of dimensions, values in tiles of dimensions by
     pairs of tokens) or its 16-bit elements in runs along the same axis
-    (vLLM's ``vec`` layout: keys transposed, values row-major). The
-    micro-kernel must also take bfloat16 here (``bf16_packed``)."""
+    (vLLM's ``vec`` layout: keys transposed, values row-major). The cache
+    must be bfloat16 (``dtype``), and the micro-kernel must take it here
+    (``bf16_packed``)."""
+    if dtype != torch.bfloat16:
+        return f"the cache is {dtype}, not bfloat16"
     if key_view is None or value_view is None:
         return "the keys or values are not a strided view of the page"
     (_, (_, ka, _, kb), (k0, k1, _, k3)), (_, (_, va, _, vb), (_, v1, v2, v3)) = (key_view,
