@@ -25,6 +25,7 @@ new queries packed, a block table per row.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -171,6 +172,38 @@ def test_chunks_on_block_boundaries_attend_as_the_one_shot_prefill():
         want = stem_indexer.stem_attention(step.q, step.k, step.v, q_lens=prompts,
                                            kv_lens=prompts, num_prompt_tokens=prompts, **kw)
     assert torch.equal(got, packed(want, step))
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_a_plan_with_another_budget_picks_as_a_plan_made_with_it(invariant):
+    """``with_budget`` (an engine's per-layer budget over one plan of the
+    step) picks and attends as a plan made with that budget from the start,
+    the OAM's window under ``chunk_invariant`` included."""
+    prompts = [2400, 2000]
+    step = make_step(prompts, [1024, 640], [800, 1360], page=16, stride=8, seed=3)
+    wide = {**SMALL, "k_block_num_bias_medium": 20, "k_block_num_bias_large": 20,
+            "k_block_num_rate_large": 0.2, "alpha": 0.5}
+    with torch.inference_mode():
+        plan = plan_for(step, **SMALL, chunk_invariant=invariant)
+        direct = plan_for(step, **wide, chunk_invariant=invariant)
+        shifted = plan.with_budget(direct.params)
+        assert plan.with_budget(plan.params) is plan
+        assert shifted.params == direct.params and shifted.paths == direct.paths
+        if invariant:
+            assert torch.equal(shifted.oam_runs, direct.oam_runs)
+            assert not torch.equal(plan.oam_runs, direct.oam_runs)
+        picks = [stem_paged_select(step.query, step.index_cache, step.table, p)
+                 for p in (plan, shifted, direct)]
+        assert torch.equal(picks[1][0], picks[2][0]) and torch.equal(picks[1][1], picks[2][1])
+        assert int(picks[1][1].sum()) > int(picks[0][1].sum())  # the wider budget keeps more
+        assert torch.equal(run(step, shifted), run(step, direct))
+
+
+def test_a_plan_with_another_budget_refuses_other_parameters():
+    plan = _plan(**SMALL)
+    other = dataclasses.replace(plan.params, window_size=plan.params.window_size + 1)
+    with pytest.raises(StemIndexerInputError, match=r"params\.window_size must be the plan's"):
+        plan.with_budget(other)
 
 
 @pytest.mark.parametrize("probe", [{}, {"probe_queries": 8, "probe_candidates": 3}])

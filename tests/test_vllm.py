@@ -423,6 +423,23 @@ def test_the_first_layers_kept_dense_run_vllms_kernel_and_keep_no_indexer_cache(
     assert 2**30 - (per_page_index + 2 * per_page_kv) < index + 2 * kv + stage <= 2**30, memory
 
 
+def test_a_layer_with_a_budget_of_its_own_keeps_its_blocks(model):
+    """``layer_budgets``: layer 0's budget keeps every block of its Stem
+    rows, layer 1 keeps the ``tight`` budget; each row of each layer equals
+    Stem's own functions run with that layer's budget."""
+    keep_all = {"k_block_num_bias_medium": 1000, "k_block_num_bias_large": 1000}
+    run = cached(model, "sparse-layer-budget", {**SPARSE, "layer_budgets": {"0": keep_all}},
+                 check_rows=True)
+    layers = run["stats"]["layers"]
+    first, second = (layers[f"model.layers.{n}.self_attn.attn"] for n in (0, 1))
+    assert first["kept"] == first["visible"] > 0, layers
+    assert 0 < second["kept"] < second["visible"] == first["visible"], layers
+    rec = run["record"]
+    assert rec["rows"] > 10 and rec["selection_mismatches"] == 0, rec
+    assert rec["cache_mismatches"] == 0 and rec["max_error"] < 1e-5, rec
+    assert "layer_budgets[0]=k_block_num_bias_medium=1000,k_block_num_bias_large=1000" in run["log"]
+
+
 # --------------------------------------------------------------------------- #
 # Stem's path with a budget that keeps every block: vLLM's results
 # --------------------------------------------------------------------------- #

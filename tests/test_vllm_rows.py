@@ -11,6 +11,7 @@ the same checks in tests/test_vllm.py.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -25,7 +26,8 @@ from stem_indexer.integrations.vllm.rows import (Row, RowKinds, attend_row, atte
                                                   decode_tokens_left_out, plan_row,
                                                   plan_stem_row, select_blocks, virtual_rows)
 from stem_indexer.operator.ops import sparse_attention
-from stem_indexer.integrations.vllm.settings import DEFAULT_DENSE_ABOVE, StemSettings
+from stem_indexer.integrations.vllm.settings import (BUDGET_KEYS, DEFAULT_DENSE_ABOVE,
+                                                     StemSettings)
 
 # --------------------------------------------------------------------------- #
 # Settings
@@ -59,6 +61,22 @@ def test_settings_take_a_preset_and_overrides():
     assert StemSettings.from_mapping({"dense_layers": [5, 1]}).dense_layers == (1, 5)
     assert [StemSettings.from_mapping({"dense_layers": 2}).dense_layer(i)
             for i in range(4)] == [True, True, False, False]
+    assert s.layer_budgets == () and s.layer_params(3) is s.params
+    # Per-layer budgets: a preset's name, or budget parameters over the settings' own
+    per = StemSettings.from_mapping({"preset": "balanced", "k_block_num_bias_large": 20,
+                                     "layer_budgets": {"0 3-4": {"k_block_num_rate_large": 0.3},
+                                                       "6": "default"}})
+    base = stem_indexer.IndexerParams(**{**stem_indexer.PRESETS["balanced"],
+                                         "k_block_num_bias_large": 20})
+    assert per.params == base and [per.layer_params(i) is per.params for i in range(8)] == [
+        False, True, True, False, False, True, False, True]
+    for i in (0, 3, 4):
+        assert per.layer_params(i) == dataclasses.replace(base, k_block_num_rate_large=0.3)
+    assert per.layer_params(6) == dataclasses.replace(base, **{  # the preset's whole budget
+        k: getattr(stem_indexer.IndexerParams(), k) for k in BUDGET_KEYS})
+    assert ("layer_budgets[0 3-4]=k_block_num_rate_large=0.3 layer_budgets[6]="
+            "k_block_num_rate_medium=0.2,k_block_num_bias_medium=30,k_block_num_bias_large=30"
+            ) in per.describe()
     written = StemSettings.from_mapping({"decoded_pages": "write"})
     assert written.decoded_pages == "write" and "decoded_pages=write" in written.describe()
 
@@ -77,6 +95,17 @@ def test_settings_take_a_preset_and_overrides():
     ({"probe_queries": -1}, "probe_queries"), ({"probe_candidates": 0.5}, "probe_candidates"),
     ({"decoded_pages": "lazy"}, "decoded_pages"), ({"decoded_pages": None}, "decoded_pages"),
     ({"sparse_kernel": "flash"}, "sparse_kernel"), ({"sparse_kernel": None}, "sparse_kernel"),
+    ({"layer_budgets": [1]}, "layer_budgets"), ({"layer_budgets": {"3-": "tight"}},
+                                                r"layer_budgets\['3-'\]"),
+    ({"layer_budgets": {"": "tight"}}, r"layer_budgets\[''\]"),
+    ({"layer_budgets": {"3": "fast"}}, r"layer_budgets\['3'\]\['preset'\]"),
+    ({"layer_budgets": {"3": 0.5}}, r"layer_budgets\['3'\]"),
+    ({"layer_budgets": {"3": {"window_size": 8}}}, r"layer_budgets\['3'\]\['window_size'\]"),
+    ({"layer_budgets": {"3": {"k_block_num_rate_large": -1}}},
+     r"layer_budgets\['3'\] k_block_num_rate_large"),
+    ({"layer_budgets": {"3": {"alpha": 0}}}, r"layer_budgets\['3'\] alpha"),
+    ({"layer_budgets": {"1-3": "tight", "3 5": "balanced"}}, r"layer_budgets\['3 5'\]"),
+    ({"dense_layers": 4, "layer_budgets": {"3": "tight"}}, r"layer_budgets\['3'\]"),
 ])
 def test_bad_settings_name_the_key(section, key):
     with pytest.raises(StemIndexerInputError, match=rf"^additional_config\['stem'\]: {key} "):

@@ -65,6 +65,7 @@ class _Shadow:
 
 def _checker(settings, record: dict, shadow: _Shadow):
     import dataclasses
+    import re
 
     import torch
 
@@ -74,13 +75,14 @@ def _checker(settings, record: dict, shadow: _Shadow):
     def op_params(p) -> dict:
         return {k: v for k, v in dataclasses.asdict(p).items() if k != "causal"}
 
-    params = op_params(settings.params)
-    # With the probe, the indexer lists the candidates, at the widened budget.
-    indexer = op_params(probe_params(settings.params, settings.probe_candidates)
-                        if settings.probe_queries else settings.params)
-
     def check(trace) -> None:
         row, bs = trace.row, settings.block_size
+        # The layer's budget: its ``layer_budgets`` entry, by the index in its name.
+        layer = settings.layer_params(int(re.search(r"\.(\d+)\.", trace.layer).group(1)))
+        params = op_params(layer)
+        # With the probe, the indexer lists the candidates, at the widened budget.
+        indexer = op_params(probe_params(layer, settings.probe_candidates)
+                            if settings.probe_queries else layer)
         key, value = shadow.row(trace.layer, trace.plan)
         lead = row.context - (row.context // bs) * bs
         hq, dim = trace.query.shape[1], trace.query.shape[2]
@@ -103,7 +105,7 @@ def _checker(settings, record: dict, shadow: _Shadow):
                 one, one_len = probe_refine(
                     trace.query, key.transpose(0, 1), idx[0], lengths[0],
                     context=row.context, seq_len=row.seq_len, prompt=prompt[0],
-                    params=settings.params, scale=trace.scale,
+                    params=layer, scale=trace.scale,
                     queries=settings.probe_queries)
                 idx, lengths = one[None], one_len[None]
         # The indexer cache gives stem_inputs's key-side inputs, bit for bit.

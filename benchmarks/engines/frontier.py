@@ -124,6 +124,18 @@ FEW = 10  # fewer trials than this: the cell is marked (n=...)
 # --------------------------------------------------------------------------- #
 
 
+def split_settings(text: str) -> list[str]:
+    """``--settings``: names separated by commas outside JSON values'
+    brackets (``default+layer_budgets={"3-8":{"alpha":1,...}},balanced``)."""
+    names, depth, start = [], 0, 0
+    for i, ch in enumerate(text + ","):
+        depth += (ch in "{[") - (ch in "}]")
+        if ch == "," and depth == 0:
+            names.append(text[start:i].strip())
+            start = i + 1
+    return [n for n in names if n]
+
+
 def parse_setting(name: str) -> dict | None:
     """``vllm`` or a peer (``PEERS``) -> None; ``PRESET[+KEY=VALUE...]`` ->
     the vLLM backend's Stem settings (checked: a bad name raises
@@ -258,7 +270,7 @@ def run(args) -> None:
 
     path = {"smollm2": vllm_bench.DEFAULT_MODEL, "gemma3": vllm_bench.GEMMA_MODEL}[args.model]
     vllm_bench._require_model(path)
-    settings = [REFERENCE] + [s for s in args.settings.split(",") if s and s != REFERENCE]
+    settings = [REFERENCE] + [s for s in split_settings(args.settings) if s != REFERENCE]
     stems = {s: parse_setting(s) for s in settings}
     trials = parse_trials(args.trials)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -704,7 +716,7 @@ def oracle(args) -> None:
     from stem_indexer.operator import contract
     from stem_indexer.pipeline.probe import probe_params
 
-    stems = {s: parse_setting(s) for s in args.settings.split(",") if s != REFERENCE}
+    stems = {s: parse_setting(s) for s in split_settings(args.settings) if s != REFERENCE}
     dtype = mq.default_dtype()
     tok, model = mq.load_model(args.model, dtype,
                                rope_factor=4.0 if args.model == "smollm2" else None)

@@ -168,6 +168,10 @@ class IndexerParams:
 
 # The attributes' names, in the op schema's order.
 PARAM_NAMES = tuple(f.name for f in dataclasses.fields(IndexerParams))
+#: The attributes that set a row's budget and nothing else: an engine may
+#: vary them per layer over one plan of a step's rows and one indexer cache.
+BUDGET_FIELDS = ("alpha", "k_block_num_rate_medium", "k_block_num_bias_medium",
+                 "k_block_num_rate_large", "k_block_num_bias_large")
 
 # Named budgets, as overrides of the schema defaults. ``default`` is the
 # operator's (the paper's and the NPU's): Ks = P below 56 prompt blocks,

@@ -71,7 +71,8 @@ import torch
 from ..operator import contract
 from ..operator.api import stem_indexer_metadata
 from .checks import check_call_options, check_triton_device
-from ..operator.contract import DEFAULT_EXACT_TAIL, IndexerParams, ceil_div, check_int, fail
+from ..operator.contract import (BUDGET_FIELDS, DEFAULT_EXACT_TAIL, IndexerParams, ceil_div,
+                                 check_int, fail)
 from .dispatch import (TailRows, _backend_for, _Call, _run, apply_tail, dense_reason,
                        tail_plan)
 from .index_cache import IndexCache, page_ids
@@ -134,6 +135,23 @@ class PagedPlan(PlanSettings):
         if not self.probe_queries:
             return self.params
         return probe_params(self.params, self.probe_candidates)
+
+    def with_budget(self, params: IndexerParams) -> "PagedPlan":
+        """This plan with the budget of ``params``, which may differ from the
+        plan's own in ``BUDGET_FIELDS`` only (an engine's per-layer budgets:
+        the rows' paths, tails and metadata stay the plan's)."""
+        if params == self.params:
+            return self
+        for field in dataclasses.fields(IndexerParams):
+            if field.name not in BUDGET_FIELDS and (getattr(params, field.name)
+                                                    != getattr(self.params, field.name)):
+                fail("PagedPlan.with_budget", f"params.{field.name}", "must be the plan's "
+                     f"({getattr(self.params, field.name)}): only the budget's parameters "
+                     f"({', '.join(BUDGET_FIELDS)}) may differ", getattr(params, field.name))
+        oam_runs = self.oam_runs
+        if oam_runs is not None:  # chunk_invariant: the statistic's window is the budget's
+            oam_runs = _oam_runs(self.prompt.cpu().to(torch.int64), params, oam_runs.device)
+        return dataclasses.replace(self, params=params, oam_runs=oam_runs)
 
 
 def stem_paged_plan(
@@ -309,8 +327,7 @@ def _build(qlen, kvlen, prompt, params: IndexerParams, *, device, dtype, heads, 
     oam_runs = None
     if chunk_invariant:
         widened += _cut_blocks(sparse, context, kvlen, window, prompt, bs)
-        budget = contract.prompt_budget(ceil_div(prompt, bs), params).clamp(max=256)
-        oam_runs = (budget * (bs // params.stem_stride)).to(device)
+        oam_runs = _oam_runs(prompt, params, device)
     tail = tuple(TailRows(t.batch, t.rows, t.reach.to(device)) for t in widened)
     common = dict(
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, page_size=page,
@@ -332,6 +349,14 @@ def _build(qlen, kvlen, prompt, params: IndexerParams, *, device, dtype, heads, 
         window_size=params.window_size)
     return PagedPlan(**common, indexer_q_lens=indexer_q.to(**i32), prompt=prompt.to(**i32),
                      metadata=metadata, tail=tail, oam_runs=oam_runs)
+
+
+def _oam_runs(prompt: torch.Tensor, params: IndexerParams, device) -> torch.Tensor:
+    """``chunk_invariant``: the runs the OAM's statistic is taken over, per
+    row, from its prompt's budget (host int64 ``prompt`` tokens)."""
+    bs = params.stem_block_size
+    budget = contract.prompt_budget(ceil_div(prompt, bs), params).clamp(max=256)
+    return (budget * (bs // params.stem_stride)).to(device)
 
 
 def _cut_blocks(sparse, context, kvlen, window, prompt, bs: int) -> list[TailRows]:

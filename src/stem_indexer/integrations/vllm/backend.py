@@ -996,7 +996,9 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         s, cache = self.settings, self.index_cache
         reader, paged = self._sparse_reader(layer, kv_cache)
         virtual, done, traces = [], [], []
+        budget = s.layer_params(self.index)
         for plan in step.stem:
+            plan = plan.for_budget(budget)
             row = plan.row
             q = query[row.start:row.start + row.q_len]
             kflat, vbias = cache.inputs(plan.pages, row.seq_len, s.block_size, s.oam,

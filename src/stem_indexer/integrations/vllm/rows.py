@@ -51,12 +51,13 @@ mask of the block, and every earlier kept block is wholly visible.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from ...operator import contract
-from ...operator.contract import PARAM_NAMES, ceil_div
+from ...operator.contract import PARAM_NAMES, IndexerParams, ceil_div
 from ...operator.ops.sparse_attention import sparse_attention, sparse_attention_paged
 from ...pipeline.paged import PagedPlan, select_on_inputs, stem_paged_plan, window_queries
 from .settings import StemSettings
@@ -151,6 +152,20 @@ class StemRow:
     query_lens: torch.Tensor  #: [Hq * Qb] int32, each virtual row's queries
     block_tokens: torch.Tensor  #: [Qb] int64, keys of each query block's own block
     kept: int  #: block pairs kept per head, by the budget (tail rows not widened)
+    #: the row with other budgets (``for_budget``), made once per step each
+    budgets: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def for_budget(self, params: IndexerParams) -> "StemRow":
+        """This row with the budget of ``params`` (a layer's
+        ``StemSettings.layer_params``): the same pages, lengths and tail, the
+        indexer keeping that budget's blocks."""
+        if params == self.paged.params:
+            return self
+        row = self.budgets.get(params)
+        if row is None:
+            row = self.budgets[params] = dataclasses.replace(
+                self, paged=self.paged.with_budget(params), budgets={})
+        return row
 
 
 def plan_stem_row(row: Row, settings: StemSettings, pages: torch.Tensor, page: int,

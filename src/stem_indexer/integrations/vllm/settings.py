@@ -14,12 +14,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ...operator.contract import (DEFAULT_EXACT_TAIL, PARAM_NAMES, PRESETS, IndexerParams,
-                                  StemIndexerInputError, fail)
+from ...operator.contract import (BUDGET_FIELDS, DEFAULT_EXACT_TAIL, PARAM_NAMES, PRESETS,
+                                  IndexerParams, StemIndexerInputError, fail)
 from ...pipeline.prepare import DEFAULT_OAM_LAMBDA
 from ...pipeline.probe import check_probe
 
-__all__ = ["StemSettings", "SETTINGS_KEY", "DEFAULT_DENSE_ABOVE"]
+__all__ = ["StemSettings", "SETTINGS_KEY", "DEFAULT_DENSE_ABOVE", "BUDGET_KEYS"]
 
 SETTINGS_KEY = "stem"
 _WHO = f"additional_config['{SETTINGS_KEY}']"
@@ -39,6 +39,10 @@ SPARSE_KERNELS = ("auto", "stem", "vllm")
 
 # The indexer parameters a user may set (causal is the layer's).
 _INDEXER_KEYS = tuple(n for n in PARAM_NAMES if n != "causal")
+#: The indexer parameters ``layer_budgets`` may set per layer: the budget's.
+#: The others (blocks, stride, sink, window, ranking precision) shape the
+#: indexer cache and the step's plan, which every layer shares.
+BUDGET_KEYS = BUDGET_FIELDS
 
 
 def _count(section: Mapping[str, Any], key: str, default: int) -> int:
@@ -49,11 +53,17 @@ def _count(section: Mapping[str, Any], key: str, default: int) -> int:
     return value
 
 
-def _layers(value: Any) -> int | tuple[int, ...]:
+def _layers(value: Any, key: str = "dense_layers") -> int | tuple[int, ...]:
     """``dense_layers``: an int >= 0 (the first n), or the layers named by a
-    list of ints >= 0 or a string of indices and ranges (``"0 3-8"``)."""
+    list of ints >= 0 or a string of indices and ranges (``"0 3-8"``).
+    ``key`` names the setting in errors; any key but ``dense_layers`` takes
+    the string form only (a JSON object's keys are strings)."""
     rule = ("must be an int >= 0 (the first n layers), a list of layer indices, or a string "
             "of indices and ranges such as \"3-8\" or \"0 3-8\"")
+    if key != "dense_layers":
+        rule = "must name layers by a string of indices and ranges such as \"3-8\" or \"0 3-8\""
+        if not isinstance(value, str):
+            fail(_WHO, key, rule, repr(value))
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 0:
             fail(_WHO, "dense_layers", rule, repr(value))
@@ -63,14 +73,78 @@ def _layers(value: Any) -> int | tuple[int, ...]:
         for part in value.replace(",", " ").split():
             lo, dash, hi = part.partition("-")
             if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
-                fail(_WHO, "dense_layers", rule, repr(value))
+                fail(_WHO, key, rule, repr(value))
             picked.update(range(int(lo), int(hi if dash else lo) + 1))
     elif isinstance(value, (list, tuple)) and all(
             isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value):
         picked.update(value)
     else:
-        fail(_WHO, "dense_layers", rule, repr(value))
+        fail(_WHO, key, rule, repr(value))
+    if key != "dense_layers" and not picked:
+        fail(_WHO, key, rule, repr(value))
     return tuple(sorted(picked))
+
+
+def _ranges(layers: tuple[int, ...]) -> str:
+    """(0, 3, 4, 5) -> "0 3-5": ascending indices as ``_layers`` reads them."""
+    runs: list[list[int]] = []
+    for n in layers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return " ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _layer_budgets(value: Any, params: IndexerParams,
+                   dense: int | tuple[int, ...]) -> tuple[tuple[tuple[int, ...], IndexerParams],
+                                                          ...]:
+    """``layer_budgets``: ``{layers: budget}``, each budget a preset's name or
+    an object of ``BUDGET_KEYS`` (optionally with a ``preset`` they
+    override), applied over ``params``. Returns ``((layers, params), ...)``."""
+    key = "layer_budgets"
+    if not isinstance(value, Mapping):
+        fail(_WHO, key, "must be a JSON object mapping layers (\"3-8\", \"0 3-8\") to a "
+             "preset's name or an object of budget parameters", repr(value))
+    seen: dict[int, str] = {}
+    out = []
+    for layers, budget in value.items():
+        where = f"{key}[{layers!r}]"
+        picked = _layers(layers, where)
+        for n in picked:
+            if n in seen:
+                fail(_WHO, where, f"names layer {n}, which {key}[{seen[n]!r}] names too",
+                     repr(layers))
+            if (n < dense) if isinstance(dense, int) else (n in dense):
+                fail(_WHO, where, f"names layer {n}, which dense_layers runs dense",
+                     repr(layers))
+            seen[n] = layers
+        if isinstance(budget, str):
+            budget = {"preset": budget}
+        if not isinstance(budget, Mapping):
+            fail(_WHO, where, "must be a preset's name or an object of budget parameters "
+                 f"({', '.join(BUDGET_KEYS)})", repr(budget))
+        unknown = sorted(set(budget) - set(BUDGET_KEYS) - {"preset"})
+        if unknown:
+            fail(_WHO, f"{where}[{unknown[0]!r}]", "is not a budget parameter (those are "
+                 f"{', '.join(BUDGET_KEYS)}, and preset)", repr(budget[unknown[0]]))
+        preset = budget.get("preset")
+        base = {}
+        if preset is not None:
+            if not isinstance(preset, str) or preset not in PRESETS:
+                fail(_WHO, f"{where}['preset']", "must be one of "
+                     f"{', '.join(map(repr, PRESETS))}", repr(preset))
+            schema = IndexerParams(**PRESETS[preset])
+            base = {n: getattr(schema, n) for n in BUDGET_KEYS}
+        changes = {**base, **{n: budget[n] for n in BUDGET_KEYS if n in budget}}
+        layer = dataclasses.replace(params, **changes)
+        try:
+            layer.check(_WHO)
+        except StemIndexerInputError as exc:  # the same message, naming the entry
+            raise StemIndexerInputError(str(exc).replace(f"{_WHO}: ", f"{_WHO}: {where} ", 1)
+                                        ) from None
+        out.append((picked, layer))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -96,6 +170,15 @@ class StemSettings:
       vLLM's kernel for every row and keep no indexer cache; the others keep
       the budget. An int ``n`` names the first ``n``; a list of ints, or a
       string of indices and ranges (``"3-8"``, ``"0 3-8"``), names them;
+    * ``layer_budgets`` ({}): per-layer budgets, ``{layers: budget}``:
+      ``layers`` a string of indices and ranges (``"0 3-10"``), ``budget``
+      a preset's name (``"balanced"``) or an object of the budget's
+      parameters (``BUDGET_KEYS``: ``alpha`` and the ``k_block_num_*``
+      ones, optionally with a ``preset`` they override), over the budget
+      above. The named layers' Stem rows keep that many blocks; the others
+      keep the budget above, which also decides which rows run Stem at all
+      (``dense_above``) and their exact tail, in every layer. A layer is
+      named once, and not in ``dense_layers``;
     * ``dense_above`` (0.9): a row whose budget keeps more than this share of
       its visible block pairs runs vLLM's kernel (1.0: never for that reason);
     * ``exact_tail`` (128, ``contract.DEFAULT_EXACT_TAIL``): the prompt's last
@@ -142,6 +225,8 @@ class StemSettings:
     oam_lambda: float = DEFAULT_OAM_LAMBDA
     min_prompt_tokens: int = 0
     dense_layers: int | tuple[int, ...] = 0
+    #: ``((layers, params), ...)``: the layers with a budget of their own
+    layer_budgets: tuple[tuple[tuple[int, ...], IndexerParams], ...] = ()
     dense_above: float = DEFAULT_DENSE_ABOVE
     exact_tail: int = DEFAULT_EXACT_TAIL
     chunk_invariant: bool = False
@@ -174,7 +259,7 @@ class StemSettings:
     @classmethod
     def from_mapping(cls, section: Mapping[str, Any]) -> "StemSettings":
         known = ("preset", "oam", "oam_lambda", "min_prompt_tokens", "dense_layers",
-                 "dense_above", "exact_tail", "chunk_invariant", "decoded_pages",
+                 "layer_budgets", "dense_above", "exact_tail", "chunk_invariant", "decoded_pages",
                  "probe_queries", "probe_candidates", "sparse_kernel") + _INDEXER_KEYS
         for key in section:
             if key not in known:
@@ -198,6 +283,7 @@ class StemSettings:
             fail(_WHO, "oam_lambda", "must be a finite number", repr(oam_lambda))
         min_prompt = _count(section, "min_prompt_tokens", 0)
         dense_layers = _layers(section.get("dense_layers", 0))
+        layer_budgets = _layer_budgets(section.get("layer_budgets", {}), params, dense_layers)
         dense_above = section.get("dense_above", DEFAULT_DENSE_ABOVE)
         if (isinstance(dense_above, bool) or not isinstance(dense_above, (int, float))
                 or not (0.0 < dense_above <= 1.0)):
@@ -219,7 +305,7 @@ class StemSettings:
             fail(_WHO, "sparse_kernel", f"must be one of {', '.join(map(repr, SPARSE_KERNELS))}",
                  repr(kernel))
         return cls(params, preset, oam, float(oam_lambda), min_prompt, dense_layers,
-                   float(dense_above), exact_tail, invariant, decoded, probe_queries,
+                   layer_budgets, float(dense_above), exact_tail, invariant, decoded, probe_queries,
                    float(candidates), kernel)
 
     def dense_layer(self, index: int) -> bool:
@@ -228,6 +314,14 @@ class StemSettings:
         if isinstance(self.dense_layers, int):
             return index < self.dense_layers
         return index in self.dense_layers
+
+    def layer_params(self, index: int) -> IndexerParams:
+        """The indexer's parameters in the model's attention layer ``index``:
+        its ``layer_budgets`` entry's, else the settings' own."""
+        for layers, params in self.layer_budgets:
+            if index in layers:
+                return params
+        return self.params
 
     def check_kv_block_size(self, kv_block_size: int) -> None:
         """Stem's blocks must be whole KV-cache pages (the kernel reads pages)."""
@@ -247,6 +341,10 @@ class StemSettings:
             shown = self.dense_layers if isinstance(self.dense_layers, int) else " ".join(
                 map(str, self.dense_layers))
             extra.append(f"dense_layers={shown}")
+        for layers, params in self.layer_budgets:
+            budget = ",".join(f"{n}={getattr(params, n)}" for n in BUDGET_KEYS
+                              if getattr(params, n) != getattr(self.params, n))
+            extra.append(f"layer_budgets[{_ranges(layers)}]={budget or 'same'}")
         if self.chunk_invariant:
             extra.append("chunk_invariant=True")
         if self.probe_queries:
