@@ -29,6 +29,33 @@ def test_a_setting_is_a_preset_with_overrides():
         "preset": "balanced", "k_block_num_bias_large": 24}
 
 
+def test_settings_split_on_commas_outside_json_values():
+    text = ('default,default+layer_budgets={"0 3-10":{"alpha":1,"k_block_num_rate_large":0.3},'
+            '"20":"tight"}, balanced+exact_tail=0,')
+    names = fr.split_settings(text)
+    assert names == ['default', 'default+layer_budgets={"0 3-10":{"alpha":1,'
+                     '"k_block_num_rate_large":0.3},"20":"tight"}', 'balanced+exact_tail=0']
+    assert fr.parse_setting(names[1]) == {"preset": "default", "layer_budgets": {
+        "0 3-10": {"alpha": 1, "k_block_num_rate_large": 0.3}, "20": "tight"}}
+
+
+def test_a_plot_label_is_the_setting_shortened():
+    assert fr.short_setting("vllm") == "vllm"
+    assert fr.short_setting("balanced+k_block_num_bias_large=24+oam=false") == (
+        "balanced+bias_large=24+oam=false")
+    assert fr.short_setting('default+layer_budgets={"3-10":{"k_block_num_rate_large":1.0},'
+                            '"20 22":"tight"}') == "default+L3-10:rate_large=1.0+L20 22:tight"
+
+
+def test_the_layers_the_indexer_misses_are_those_past_the_margin():
+    # (picked, oracle): misses of 0.01, 0.12, 0.04, 0.2 and 0
+    per_layer = {"0": (0.86, 0.87), "3": (0.85, 0.97), "4": (0.90, 0.94), "10": (0.7, 0.9),
+                 "12": (1.0, 1.0)}
+    assert fr.missed_layers(per_layer, 0.05) == [3, 10]
+    assert fr.missed_layers(per_layer, 0.0) == [0, 3, 4, 10]
+    assert fr.missed_layers(per_layer, 0.5) == []
+
+
 @pytest.mark.parametrize("name, words", [
     ("loose", "preset"),                      # no such preset
     ("tight+exact_tail", "KEY=VALUE"),        # no value

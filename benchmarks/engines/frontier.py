@@ -83,7 +83,10 @@ by quarter of the window (the sampled rows' positions), for the quarters
 past the dense start. The last counts the (head, query) pairs that keep
 under half of their own attention, with the picked blocks and with the
 probe's: a mean over a block's queries can hide single queries that lose
-most of theirs.
+most of theirs. Last, it names the layers where the indexer keeps over
+``--miss`` (0.05) less of the mass than the oracle at its count, with the
+``layer_budgets`` and ``dense_layers`` entries that keep every block there
+(docs/VLLM.md, "Which layers to widen").
 """
 
 from __future__ import annotations
@@ -122,6 +125,32 @@ FEW = 10  # fewer trials than this: the cell is marked (n=...)
 # --------------------------------------------------------------------------- #
 # Settings and cells
 # --------------------------------------------------------------------------- #
+
+
+def missed_layers(per_layer: dict, miss: float) -> list[int]:
+    """The layers (ascending) whose indexer's cost, the oracle's mass at the
+    selection's count less the selection's (``per_layer[n] = (picked,
+    oracle)``), is above ``miss``: where more blocks of the indexer's own
+    ranking help least and keeping every block helps most."""
+    return sorted(int(n) for n, (picked, oracle) in per_layer.items() if oracle - picked > miss)
+
+
+def short_setting(name: str) -> str:
+    """A setting's plot label: ``k_block_num_`` dropped, each ``layer_budgets``
+    entry as ``L<layers>:<budget>``."""
+    stem = parse_setting(name)
+    if stem is None:
+        return name
+    parts = [stem.pop("preset")]
+    for key, value in stem.items():
+        if key != "layer_budgets":
+            parts.append(f"{key}={json.dumps(value)}")
+            continue
+        for layers, budget in value.items():
+            text = budget if isinstance(budget, str) else ",".join(
+                f"{k}={v}" for k, v in budget.items())
+            parts.append(f"L{layers}:{text}")
+    return "+".join(parts).replace("k_block_num_", "")
 
 
 def split_settings(text: str) -> list[str]:
@@ -627,8 +656,9 @@ def plot(args) -> None:
                         fmt="o", color=colour, capsize=3,
                         markerfacecolor=colour if e["speedup"] or e["setting"] == REFERENCE
                         else "none")
-            ax.annotate(e["setting"].replace("k_block_num_", ""), (x, 100 * e["ppl_change"]),
-                        fontsize=7, xytext=(4, 4), textcoords="offset points")
+            ax.annotate(textwrap.fill(short_setting(e["setting"]), 44),
+                        (x, 100 * e["ppl_change"]), fontsize=6, xytext=(4, 4),
+                        textcoords="offset points", annotation_clip=True, in_layout=False)
         ax.axhline(100 * PPL_TOLERANCE, ls="--", color="gray", lw=0.8)
         ax.set_title(f"{model}, {nominal} tokens")
         ax.set_xlabel("time to first token: speed-up against vLLM's backend")
@@ -785,13 +815,22 @@ def oracle(args) -> None:
                                           for i in range(4))
         by_quarter = {f"Q{n + 1}": [round(statistics.mean(x[i] for x in quarters[n]), 4)
                                     for i in range(2)] for n in sorted(quarters)}
+        missing = missed_layers({n: v[:2] for n, v in per_layer.items()}, args.miss)
         append(Path(args.results), dict(
             kind="oracle", model=args.model, length=args.length, setting=name,
             rows=args.rows, picked=got, oracle=best, sampled=args.sampled,
             by_sample=by_sample, by_probe=by_probe, by_quarter=by_quarter,
             starved=hungry[0], starved_probe=hungry[1], queries=hungry[2],
-            cpu=machine().split(";")[0],
+            cpu=machine().split(";")[0], miss=args.miss, missed=missing,
             layers={str(n): [round(x, 4) for x in v] for n, v in per_layer.items()}))
+        if missing:
+            from stem_indexer.integrations.vllm.settings import layer_ranges
+            named = layer_ranges(missing)
+            print(f"{name}: the indexer keeps over {args.miss} less of the mass than the "
+                  f"oracle at its count in layers {named}; to keep every block there from "
+                  f"160 blocks on: \"layer_budgets\": {{\"{named}\": "
+                  f"{{\"k_block_num_rate_large\": 1.0}}}}, at every length, on vLLM's "
+                  f"kernel: \"dense_layers\": \"{named}\"", flush=True)
         low = sorted(per_layer, key=lambda n: per_layer[n][0])[:3]
         lines.append(f"| `{name}` | {got:.3f} | {best:.3f} | {1 - best:.3f} | {best - got:.3f} | "
                      + ", ".join(f"{n}: {per_layer[n][0]:.2f}" for n in low)
@@ -829,6 +868,9 @@ def main(argv=None) -> None:
     p.add_argument("--rows", type=int, default=8, help="query blocks sampled per layer")
     p.add_argument("--sampled", type=int, default=16,
                    help="queries (a block's last) whose exact mass picks the last column's blocks")
+    p.add_argument("--miss", type=float, default=0.05,
+                   help="name the layers where the indexer keeps this much less of the mass "
+                        "than the oracle at its count (the layers to keep dense)")
     p.add_argument("--record", default=None)
     p.add_argument("--results", default=str(areas.RESULTS / "frontier_oracle.jsonl"),
                    help="each setting's masses, per layer too, one JSON line each")

@@ -19,7 +19,7 @@ from ...operator.contract import (BUDGET_FIELDS, DEFAULT_EXACT_TAIL, PARAM_NAMES
 from ...pipeline.prepare import DEFAULT_OAM_LAMBDA
 from ...pipeline.probe import check_probe
 
-__all__ = ["StemSettings", "SETTINGS_KEY", "DEFAULT_DENSE_ABOVE", "BUDGET_KEYS"]
+__all__ = ["StemSettings", "SETTINGS_KEY", "DEFAULT_DENSE_ABOVE", "BUDGET_KEYS", "layer_ranges"]
 
 SETTINGS_KEY = "stem"
 _WHO = f"additional_config['{SETTINGS_KEY}']"
@@ -85,7 +85,7 @@ def _layers(value: Any, key: str = "dense_layers") -> int | tuple[int, ...]:
     return tuple(sorted(picked))
 
 
-def _ranges(layers: tuple[int, ...]) -> str:
+def layer_ranges(layers) -> str:
     """(0, 3, 4, 5) -> "0 3-5": ascending indices as ``_layers`` reads them."""
     runs: list[list[int]] = []
     for n in layers:
@@ -344,7 +344,7 @@ class StemSettings:
         for layers, params in self.layer_budgets:
             budget = ",".join(f"{n}={getattr(params, n)}" for n in BUDGET_KEYS
                               if getattr(params, n) != getattr(self.params, n))
-            extra.append(f"layer_budgets[{_ranges(layers)}]={budget or 'same'}")
+            extra.append(f"layer_budgets[{layer_ranges(layers)}]={budget or 'same'}")
         if self.chunk_invariant:
             extra.append("chunk_invariant=True")
         if self.probe_queries:
