@@ -130,8 +130,9 @@ FEW = 10  # fewer trials than this: the cell is marked (n=...)
 def missed_layers(per_layer: dict, miss: float) -> list[int]:
     """The layers (ascending) whose indexer's cost, the oracle's mass at the
     selection's count less the selection's (``per_layer[n] = (picked,
-    oracle)``), is above ``miss``: where more blocks of the indexer's own
-    ranking help least and keeping every block helps most."""
+    oracle)``), is above ``miss``: where the indexer, not the budget, loses
+    the mass (on SmolLM2 at 32K, the layers whose every block bought most of
+    the perplexity back: benchmarks/FRONTIER.md)."""
     return sorted(int(n) for n, (picked, oracle) in per_layer.items() if oracle - picked > miss)
 
 
