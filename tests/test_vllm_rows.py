@@ -26,8 +26,8 @@ from stem_indexer.integrations.vllm.rows import (Row, RowKinds, attend_row, atte
                                                   decode_tokens_left_out, plan_row,
                                                   plan_stem_row, select_blocks, virtual_rows)
 from stem_indexer.operator.ops import sparse_attention
-from stem_indexer.integrations.vllm.settings import (BUDGET_KEYS, DEFAULT_DENSE_ABOVE,
-                                                     StemSettings)
+from stem_indexer.integrations.vllm.settings import DEFAULT_DENSE_ABOVE, StemSettings
+from stem_indexer.operator.contract import BUDGET_FIELDS
 
 # --------------------------------------------------------------------------- #
 # Settings
@@ -73,7 +73,7 @@ def test_settings_take_a_preset_and_overrides():
     for i in (0, 3, 4):
         assert per.layer_params(i) == dataclasses.replace(base, k_block_num_rate_large=0.3)
     assert per.layer_params(6) == dataclasses.replace(base, **{  # the preset's whole budget
-        k: getattr(stem_indexer.IndexerParams(), k) for k in BUDGET_KEYS})
+        k: getattr(stem_indexer.IndexerParams(), k) for k in BUDGET_FIELDS})
     assert ("layer_budgets[0 3-4]=k_block_num_rate_large=0.3 layer_budgets[6]="
             "k_block_num_rate_medium=0.2,k_block_num_bias_medium=30,k_block_num_bias_large=30"
             ) in per.describe()

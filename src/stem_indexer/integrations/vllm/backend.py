@@ -631,6 +631,7 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         # This layer's place in its model: the layers vLLM registered before it
         self.index = len(getattr(config.compilation_config, "static_forward_context", ()))
         self.layer_reason = engine_reason(config) or self._layer_reason()
+        self.budget = self.settings.layer_params(self.index)  # its layer_budgets entry's
         self.index_cache: IndexCache | None = None
         self.held = None  # speculative decoding: (step, key, value, slots, tags) held back
         self.staged_for = None  # the KV cache this layer's staged writes were checked for
@@ -996,9 +997,8 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         s, cache = self.settings, self.index_cache
         reader, paged = self._sparse_reader(layer, kv_cache)
         virtual, done, traces = [], [], []
-        budget = s.layer_params(self.index)
         for plan in step.stem:
-            plan = plan.for_budget(budget)
+            plan = plan.for_budget(self.budget)
             row = plan.row
             q = query[row.start:row.start + row.q_len]
             kflat, vbias = cache.inputs(plan.pages, row.seq_len, s.block_size, s.oam,

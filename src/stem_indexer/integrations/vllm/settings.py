@@ -19,7 +19,7 @@ from ...operator.contract import (BUDGET_FIELDS, DEFAULT_EXACT_TAIL, PARAM_NAMES
 from ...pipeline.prepare import DEFAULT_OAM_LAMBDA
 from ...pipeline.probe import check_probe
 
-__all__ = ["StemSettings", "SETTINGS_KEY", "DEFAULT_DENSE_ABOVE", "BUDGET_KEYS", "layer_ranges"]
+__all__ = ["StemSettings", "SETTINGS_KEY", "DEFAULT_DENSE_ABOVE", "layer_ranges"]
 
 SETTINGS_KEY = "stem"
 _WHO = f"additional_config['{SETTINGS_KEY}']"
@@ -39,10 +39,6 @@ SPARSE_KERNELS = ("auto", "stem", "vllm")
 
 # The indexer parameters a user may set (causal is the layer's).
 _INDEXER_KEYS = tuple(n for n in PARAM_NAMES if n != "causal")
-#: The indexer parameters ``layer_budgets`` may set per layer: the budget's.
-#: The others (blocks, stride, sink, window, ranking precision) shape the
-#: indexer cache and the step's plan, which every layer shares.
-BUDGET_KEYS = BUDGET_FIELDS
 
 
 def _count(section: Mapping[str, Any], key: str, default: int) -> int:
@@ -85,6 +81,11 @@ def _layers(value: Any, key: str = "dense_layers") -> int | tuple[int, ...]:
     return tuple(sorted(picked))
 
 
+def _names(layers: int | tuple[int, ...], index: int) -> bool:
+    """Whether ``_layers``' value names layer ``index`` (an int: the first n)."""
+    return index < layers if isinstance(layers, int) else index in layers
+
+
 def layer_ranges(layers) -> str:
     """(0, 3, 4, 5) -> "0 3-5": ascending indices as ``_layers`` reads them."""
     runs: list[list[int]] = []
@@ -100,7 +101,7 @@ def _layer_budgets(value: Any, params: IndexerParams,
                    dense: int | tuple[int, ...]) -> tuple[tuple[tuple[int, ...], IndexerParams],
                                                           ...]:
     """``layer_budgets``: ``{layers: budget}``, each budget a preset's name or
-    an object of ``BUDGET_KEYS`` (optionally with a ``preset`` they
+    an object of ``BUDGET_FIELDS`` (optionally with a ``preset`` they
     override), applied over ``params``. Returns ``((layers, params), ...)``."""
     key = "layer_budgets"
     if not isinstance(value, Mapping):
@@ -115,7 +116,7 @@ def _layer_budgets(value: Any, params: IndexerParams,
             if n in seen:
                 fail(_WHO, where, f"names layer {n}, which {key}[{seen[n]!r}] names too",
                      repr(layers))
-            if (n < dense) if isinstance(dense, int) else (n in dense):
+            if _names(dense, n):
                 fail(_WHO, where, f"names layer {n}, which dense_layers runs dense",
                      repr(layers))
             seen[n] = layers
@@ -123,11 +124,11 @@ def _layer_budgets(value: Any, params: IndexerParams,
             budget = {"preset": budget}
         if not isinstance(budget, Mapping):
             fail(_WHO, where, "must be a preset's name or an object of budget parameters "
-                 f"({', '.join(BUDGET_KEYS)})", repr(budget))
-        unknown = sorted(set(budget) - set(BUDGET_KEYS) - {"preset"})
+                 f"({', '.join(BUDGET_FIELDS)})", repr(budget))
+        unknown = sorted(set(budget) - set(BUDGET_FIELDS) - {"preset"})
         if unknown:
             fail(_WHO, f"{where}[{unknown[0]!r}]", "is not a budget parameter (those are "
-                 f"{', '.join(BUDGET_KEYS)}, and preset)", repr(budget[unknown[0]]))
+                 f"{', '.join(BUDGET_FIELDS)}, and preset)", repr(budget[unknown[0]]))
         preset = budget.get("preset")
         base = {}
         if preset is not None:
@@ -135,8 +136,8 @@ def _layer_budgets(value: Any, params: IndexerParams,
                 fail(_WHO, f"{where}['preset']", "must be one of "
                      f"{', '.join(map(repr, PRESETS))}", repr(preset))
             schema = IndexerParams(**PRESETS[preset])
-            base = {n: getattr(schema, n) for n in BUDGET_KEYS}
-        changes = {**base, **{n: budget[n] for n in BUDGET_KEYS if n in budget}}
+            base = {n: getattr(schema, n) for n in BUDGET_FIELDS}
+        changes = {**base, **{n: budget[n] for n in BUDGET_FIELDS if n in budget}}
         layer = dataclasses.replace(params, **changes)
         try:
             layer.check(_WHO)
@@ -173,7 +174,7 @@ class StemSettings:
     * ``layer_budgets`` ({}): per-layer budgets, ``{layers: budget}``:
       ``layers`` a string of indices and ranges (``"0 3-10"``), ``budget``
       a preset's name (``"balanced"``) or an object of the budget's
-      parameters (``BUDGET_KEYS``: ``alpha`` and the ``k_block_num_*``
+      parameters (``BUDGET_FIELDS``: ``alpha`` and the ``k_block_num_*``
       ones, optionally with a ``preset`` they override), over the budget
       above. The named layers' Stem rows keep that many blocks; the others
       keep the budget above, which also decides which rows run Stem at all
@@ -311,15 +312,13 @@ class StemSettings:
     def dense_layer(self, index: int) -> bool:
         """Whether the model's attention layer ``index`` (from 0) is one of
         ``dense_layers``."""
-        if isinstance(self.dense_layers, int):
-            return index < self.dense_layers
-        return index in self.dense_layers
+        return _names(self.dense_layers, index)
 
     def layer_params(self, index: int) -> IndexerParams:
         """The indexer's parameters in the model's attention layer ``index``:
         its ``layer_budgets`` entry's, else the settings' own."""
         for layers, params in self.layer_budgets:
-            if index in layers:
+            if _names(layers, index):
                 return params
         return self.params
 
@@ -342,7 +341,7 @@ class StemSettings:
                 map(str, self.dense_layers))
             extra.append(f"dense_layers={shown}")
         for layers, params in self.layer_budgets:
-            budget = ",".join(f"{n}={getattr(params, n)}" for n in BUDGET_KEYS
+            budget = ",".join(f"{n}={getattr(params, n)}" for n in BUDGET_FIELDS
                               if getattr(params, n) != getattr(self.params, n))
             extra.append(f"layer_budgets[{layer_ranges(layers)}]={budget or 'same'}")
         if self.chunk_invariant:
