@@ -304,6 +304,62 @@ def test_stem_attention_is_the_indexer_selection(causal, device):
     assert (out - dense).abs().max() > 1e-4  # sparse, so not the dense result
 
 
+def test_the_miss_check_widens_the_batches_whose_selection_misses(device):
+    """``miss_check``: a batch whose selection keeps more than ``miss_check``
+    less of its last sparse query block's exact attention (its last 16
+    queries) than the heaviest blocks would attends every block it can see
+    (float64 dense attention); a batch under it keeps the indexer's
+    selection (the float64 masked reference). Each batch's miss is
+    test_probe's float64 loop; the threshold sits between them, then under
+    both."""
+    from test_probe import miss_truth
+
+    q, k, v = qkv(2, 4, 2, 1100, 1100, 8, 15, device=device)
+    lens = [1100, 900]
+    kw = dict(q_lens=lens, kv_lens=lens, dense_above=1.0, exact_tail=0, return_info=True,
+              **SMALL)
+    inputs = stem_indexer.stem_inputs(q, k, v, q_lens=lens, kv_lens=lens, scale=8 ** -0.5 / 4,
+                                      stem_block_size=16, stem_stride=4)
+    idx, seq_len = (host(t, device) for t in stem_indexer.stem_indexer(
+        *inputs, stem_block_size=16, stem_stride=4))
+    qh, kh = host(q, device), host(k, device)
+    misses = []
+    for b, n in enumerate(lens):
+        qb = -(-n // 16)
+        partial = [r for r in range(qb) if bool((seq_len[b, :, r] < r + 1).any())]
+        misses.append(miss_truth(qh[b, :, :n], kh[b, :, :n], idx[b, :, :qb], seq_len[b, :, :qb],
+                                 partial[-1:], context=0, seq_len=n, scale=8 ** -0.5, m=16,
+                                 bs=16))
+    assert abs(misses[0] - misses[1]) > 0.01, misses
+    wide = int(misses[1] > misses[0])
+    out, info = stem_attention(q, k, v, miss_check=sum(misses) / 2, **kw)
+    dense = dense_attention(q, k, v, q_lens=lens, kv_lens=lens)
+    mask = token_mask(idx, seq_len, 16, 1100, 1100, lens, lens, True)
+    sparse = reference_attention(q, k, v, mask)
+    out = host(out, device).double()
+    torch.testing.assert_close(out[wide], host(dense, device).double()[wide], rtol=1e-5,
+                               atol=1e-5)
+    torch.testing.assert_close(out[1 - wide], sparse[1 - wide], rtol=1e-5, atol=1e-5)
+    assert (out[wide] - sparse[wide]).abs().max() > 1e-4  # the widening changed that batch
+    visible_wide = 4 * sum(i + 1 for i in range(-(-lens[wide] // 16)))
+    assert info.path == "sparse" and info.kept_pairs == (
+        int(seq_len[1 - wide].sum()) + visible_wide), info
+    # Under both batches' misses: every batch dense, said so
+    out, info = stem_attention(q, k, v, miss_check=min(misses) / 2, **kw)
+    torch.testing.assert_close(host(out, device).double(), host(dense, device).double(),
+                               rtol=1e-5, atol=1e-5)
+    assert (info.path, info.reason, info.density) == ("dense", "miss check", 1.0), info
+
+
+@pytest.mark.parametrize("kw, arg", [(dict(miss_check=1.5), "miss_check"),
+                                     (dict(miss_check_queries=0), "miss_check_queries"),
+                                     (dict(miss_check_blocks=None), "miss_check_blocks")])
+def test_bad_miss_check_arguments_name_themselves(kw, arg):
+    q, k, v = qkv(1, 2, 2, 64, 64, 8, 1)
+    with pytest.raises(stem_indexer.StemIndexerInputError, match=f"stem_attention: {arg} "):
+        stem_attention(q, k, v, **kw)
+
+
 @pytest.mark.parametrize("change", [dict(alpha=0.3), dict(oam=False), dict(oam_lambda=3.0),
                                     dict(initial_blocks=1, window_size=1)],
                          ids=["alpha", "no-oam", "oam-lambda", "sink-window"])

@@ -223,3 +223,96 @@ def test_the_probe_needs_the_keys():
         plan = plan_for(step, probe_queries=4, **SMALL)
         with pytest.raises(StemIndexerInputError, match="key_cache must be given"):
             stem_paged_select(step.query, step.index_cache, step.table, plan)
+
+
+# --------------------------------------------------------------------------- #
+# The miss check: how much attention a selection leaves out, sampled
+# --------------------------------------------------------------------------- #
+
+
+def miss_truth(q, k, lists, lengths, rows, *, context, seq_len, scale, m, bs=BS):
+    """The float64 loop of ``selection_miss``'s docstring over the sampled
+    ``rows`` (indices into the lists): per query head, the mean over the
+    row's last ``m`` queries of the probability each key block gets; the
+    heaviest ``n`` blocks' mass less the listed ones'."""
+    hq = q.shape[0]
+    group = hq // k.shape[0]
+    first = context // bs
+    total = 0.0
+    for r in rows:
+        i = first + r
+        end = min((i + 1) * bs, seq_len)
+        begin = max(i * bs, context, end - m)
+        for h in range(hq):
+            mass = torch.zeros(i + 1, dtype=torch.float64)
+            for t in range(begin, end):
+                prob = torch.softmax(k[h // group, :t + 1].double() @ q[h, t].double() * scale, 0)
+                mass += torch.nn.functional.pad(prob, (0, (i + 1) * bs - t - 1)).view(
+                    i + 1, bs).sum(1)
+            mass /= end - begin
+            listed = lists[h, r, :int(lengths[h, r])].tolist()
+            best = sorted(mass.tolist(), reverse=True)[:len(listed)]
+            total += sum(best) - float(mass[listed].sum())
+    return total / (len(rows) * hq)
+
+
+@pytest.mark.parametrize("blocks, sampled", [(1, [5]), (2, [1, 5]), (9, [1, 3, 4, 5])])
+def test_the_miss_check_measures_the_mass_a_selection_leaves_out(blocks, sampled):
+    """A chunk starting inside block 1 (query blocks 1..6); rows 0 and 2
+    list every block they see. Sampled: the last partial row, then evenly
+    spaced ones back to the first."""
+    from stem_indexer.pipeline.probe import selection_miss
+
+    torch.manual_seed(7)
+    hq, hkv, dim, seq_len, context, m = 4, 2, 16, 7 * BS - 5, BS + 9, 6
+    q, k = torch.randn(hq, seq_len, dim), torch.randn(hkv, seq_len, dim)
+    k[:, 2 * BS + 3] = q[:, 6 * BS - 1].view(hkv, 2, dim).mean(1) * 4  # a heavy key
+    qb = 6
+    lists = torch.full((hq, qb, 7), -1, dtype=torch.int32)
+    lengths = torch.zeros(hq, qb, dtype=torch.int32)
+    for r in range(qb):
+        seen = context // BS + r + 1
+        for h in range(hq):
+            if r in (0, 2):
+                keep = list(range(seen))
+            else:  # the sink, the diagonal and a few others, never block 2 in head 0
+                others = [j for j in torch.randperm(seen).tolist() if j not in (0, seen - 1)
+                          and not (h == 0 and j == 2)]
+                keep = sorted({0, seen - 1, *others[:max(0, seen // 2 - 1)]})
+            lists[h, r, :len(keep)] = torch.tensor(keep, dtype=torch.int32)
+            lengths[h, r] = len(keep)
+    scale = dim ** -0.5
+    got, n = selection_miss(q[:, context:].transpose(0, 1), k.transpose(0, 1), lists, lengths,
+                            context=context, seq_len=seq_len, block_size=BS, queries=m,
+                            blocks=blocks, scale=scale)
+    want = miss_truth(q, k, lists, lengths, sampled, context=context, seq_len=seq_len,
+                      scale=scale, m=m)
+    assert n == len(sampled)
+    assert want > 0.01
+    assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_the_miss_check_of_lists_holding_every_block_samples_nothing():
+    from stem_indexer.pipeline.probe import selection_miss
+
+    hq, qb, seq_len = 2, 3, 3 * BS
+    lists = torch.arange(qb, dtype=torch.int32).expand(hq, qb, qb).clone()
+    lengths = torch.arange(1, qb + 1, dtype=torch.int32).expand(hq, qb).clone()
+    lists[lists >= lengths[..., None]] = -1
+    got = selection_miss(torch.randn(seq_len, hq, 8), torch.randn(seq_len, 1, 8), lists,
+                         lengths, context=0, seq_len=seq_len, block_size=BS, queries=4,
+                         blocks=4, scale=0.3)
+    assert got == (0.0, 0)
+
+
+@pytest.mark.parametrize("kw, arg", [
+    (dict(miss=-0.1), "miss_check"), (dict(miss=1.0), "miss_check"),
+    (dict(miss=float("nan")), "miss_check"), (dict(miss=True), "miss_check"),
+    (dict(queries=0), "miss_check_queries"), (dict(queries=2.0), "miss_check_queries"),
+    (dict(blocks=0), "miss_check_blocks"), (dict(blocks=False), "miss_check_blocks")])
+def test_bad_miss_check_settings_name_themselves(kw, arg):
+    from stem_indexer.pipeline.probe import check_miss
+
+    args = dict(miss=0.05, queries=16, blocks=4) | kw
+    with pytest.raises(StemIndexerInputError, match=arg):
+        check_miss("who", args["miss"], args["queries"], args["blocks"])

@@ -125,6 +125,33 @@ def test_sparse_config_is_sparse_finite_and_close(model, registered, device):
     assert 1e-3 < rel < 0.25, rel
 
 
+def test_the_miss_check_widens_a_missing_layer_to_sdpas_result(model, registered, device):
+    """``miss_check`` under any miss: every layer's sparse call attends every
+    block, so the model's logits are SDPA's; each call is counted as
+    ``dense:miss check``. Over any miss: the calls stay sparse."""
+    ids = _ids(2, 1024, seed=3, device=device)
+    ref = _logits(model, "sdpa", ids)
+    wide = stem_hf.register("stem-test-miss", miss_check=1e-9, **BLOCKING, **TIGHT, **CPU_SHARE)
+    narrow = stem_hf.register("stem-test-no-miss", miss_check=0.999, **BLOCKING, **TIGHT,
+                              **CPU_SHARE)
+    try:
+        torch.testing.assert_close(_logits(model, "stem-test-miss", ids), ref, atol=1e-4,
+                                   rtol=1e-4)
+        assert wide.stats == {"dense:miss check": 2}, wide.stats
+        rel = float((_logits(model, "stem-test-no-miss", ids) - ref).norm() / ref.norm())
+        assert rel > 1e-3 and narrow.stats == {"stem": 2}, (rel, narrow.stats)
+    finally:
+        stem_hf.unregister("stem-test-miss")
+        stem_hf.unregister("stem-test-no-miss")
+
+
+def test_a_bad_miss_check_is_refused_at_registration():
+    with pytest.raises(StemIndexerInputError, match="register: miss_check "):
+        stem_hf.register("stem-test-bad", miss_check=-1)
+    with pytest.raises(StemIndexerInputError, match="register: miss_check_blocks "):
+        stem_hf.register("stem-test-bad", miss_check_blocks=0)
+
+
 def test_density_by_layer_counts_the_sparse_calls_and_resets(model, registered, device):
     fn = registered[SPARSE]
     ids = _ids(1, 1024, seed=5, device=device)

@@ -39,7 +39,9 @@ HERE = Path(__file__).parent
 BLOCK = 32
 KEEP_ALL = {"stem_block_size": BLOCK, "stem_stride": 8, "k_block_num_bias_medium": 1000,
             "k_block_num_bias_large": 1000}
-SPARSE = {"stem_block_size": BLOCK, "stem_stride": 8, "preset": "tight"}
+# The selection as the ops give it: the miss check, which may widen a layer's
+# rows, has tests of its own.
+SPARSE = {"stem_block_size": BLOCK, "stem_stride": 8, "preset": "tight", "miss_check": 0}
 ENGINE = {"dtype": "float32", "max_model_len": 4096, "block_size": BLOCK,
           "max_num_batched_tokens": 97, "enforce_eager": True}
 BF16 = {"dtype": "bfloat16"}
@@ -438,6 +440,38 @@ def test_a_layer_with_a_budget_of_its_own_keeps_its_blocks(model):
     assert rec["rows"] > 10 and rec["selection_mismatches"] == 0, rec
     assert rec["cache_mismatches"] == 0 and rec["max_error"] < 1e-5, rec
     assert "layer_budgets[0]=k_block_num_bias_medium=1000,k_block_num_bias_large=1000" in run["log"]
+
+
+def test_the_miss_check_widens_a_layer_whose_selection_misses(model):
+    """``miss_check`` under any miss: each layer's first sampled row widens
+    it for the rest of its request's prompt; every Stem row then keeps every
+    block and the answers are vLLM's own. Over any miss: nothing widens and
+    every row is Stem's selection."""
+    names = {f"model.layers.{i}.self_attn.attn" for i in range(2)}
+    wide = cached(model, "miss-wide", {**SPARSE, "dense_above": 1.0, "miss_check": 1e-9,
+                                       "miss_check_min_prompt": 0})
+    checks, rows = wide["stats"]["checks"], wide["stats"]["rows"]
+    assert set(checks) == names, checks
+    for c in checks.values():
+        assert c["widened"] == c["checked"] > 0 and 0 < c["mean_miss"] < 1, checks
+    # Later chunks of a widened request are widened without a check of their own.
+    assert rows["dense:miss check"] > sum(c["checked"] for c in checks.values()), rows
+    assert wide["stats"]["density"] is None or wide["stats"]["density"] == 1.0, wide["stats"]
+    assert_same_tokens(wide, plain(model), 1e-4)
+    assert "miss_check=1e-09 (queries=16 blocks=1 min_prompt=0)" in wide["log"]
+
+    narrow = cached(model, "miss-narrow", {**SPARSE, "miss_check": 0.999,
+                                           "miss_check_min_prompt": 0}, check_rows=True)
+    _assert_rows_match_stem(narrow, 1e-5)
+    checks = narrow["stats"]["checks"]
+    assert set(checks) == names and all(c["widened"] == 0 < c["checked"]
+                                        for c in checks.values()), checks
+    assert "dense:miss check" not in narrow["stats"]["rows"]
+
+    # Prompts under miss_check_min_prompt (the default 20480 here) are not checked.
+    short = cached(model, "miss-short", {**SPARSE, "miss_check": 1e-9})
+    assert short["stats"]["checks"] == {} and "dense:miss check" not in short["stats"]["rows"]
+    assert "min_prompt=20480" in short["log"]
 
 
 # --------------------------------------------------------------------------- #

@@ -26,7 +26,8 @@ from stem_indexer.integrations.vllm.rows import (Row, RowKinds, attend_row, atte
                                                   decode_tokens_left_out, plan_row,
                                                   plan_stem_row, select_blocks, virtual_rows)
 from stem_indexer.operator.ops import sparse_attention
-from stem_indexer.integrations.vllm.settings import DEFAULT_DENSE_ABOVE, StemSettings
+from stem_indexer.integrations.vllm.settings import (DEFAULT_DENSE_ABOVE, DEFAULT_MISS_CHECK,
+                                                     StemSettings)
 from stem_indexer.operator.contract import BUDGET_FIELDS
 
 # --------------------------------------------------------------------------- #
@@ -39,6 +40,23 @@ def test_settings_default_to_the_default_preset():
     assert s.params == stem_indexer.IndexerParams()
     assert (s.oam, s.min_prompt_tokens, s.dense_above) == (True, 0, DEFAULT_DENSE_ABOVE)
     assert StemSettings.from_config({"other_plugin": 1}) == s
+    # The miss check is on, and said so
+    assert (s.miss_check, s.miss_check_queries, s.miss_check_blocks,
+            s.miss_check_min_prompt) == (DEFAULT_MISS_CHECK, 16, 1, 20480)
+    assert s.checks_misses and ("miss_check=0.05 (queries=16 blocks=1 min_prompt=20480)"
+                                in s.describe())
+
+
+def test_the_miss_check_is_set_or_turned_off():
+    s = StemSettings.from_mapping({"miss_check": 0.1, "miss_check_queries": 8,
+                                   "miss_check_blocks": 2, "miss_check_min_prompt": 0})
+    assert s.checks_misses and "miss_check=0.1 (queries=8 blocks=2 min_prompt=0)" in s.describe()
+    off = StemSettings.from_mapping({"miss_check": 0})
+    assert not off.checks_misses and "miss_check=off" in off.describe()
+    # The sample depends on where a chunk starts: not under chunk_invariant
+    invariant = StemSettings.from_mapping({"chunk_invariant": True})
+    assert invariant.miss_check == DEFAULT_MISS_CHECK and not invariant.checks_misses
+    assert "miss_check=off (chunk_invariant)" in invariant.describe()
 
 
 def test_settings_take_a_preset_and_overrides():
@@ -95,6 +113,10 @@ def test_settings_take_a_preset_and_overrides():
     ({"probe_queries": -1}, "probe_queries"), ({"probe_candidates": 0.5}, "probe_candidates"),
     ({"decoded_pages": "lazy"}, "decoded_pages"), ({"decoded_pages": None}, "decoded_pages"),
     ({"sparse_kernel": "flash"}, "sparse_kernel"), ({"sparse_kernel": None}, "sparse_kernel"),
+    ({"miss_check": 1}, "miss_check"), ({"miss_check": "0.05"}, "miss_check"),
+    ({"miss_check_queries": 0}, "miss_check_queries"),
+    ({"miss_check_blocks": 1.5}, "miss_check_blocks"),
+    ({"miss_check_min_prompt": -1}, "miss_check_min_prompt"),
     ({"layer_budgets": [1]}, "layer_budgets"), ({"layer_budgets": {"3-": "tight"}},
                                                 r"layer_budgets\['3-'\]"),
     ({"layer_budgets": {"": "tight"}}, r"layer_budgets\[''\]"),

@@ -95,6 +95,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import textwrap
@@ -134,6 +135,15 @@ def missed_layers(per_layer: dict, miss: float) -> list[int]:
     the mass (on SmolLM2 at 32K, the layers whose every block bought most of
     the perplexity back: benchmarks/FRONTIER.md)."""
     return sorted(int(n) for n, (picked, oracle) in per_layer.items() if oracle - picked > miss)
+
+
+def widened_layers(checks: dict) -> str:
+    """The layers the miss check widened (``stats()["checks"]``, by layer
+    name), as ``layer_budgets`` names them ("3-10 20"); "" where none."""
+    from stem_indexer.integrations.vllm.settings import layer_ranges
+
+    found = [re.search(r"\.(\d+)\.", name) for name, c in checks.items() if c["widened"]]
+    return layer_ranges(sorted(int(m.group(1)) for m in found if m))
 
 
 def short_setting(name: str) -> str:
@@ -421,6 +431,9 @@ def _run_plan(args, plan, engines, peers, stems, tok, gen, window, trials, prefi
                 st = stem_vllm.stats(llm)
                 row["density"] = st["density"]
                 row["rows"] = dict(st["rows"])
+                widened = widened_layers(st.get("checks", {}))
+                if widened:
+                    row["widened"] = widened
             append(results, row)
             print(f"{task} {length} t{t} {name}: "
                   + (f"found={row['found']} ttft={row['ttft']}" if sample is not None else

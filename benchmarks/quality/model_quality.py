@@ -96,6 +96,9 @@ CONFIGS = {  # name: stem_attention keyword arguments (None: dense SDPA)
     "default-tail": dict(preset="default", exact_tail=128),
     "balanced-tail": dict(preset="balanced", exact_tail=128),
     "tight-tail": dict(preset="tight", exact_tail=128),
+    # the default budget with the miss check: a layer whose selection misses
+    # more than 0.05 of its last sparse block's exact attention attends every block
+    "default-miss": dict(preset="default", exact_tail=0, miss_check=0.05),
     # the default budget's selection even where it keeps more than dense_above
     # of the pairs (contract.DENSE_ABOVE), where stem_attention runs dense
     "default-sparse": dict(preset="default", dense_above=1.0, exact_tail=0),

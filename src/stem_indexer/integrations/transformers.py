@@ -93,6 +93,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 from ..surfaces.attention import stem_attention
 from ..pipeline.checks import check_stem_options
 from ..operator.contract import IndexerParams, check_dense_above, check_int, fail
+from ..pipeline.probe import check_miss
 from ..pipeline.window import _windowed, sliding_window_mask
 
 # The first release whose mask functions are called with (q_length, q_offset)
@@ -488,6 +489,10 @@ class StemAttention:
 # --------------------------------------------------------------------------- #
 
 
+# stem_attention's miss check, and its defaults (checked apart: not an indexer option)
+_MISS_CHECK = {"miss_check": 0.0, "miss_check_queries": 16, "miss_check_blocks": 1}
+
+
 def _stem_arguments() -> list[str]:
     """What ``register`` may fix: stem_attention's keywords and the indexer's parameters."""
     named = [name for name, p in inspect.signature(stem_attention).parameters.items()
@@ -517,8 +522,10 @@ def register(name: str = "stem", *, min_prefill_tokens: int | None = None,
             (``preset``, ``stem_block_size``, ``stem_stride``, ``alpha``,
             ``initial_blocks``, ``window_size``, ``oam``, ``oam_lambda``,
             budget rates, ``exact_tail`` (128: the prompt's last 128 tokens
-            attend to every key; 0: every row is the indexer's), ``backend``,
-            ...). The model supplies q/k/v,
+            attend to every key; 0: every row is the indexer's),
+            ``miss_check`` (0: off; a layer's call whose selection misses
+            more of a sample of exact attention attends every block,
+            ``stats["dense:miss check"]``), ``backend``, ...). The model supplies q/k/v,
             ``causal``, ``scale``, ``softcap`` and the lengths; the
             integration asks for the info it counts.
 
@@ -542,7 +549,9 @@ def register(name: str = "stem", *, min_prefill_tokens: int | None = None,
         if key not in allowed:
             fail(who, key, f"is not an argument of stem_attention (those that can be fixed: "
                  f"{', '.join(allowed)})", repr(value))
-    check_stem_options(who, **stem_kwargs)
+    miss = {key: stem_kwargs[key] for key in _MISS_CHECK if key in stem_kwargs}
+    check_stem_options(who, **{k: v for k, v in stem_kwargs.items() if k not in miss})
+    check_miss(who, *({**_MISS_CHECK, **miss}.values()))
     check_dense_above(who, dense_above)
     if dense_above is not None:
         stem_kwargs["dense_above"] = dense_above

@@ -49,7 +49,8 @@ def _stem_attention_op(
     k_block_num_rate_large: float, k_block_num_bias_large: int, topk_score_precision: int,
     scale: float, softcap: float | None, oam: bool, oam_lambda: float,
     indexer_scale: float | None, min_q_blocks: int, backend: str, want_lse: bool,
-    dense_above: float = 1.0, exact_tail: int = 0,
+    dense_above: float = 1.0, exact_tail: int = 0, miss_check: float = 0.0,
+    miss_check_queries: int = 16, miss_check_blocks: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     who = "stem_attention"
     qlen = check_lens_values(q_lens, q.shape[2], "q_lens", who)
@@ -69,9 +70,12 @@ def _stem_attention_op(
     plan = cached_plan(shape, tuple(qlen.tolist()), tuple(kvlen.tolist()),
                        tuple(prompt.tolist()), params, scale, softcap, oam, oam_lambda,
                        indexer_scale, min_q_blocks, backend, want_lse, dense_above, exact_tail)
-    out, lse, lengths = execute(q, k, v, plan)
+    out, lse, lengths, widened = execute(q, k, v, plan, (miss_check, miss_check_queries,
+                                                         miss_check_blocks))
     info = plan.info
-    if lengths is not None:  # the sparse path: the pairs its lists keep
+    if widened == plan.batch:  # the miss check widened every batch: dense attention
+        info = info._replace(path="dense", reason="miss check", kept_pairs=info.visible_pairs)
+    elif lengths is not None:  # the sparse path: the pairs its lists keep
         info = info._replace(kept_pairs=int(lengths.sum()))
     return out.contiguous(), _lse_or_nan(lse, q), info.encode()
 

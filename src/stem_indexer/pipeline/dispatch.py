@@ -278,8 +278,10 @@ class StemInfo(NamedTuple):
 
     ``path`` is ``"sparse"`` (the indexer chose the blocks) or ``"dense"``,
     with ``reason``: ``"decode"`` (fewer than ``min_q_blocks`` query blocks),
-    ``"budget keeps every block"`` (short sequences) or ``"budget keeps most
-    blocks"`` (more than ``dense_above`` of the visible pairs). ``backend`` is the
+    ``"budget keeps every block"`` (short sequences), ``"budget keeps most
+    blocks"`` (more than ``dense_above`` of the visible pairs) or ``"miss
+    check"`` (``miss_check`` found the selection missing attention, and every
+    batch attended every block it can see). ``backend`` is the
     kernel that ran (``"native"``, ``"flex"``, ``"gather"`` or ``"sdpa"``).
     ``density`` = ``kept_pairs / visible_pairs``: attended (query block, key
     block) pairs over the causally visible ones, all batches and heads.
@@ -307,7 +309,7 @@ class StemInfo(NamedTuple):
 
 _PATHS = ("sparse", "dense")
 
-_REASONS = ("", "decode", "budget keeps every block", "budget keeps most blocks")
+_REASONS = ("", "decode", "budget keeps every block", "budget keeps most blocks", "miss check")
 
 _KERNELS = ("native", "flex", "gather", "sdpa", "triton")
 

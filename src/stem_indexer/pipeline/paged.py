@@ -128,6 +128,24 @@ class PagedPlan(PlanSettings):
     def batch(self) -> int:
         return self.query_lens.shape[0]
 
+    def every_block(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Lists in which every query block of every row holds every key
+        block it can see (``stem_paged_select``'s shapes and dtypes): what a
+        dense row lists, for a caller that widens sparse rows whole (the
+        vLLM backend's ``miss_check``). No indexer."""
+        bs = self.params.stem_block_size
+        rows = []
+        for b in range(self.batch):
+            qb = ceil_div(int(self.window_lens[b]), bs)
+            if qb:
+                reach = contract.reach_blocks(torch.arange(qb), self.window_lens[b],
+                                              self.seq_lens[b], bs, True)
+                rows.append(TailRows(b, range(qb), reach.to(self.q_map.device)))
+        i32 = dict(device=self.q_map.device, dtype=torch.int32)
+        empty = torch.full((self.batch, self.num_heads, self.qmax, 0), -1, **i32)
+        return apply_tail(empty, torch.zeros(self.batch, self.num_heads, self.qmax, **i32),
+                          tuple(rows), self.kmax)
+
     @property
     def indexer_params(self) -> IndexerParams:
         """The indexer's parameters: the budget's, widened for the probe's

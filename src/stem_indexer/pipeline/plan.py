@@ -34,6 +34,7 @@ from ..operator.api import stem_indexer_metadata
 from .checks import _check_inference, check_call_options
 from ..operator.contract import DEFAULT_EXACT_TAIL, IndexerParams, ceil_div, check_bool, fail
 from .dense import _dense
+from .probe import selection_miss
 from .dispatch import (StemInfo, TailRows, _backend_for, _dense_lists, _visible_pairs,
                        apply_tail, check_triton_lengths, dense_reason, tail_plan)
 from .prepare import (DEFAULT_OAM_LAMBDA, Lengths, check_lens_values, indexer_inputs,
@@ -254,13 +255,16 @@ def stem_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     plan made for them: ``stem_attention``'s result (and, with the plan's
     ``return_lse``, its log-sum-exp). Tensor work and kernels only."""
     plan.check_inputs(q, k, v)
-    out, lse, _ = execute(q, k, v, plan)
+    out, lse, _, _ = execute(q, k, v, plan)
     return (out, lse) if plan.return_lse else out
 
 
-def execute(q, k, v, plan: StemPlan):
-    """``(out, lse or None, lengths or None)``: the run, with the sparse
-    path's list lengths (for counting the kept pairs)."""
+def execute(q, k, v, plan: StemPlan, miss_check: tuple[float, int, int] = (0.0, 16, 1)):
+    """``(out, lse or None, lengths or None, widened)``: the run, with the
+    sparse path's list lengths (for counting the kept pairs). With
+    ``miss_check`` ``(miss, queries, blocks)``, miss > 0, each batch's
+    selection is checked (``widen_missed``); ``widened`` counts the batches
+    that then attended every block."""
     p = plan.params
     if plan.info.backend == "sdpa":
         out = torch.ops.stem_indexer.planned_dense(q, k, v, plan.qlen, plan.kvlen, p.causal,
@@ -284,11 +288,50 @@ def execute(q, k, v, plan: StemPlan):
             k_block_num_bias_large=p.k_block_num_bias_large,
             topk_score_precision=p.topk_score_precision)
         idx, lengths = apply_tail(idx, lengths, plan.tail, ceil_div(plan.kv_len, bs))
+    widened = 0
+    if miss_check[0] > 0 and plan.lists is None:
+        idx, lengths, widened = widen_missed(q, k, idx, lengths, plan, *miss_check)
     out, lse = torch.ops.stem_indexer.planned_attention(
         q, k, v, idx, lengths, plan.qlen, plan.kvlen, plan.q_seq_lens, plan.kv_seq_lens,
         plan.q_valid, p.stem_block_size, p.causal, plan.scale, plan.softcap,
         plan.info.backend, plan.return_lse)
-    return out, (lse if plan.return_lse else None), (None if plan.lists is not None else lengths)
+    return (out, (lse if plan.return_lse else None),
+            (None if plan.lists is not None else lengths), widened)
+
+
+def widen_missed(q, k, idx, lengths, plan: StemPlan, miss: float, queries: int, blocks: int):
+    """The miss check on a run's lists (``stem_attention``'s ``miss_check``):
+    each batch whose causal prefill (``q_len == kv_len``) keeps more than
+    ``miss`` less of a sample of exact attention than the heaviest blocks
+    would (``probe.selection_miss``) lists every block it can see instead.
+    Returns ``(idx, lengths, batches widened)``. Reads the miss on the host:
+    not under CUDA graph capture."""
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        fail("stem_attention", "miss_check", "reads the selection's miss on the host, so it "
+             "cannot run inside a CUDA graph capture; set it to 0 there", miss)
+    p = plan.params
+    bs = p.stem_block_size
+    wide = []
+    for b in range(plan.batch):
+        qlen, kvlen = int(plan.qlen[b]), int(plan.kvlen[b])
+        if not p.causal or qlen != kvlen or qlen == 0:
+            continue
+        missed, sampled = selection_miss(
+            q[b, :, :qlen].transpose(0, 1), k[b, :, :kvlen].transpose(0, 1),
+            idx[b, :, :ceil_div(qlen, bs)], lengths[b, :, :ceil_div(qlen, bs)], context=0,
+            seq_len=kvlen, block_size=bs, queries=queries, blocks=blocks, scale=plan.scale,
+            softcap=plan.softcap)
+        if sampled and missed > miss:
+            wide.append(b)
+    if not wide:
+        return idx, lengths, 0
+    every, every_len = _dense_lists(plan.qlen, plan.kvlen, bs, True, plan.num_heads,
+                                    idx.shape[2], ceil_div(plan.kv_len, bs), idx.device)
+    idx = torch.nn.functional.pad(idx, (0, every.shape[3] - idx.shape[3]), value=-1)
+    at = torch.tensor(wide, device=idx.device)
+    idx = idx.index_copy(0, at, every[at].to(idx.dtype))
+    lengths = lengths.index_copy(0, at, every_len[at].to(lengths.dtype))
+    return idx, lengths, len(wide)
 
 
 # The run's floating-point work outside the kernels, as custom ops: compiled,

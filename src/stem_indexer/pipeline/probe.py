@@ -37,7 +37,8 @@ import torch
 from ..operator import contract
 from ..operator.contract import IndexerParams, ceil_div, fail
 
-__all__ = ["probe_params", "check_probe", "probe_refine", "row_keep"]
+__all__ = ["probe_params", "check_probe", "probe_refine", "row_keep", "check_miss",
+           "selection_miss"]
 
 #: float32 elements of one tile's probabilities (about 32 MB)
 TILE_ELEMENTS = 1 << 23
@@ -51,6 +52,16 @@ def check_probe(who: str, queries, candidates) -> None:
             or not math.isfinite(candidates) or candidates < 1):
         fail(who, "probe_candidates", "must be a finite number >= 1 (the indexer's budget "
              "is this many times the kept one)", repr(candidates))
+
+
+def check_miss(who: str, miss, queries, blocks) -> None:
+    """``miss`` a number in [0, 1) (0: off); ``queries`` and ``blocks`` ints >= 1."""
+    if (isinstance(miss, bool) or not isinstance(miss, (int, float))
+            or not math.isfinite(miss) or not 0 <= miss < 1):
+        fail(who, "miss_check", "must be a number with 0 <= miss_check < 1 (0: off)", repr(miss))
+    for name, value in (("miss_check_queries", queries), ("miss_check_blocks", blocks)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            fail(who, name, "must be an int >= 1", repr(value))
 
 
 def probe_params(params: IndexerParams, candidates: float) -> IndexerParams:
@@ -176,3 +187,58 @@ def _block_mass(query, keys_t, ends, starts, context: int, nb: int, bs: int,
     mass = logits.view(hkv, group, t * queries, nb, bs).sum(-1)
     mass *= (valid / total)[..., None]
     return mass.view(hq, t, queries, nb).sum(2)
+
+
+def selection_miss(query: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor,
+                   lengths: torch.Tensor, *, context: int, seq_len: int, block_size: int,
+                   queries: int, blocks: int, scale: float,
+                   softcap: float | None = None) -> tuple[float, int]:
+    """How much attention one sequence's lists miss, from a sample of exact
+    attention: ``(miss, sampled query blocks)``.
+
+    Of the query blocks whose lists leave out a block they can see, up to
+    ``blocks`` evenly spaced ones (the last among them) are sampled. Their
+    last ``queries`` queries attend exactly and causally to every key they
+    can see; per query head, a key block's mass is the attention it gets,
+    averaged over those queries. ``miss`` is, averaged over the sampled
+    (query block, query head) pairs, the mass of as many heaviest blocks as
+    the list holds less the mass of the listed blocks: 0 where the lists are
+    the best of their size for the sample, up to 1. ``(0.0, 0)`` where every
+    list holds every block it can see.
+
+    The arguments are ``probe_refine``'s: ``query [q_len, Hq, D]`` at
+    positions ``[context, seq_len)``, ``keys [>= seq_len, Hkv, D]`` in token
+    order, ``idx [Hq, Qb, W]`` and ``lengths [Hq, Qb]`` over the absolute
+    query blocks ``context // block_size ..``.
+    """
+    hq, qb, _ = idx.shape
+    hkv, dim = keys.shape[1], keys.shape[2]
+    bs = block_size
+    first = context // bs
+    absolute = torch.arange(first, first + qb, dtype=torch.int64)
+    lens = lengths.to(torch.int64).cpu()
+    partial = (lens < (absolute + 1)[None, :]).any(0).nonzero().flatten()
+    if partial.numel() == 0:
+        return 0.0, 0
+    at = torch.linspace(partial.numel() - 1, 0, min(blocks, partial.numel())).round().long()
+    sampled = partial[at.unique()].tolist()
+    span = ceil_div(seq_len, bs) * bs
+    keys_t = keys.new_zeros(hkv, dim, span)
+    keys_t[..., :seq_len] = keys[:seq_len].permute(1, 2, 0)
+    device = query.device
+    total = 0.0
+    for r in sampled:
+        a = int(absolute[r])
+        end, start = min((a + 1) * bs, seq_len), max(a * bs, context)
+        mass = _block_mass(query, keys_t, torch.tensor([end]), torch.tensor([start]), context,
+                           a + 1, bs, queries, scale, softcap)[:, 0].double()  # [Hq, a + 1]
+        mass /= mass.sum(-1, keepdim=True)
+        n = lens[:, r].to(device)
+        sub = idx[:, r].to(device=device, dtype=torch.int64)
+        listed = torch.zeros(hq, a + 2, dtype=torch.bool, device=device)
+        listed.scatter_(-1, torch.where(sub < 0, a + 1, sub.clamp(max=a + 1)), True)
+        kept = (mass * listed[:, :a + 1]).sum(-1)
+        ranked = mass.sort(-1, descending=True).values.cumsum(-1)
+        best = torch.where(n > 0, ranked.gather(-1, (n - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+        total += float((best - kept).clamp(min=0).sum())
+    return total / (len(sampled) * hq), len(sampled)

@@ -63,6 +63,7 @@ from ..pipeline.checks import (_check_backend, _check_inference, _check_layout, 
 from ..pipeline.dense import dense_attention
 from ..pipeline.dispatch import StemInfo
 from ..pipeline.prepare import DEFAULT_OAM_LAMBDA, Lengths, check_qkv, lens_argument
+from ..pipeline.probe import check_miss
 
 __all__ = ["block_sparse_attention", "dense_attention", "stem_attention", "StemInfo"]
 
@@ -133,7 +134,8 @@ def stem_attention(
     preset: str = "default",
     oam: bool = True, oam_lambda: float = DEFAULT_OAM_LAMBDA, indexer_scale: float | None = None,
     min_q_blocks: int = 2, dense_above: float | None = None,
-    exact_tail: int = DEFAULT_EXACT_TAIL,
+    exact_tail: int = DEFAULT_EXACT_TAIL, miss_check: float = 0.0,
+    miss_check_queries: int = 16, miss_check_blocks: int = 1,
     backend: str = "auto", return_lse: bool = False, return_info: bool = False,
     **indexer_params,
 ) -> torch.Tensor | tuple:
@@ -173,6 +175,17 @@ def stem_attention(
             (``contract.DEFAULT_EXACT_TAIL``): with 128-token blocks, one or
             two rows per head; 0: every row is the indexer's selection.
             ``benchmarks/QUALITY.md`` ("An exact question block") measures it.
+        miss_check, miss_check_queries, miss_check_blocks: the selection
+            checked against exact attention (0: off, the default). In each
+            batch of a causal prefill (``q_len == kv_len``) whose lists drop
+            blocks, the last ``miss_check_blocks`` query blocks that drop
+            some (evenly spaced where more) are sampled, and their last
+            ``miss_check_queries`` queries attend exactly; where the listed
+            blocks keep more than ``miss_check`` less of that attention than
+            as many heaviest blocks would (``probe.selection_miss``), the
+            batch attends every block it can see (``info``: ``"dense"``,
+            reason ``"miss check"``, when every batch did). It reads one
+            number per batch on the host: not inside a CUDA graph capture.
         backend: ``block_sparse_attention``'s backend.
         return_lse: also return the float32 log-sum-exp [B, Hq, Sq] of the
             scores attended (for merging partial results).
@@ -204,6 +217,7 @@ def stem_attention(
     even when every listed row is complete).
     """
     who = "stem_attention"
+    check_miss(who, miss_check, miss_check_queries, miss_check_blocks)
     params, indexer_scale, scale, softcap, dense_above, lengths = _stem_arguments(
         who, q, k, v, causal=causal, scale=scale, softcap=softcap, q_lens=q_lens,
         kv_lens=kv_lens, num_prompt_tokens=num_prompt_tokens, preset=preset, oam=oam,
@@ -213,7 +227,8 @@ def stem_attention(
     out, lse, info = torch.ops.stem_indexer.stem_attention(
         q, k, v, *lengths, *(getattr(params, f) for f in PARAM_NAMES),
         scale, softcap, oam, float(oam_lambda), indexer_scale, min_q_blocks, backend,
-        return_lse, float(dense_above), exact_tail)
+        return_lse, float(dense_above), exact_tail, float(miss_check), miss_check_queries,
+        miss_check_blocks)
     extra = ((lse,) if return_lse else ()) + ((StemInfo.decode(info),) if return_info else ())
     return (out, *extra) if extra else out
 

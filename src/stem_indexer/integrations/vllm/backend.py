@@ -68,6 +68,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from ...operator.ops import sparse_attention as sparse_kernel
 from ...pipeline.index_cache import IndexCache, WriteStage, index_cache_bytes, row_tags, token_tags
+from ...pipeline.probe import selection_miss
 from .kv_read import PageReader
 from .patches import engine_reason, install_step_hook
 from .rows import (Row, RowKinds, StemRow, attend_row, attend_row_paged, decode_only,
@@ -489,6 +490,9 @@ def _layout_reason(isa: str, page: int, settings: StemSettings) -> str:
 
 
 _LAYER_COUNT = [0]
+# Requests a layer keeps a miss-check verdict for; one aborted mid-prompt is
+# forgotten after this many newer ones.
+_MAX_VERDICTS = 4096
 # The layers that may keep an indexer cache (no reason against it when made).
 _WRITING_LAYERS = [0]
 # Callables given every Stem row a layer ran (``observe``) and every indexer
@@ -632,6 +636,9 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         self.index = len(getattr(config.compilation_config, "static_forward_context", ()))
         self.layer_reason = engine_reason(config) or self._layer_reason()
         self.budget = self.settings.layer_params(self.index)  # its layer_budgets entry's
+        #: the miss check's verdicts, by request: whether this layer keeps every
+        #: block for the rest of the request's prompt (``miss_check``)
+        self.verdicts: dict[str, bool] = {}
         self.index_cache: IndexCache | None = None
         self.held = None  # speculative decoding: (step, key, value, slots, tags) held back
         self.staged_for = None  # the KV cache this layer's staged writes were checked for
@@ -967,9 +974,10 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                 STATS.row(name, plan.row.request, plan.row.prompt, f"dense:{reason}", pairs,
                           pairs, plan.row.seq_len >= plan.row.prompt, first)
         kernel = "vllm" if self.sparse is None or self.sparse[0] is None else "stem"
-        for plan, kept in sparse:
+        for plan, kept, widened in sparse:
             row = plan.row
-            STATS.row(name, row.request, row.prompt, f"sparse:{row.kind}", kept,
+            STATS.row(name, row.request, row.prompt,
+                      "dense:miss check" if widened else f"sparse:{row.kind}", kept,
                       row.visible * self.num_heads, row.seq_len >= row.prompt, first,
                       getattr(layer, "isa", ""), kernel)
 
@@ -985,8 +993,8 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
 
     def _forward_stem(self, layer, query, kv_cache, step: StepPlan, output):
         """The step's Stem rows (on Stem's kernel or on vLLM's virtual rows)
-        and its other rows as a batch; returns ``[(plan, kept pairs)]`` of the
-        Stem rows."""
+        and its other rows as a batch; returns ``[(plan, kept pairs, widened
+        by the miss check)]`` of the Stem rows."""
         out = output.view(-1, self.num_heads, self.head_size)
         query = query.view(-1, self.num_heads, self.head_size)
         num_pages, hkv, page, width2 = kv_cache.shape
@@ -996,22 +1004,34 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
             self._run_dense(layer, query, key_cache, value_cache, step.batch, out)
         s, cache = self.settings, self.index_cache
         reader, paged = self._sparse_reader(layer, kv_cache)
+        checking = self._checks(layer, kv_cache)
         virtual, done, traces = [], [], []
         for plan in step.stem:
             plan = plan.for_budget(self.budget)
             row = plan.row
             q = query[row.start:row.start + row.q_len]
-            kflat, vbias = cache.inputs(plan.pages, row.seq_len, s.block_size, s.oam,
-                                        s.oam_lambda, stat_runs=plan.paged.oam_runs)
             keys = values = None
             if reader is not None and not paged:
                 keys, values = reader.read_heads(kv_cache, plan.pages)
             elif s.probe_queries:
                 keys, _ = self._keys_reader(layer, kv_cache).read_heads(kv_cache, plan.pages,
                                                                         values=False)
-            idx, lengths = select_blocks(q, kflat, vbias, plan, self.scale, s,
-                                         None if keys is None else keys.transpose(0, 1),
-                                         self.logits_soft_cap)
+            wide = self.verdicts.get(row.request) if checking else None
+            if wide:
+                kflat = vbias = None
+                idx, lengths = (x[0] for x in plan.paged.every_block())
+            else:
+                kflat, vbias = cache.inputs(plan.pages, row.seq_len, s.block_size, s.oam,
+                                            s.oam_lambda, stat_runs=plan.paged.oam_runs)
+                idx, lengths = select_blocks(q, kflat, vbias, plan, self.scale, s,
+                                             None if keys is None else keys.transpose(0, 1),
+                                             self.logits_soft_cap)
+                if checking and wide is None and row.prompt >= s.miss_check_min_prompt:
+                    wide = self._check(layer, kv_cache, plan, q, keys, idx, lengths)
+                    if wide:
+                        idx, lengths = (x[0] for x in plan.paged.every_block())
+            if row.seq_len >= row.prompt:  # the prompt's last chunk: its verdict is done
+                self.verdicts.pop(row.request, None)
             if paged:
                 out[row.start:row.start + row.q_len] = attend_row_paged(
                     q, kv_cache, reader, idx, lengths, plan, self.scale, self.logits_soft_cap)
@@ -1021,7 +1041,7 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
             else:
                 virtual.append((plan, q, virtual_rows(idx, lengths, plan, s.block_size, page,
                                                       hkv)))
-            done.append((plan, int(lengths.sum())))
+            done.append((plan, int(lengths.sum()), bool(wide)))
             if _OBSERVERS:
                 traces.append((plan, q, kflat, vbias, idx, lengths))
         if virtual:
@@ -1034,6 +1054,42 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
             for fn in _OBSERVERS:
                 fn(trace)
         return done
+
+    def _checks(self, layer, kv_cache: torch.Tensor) -> bool:
+        """Whether this layer's Stem rows run the miss check: set, and the
+        layout's keys can be read back (else said once)."""
+        if not self.settings.checks_misses:
+            return False
+        if self._keys_reader(layer, kv_cache) is None:
+            isa = getattr(layer, "isa", "unknown")
+            _report_once(f"miss check:{isa}", "miss_check is off on vLLM's %s cache layout "
+                         "(its keys cannot be read back); Stem's selection stands", isa)
+            return False
+        return True
+
+    def _check(self, layer, kv_cache: torch.Tensor, plan, q, keys, idx, lengths) -> bool | None:
+        """The miss check of a request's Stem row in this layer (``miss_check``):
+        whether the layer keeps every block for the rest of the prompt, kept
+        as the request's verdict; None (no verdict yet) where the row has no
+        sparse query block to sample. ``keys [Hkv, >= seq_len, D]`` where read
+        already."""
+        s, row = self.settings, plan.row
+        if keys is None:
+            keys, _ = self._keys_reader(layer, kv_cache).read_heads(kv_cache, plan.pages,
+                                                                    values=False)
+        miss, sampled = selection_miss(
+            q, keys.transpose(0, 1), idx, lengths, context=row.seq_len - row.q_len,
+            seq_len=row.seq_len, block_size=s.block_size, queries=s.miss_check_queries,
+            blocks=s.miss_check_blocks, scale=self.scale, softcap=self.logits_soft_cap)
+        if not sampled:
+            return None
+        wide = miss > s.miss_check
+        STATS.check(getattr(layer, "layer_name", ""), miss, wide)
+        if row.request:  # (a row of no known request is checked each time)
+            if len(self.verdicts) >= _MAX_VERDICTS:  # requests aborted mid-prompt
+                self.verdicts.pop(next(iter(self.verdicts)))
+            self.verdicts[row.request] = wide
+        return wide
 
     def _run_virtual(self, layer, kv_cache: torch.Tensor, virtual: list, out) -> None:
         """vLLM's kernel on the virtual rows of ``virtual`` (``[(plan, q,

@@ -17,9 +17,10 @@ from typing import Any, Mapping
 from ...operator.contract import (BUDGET_FIELDS, DEFAULT_EXACT_TAIL, PARAM_NAMES, PRESETS,
                                   IndexerParams, StemIndexerInputError, fail)
 from ...pipeline.prepare import DEFAULT_OAM_LAMBDA
-from ...pipeline.probe import check_probe
+from ...pipeline.probe import check_miss, check_probe
 
-__all__ = ["StemSettings", "SETTINGS_KEY", "DEFAULT_DENSE_ABOVE", "layer_ranges"]
+__all__ = ["StemSettings", "SETTINGS_KEY", "DEFAULT_DENSE_ABOVE", "DEFAULT_MISS_CHECK",
+           "DEFAULT_MISS_CHECK_MIN_PROMPT", "layer_ranges"]
 
 SETTINGS_KEY = "stem"
 _WHO = f"additional_config['{SETTINGS_KEY}']"
@@ -32,6 +33,19 @@ _WHO = f"additional_config['{SETTINGS_KEY}']"
 # kernel (``sparse_kernel``) it is above 100%, and the default keeps those
 # rows' answers dense.
 DEFAULT_DENSE_ABOVE = 0.9
+# A layer whose selection keeps this much less of the sampled queries'
+# attention than the heaviest blocks would keeps every block
+# (``miss_check``). Measured on SmolLM2 at 32K, in the first chunk that
+# drops blocks: layers 3 to 10, where widening bought back most of the
+# perplexity, miss 0.06 to 0.17; the others 0.03 or less
+# (benchmarks/FRONTIER.md, "The miss check").
+DEFAULT_MISS_CHECK = 0.05
+# The check runs on prompts of this many tokens or more. Below, on SmolLM2 at
+# 16K, widening the layers it finds bought back 0.03% of perplexity for a
+# sixth of the speed-up; at 32K, 1.2% (benchmarks/FRONTIER.md, "The miss
+# check"). 20,480 tokens: where the budget's large regime starts with
+# 128-token blocks (contract.BRANCH_LARGE blocks).
+DEFAULT_MISS_CHECK_MIN_PROMPT = 20480
 #: the values of the ``decoded_pages`` setting
 DECODED_PAGES = ("read_back", "write")
 #: the values of the ``sparse_kernel`` setting
@@ -199,6 +213,23 @@ class StemSettings:
       attention mass; a row keeps as many blocks as without it. It reads the
       row's keys back from vLLM's cache (``kv_read.PageReader``): a layout
       that cannot be read back runs vLLM's kernel, counted;
+    * ``miss_check`` (0.05; 0: off), ``miss_check_queries`` (16),
+      ``miss_check_blocks`` (1), ``miss_check_min_prompt`` (20480): the
+      selection checked against exact attention, once per layer and
+      request, for prompts of at least ``miss_check_min_prompt`` tokens
+      (where the budget's share of a long prompt is smallest: its large
+      regime, 160 blocks of 128 tokens). In a request's first Stem row
+      of each layer that drops blocks, the last ``miss_check_blocks`` such
+      query blocks (evenly spaced where there are more) are sampled, and
+      their last ``miss_check_queries`` queries attend exactly
+      (``probe.selection_miss``): where the selected blocks keep more than
+      ``miss_check`` less of that attention than as many heaviest blocks
+      would, the layer keeps every block for the rest of the request's
+      prompt (its rows count as ``dense:miss check``), else the selection
+      stands for the rest of the prompt. It
+      reads the row's keys back from vLLM's cache; where the layout cannot
+      be read back, or with ``chunk_invariant`` (the sample depends on the
+      chunk), the check is off, said in the log;
     * ``decoded_pages`` (``"read_back"``): how the indexer cache learns the
       tokens that decode steps add (a later prompt may share their pages
       through prefix caching). ``"read_back"``: decode steps write nothing
@@ -235,6 +266,10 @@ class StemSettings:
     probe_queries: int = 0
     probe_candidates: float = 2.0
     sparse_kernel: str = "auto"
+    miss_check: float = DEFAULT_MISS_CHECK
+    miss_check_queries: int = 16
+    miss_check_blocks: int = 1
+    miss_check_min_prompt: int = DEFAULT_MISS_CHECK_MIN_PROMPT
 
     @property
     def block_size(self) -> int:
@@ -261,7 +296,9 @@ class StemSettings:
     def from_mapping(cls, section: Mapping[str, Any]) -> "StemSettings":
         known = ("preset", "oam", "oam_lambda", "min_prompt_tokens", "dense_layers",
                  "layer_budgets", "dense_above", "exact_tail", "chunk_invariant", "decoded_pages",
-                 "probe_queries", "probe_candidates", "sparse_kernel") + _INDEXER_KEYS
+                 "probe_queries", "probe_candidates", "sparse_kernel", "miss_check",
+                 "miss_check_queries", "miss_check_blocks",
+                 "miss_check_min_prompt") + _INDEXER_KEYS
         for key in section:
             if key not in known:
                 fail(_WHO, repr(key), f"is not a Stem setting (those are {', '.join(known)})",
@@ -305,9 +342,20 @@ class StemSettings:
         if kernel not in SPARSE_KERNELS:
             fail(_WHO, "sparse_kernel", f"must be one of {', '.join(map(repr, SPARSE_KERNELS))}",
                  repr(kernel))
+        miss = section.get("miss_check", DEFAULT_MISS_CHECK)
+        miss_queries = section.get("miss_check_queries", 16)
+        miss_blocks = section.get("miss_check_blocks", 1)
+        check_miss(_WHO, miss, miss_queries, miss_blocks)
+        miss_from = _count(section, "miss_check_min_prompt", DEFAULT_MISS_CHECK_MIN_PROMPT)
         return cls(params, preset, oam, float(oam_lambda), min_prompt, dense_layers,
                    layer_budgets, float(dense_above), exact_tail, invariant, decoded, probe_queries,
-                   float(candidates), kernel)
+                   float(candidates), kernel, float(miss), miss_queries, miss_blocks, miss_from)
+
+    @property
+    def checks_misses(self) -> bool:
+        """Whether Stem rows run the miss check (``miss_check``; not under
+        ``chunk_invariant``)."""
+        return self.miss_check > 0 and not self.chunk_invariant
 
     def dense_layer(self, index: int) -> bool:
         """Whether the model's attention layer ``index`` (from 0) is one of
@@ -336,6 +384,12 @@ class StemSettings:
                    if getattr(self.params, f.name) != getattr(base, f.name)]
         extra = [f"oam={self.oam}", f"min_prompt_tokens={self.min_prompt_tokens}",
                  f"dense_above={self.dense_above}", f"exact_tail={self.exact_tail}"]
+        if self.checks_misses:
+            extra.append(f"miss_check={self.miss_check:g} (queries={self.miss_check_queries} "
+                         f"blocks={self.miss_check_blocks} "
+                         f"min_prompt={self.miss_check_min_prompt})")
+        else:
+            extra.append("miss_check=off" + (" (chunk_invariant)" if self.miss_check else ""))
         if self.dense_layers:
             shown = self.dense_layers if isinstance(self.dense_layers, int) else " ".join(
                 map(str, self.dense_layers))

@@ -56,6 +56,8 @@ class WorkerStats:
     #: indexer-cache pages rebuilt from vLLM's cache when a Stem row read them
     #: (``pages``, summed over layers)
     read_back_pages: collections.Counter = field(default_factory=collections.Counter)
+    #: the miss check, per layer's name: [rows checked, rows widened, summed miss]
+    checks: dict = field(default_factory=dict)
     layers: int = 0
     log_requests: bool = True
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -70,6 +72,7 @@ class WorkerStats:
             self.held.clear()
             self.staged.clear()
             self.read_back_pages.clear()
+            self.checks.clear()
 
     def snapshot(self) -> dict:
         with self.lock:
@@ -77,7 +80,8 @@ class WorkerStats:
                     "kernels": dict(self.kernels),
                     "pairs": {name: list(p) for name, p in self.pairs.items()},
                     "memory": dict(self.memory), "held": dict(self.held),
-                    "staged": dict(self.staged), "read_back": dict(self.read_back_pages)}
+                    "staged": dict(self.staged), "read_back": dict(self.read_back_pages),
+                    "checks": {name: list(c) for name, c in self.checks.items()}}
 
     # Called by the backend --------------------------------------------------
 
@@ -113,6 +117,15 @@ class WorkerStats:
         with self.lock:
             self.held["written"] += accepted
             self.held["dropped"] += dropped
+
+    def check(self, layer: str, miss: float, widened: bool) -> None:
+        """One miss check of a row in ``layer``: the miss it measured, and
+        whether the layer keeps every block for the rest of the prompt."""
+        with self.lock:
+            c = self.checks.setdefault(layer, [0, 0, 0.0])
+            c[0] += 1
+            c[1] += widened
+            c[2] += miss
 
     def count(self, path: str, n: int = 1) -> None:
         """``n`` more of ``path`` (a failure outside any row, say)."""
@@ -191,7 +204,9 @@ def merge(snapshots: list[dict]) -> dict:
     and then written to the indexer cache or dropped (per layer 0 of each worker);
     ``staged``: the steps without Stem rows whose writes were carried out for
     every layer at once, and the layers' writes in them; ``read_back``: the
-    indexer-cache pages rebuilt from vLLM's cache, summed over layers."""
+    indexer-cache pages rebuilt from vLLM's cache, summed over layers;
+    ``checks``: per layer, the miss check's rows checked and widened, and
+    their mean miss."""
     rows: collections.Counter = collections.Counter()
     layouts: collections.Counter = collections.Counter()
     kernels: collections.Counter = collections.Counter()
@@ -200,7 +215,11 @@ def merge(snapshots: list[dict]) -> dict:
     staged: collections.Counter = collections.Counter()
     read_back: collections.Counter = collections.Counter()
     pairs: dict[str, list[int]] = {}
+    checks: dict[str, list] = {}
     for snap in snapshots:
+        for name, (n, widened, miss) in snap.get("checks", {}).items():
+            acc = checks.setdefault(name, [0, 0, 0.0])
+            acc[0], acc[1], acc[2] = acc[0] + n, acc[1] + widened, acc[2] + miss
         rows.update(snap["rows"])
         layouts.update(snap.get("layouts", {}))
         kernels.update(snap.get("kernels", {}))
@@ -221,4 +240,6 @@ def merge(snapshots: list[dict]) -> dict:
             "layouts": dict(sorted(layouts.items())), "kernels": dict(sorted(kernels.items())),
             "memory": dict(sorted(memory.items())),
             "held": dict(sorted(held.items())), "staged": dict(sorted(staged.items())),
-            "read_back": dict(read_back)}
+            "read_back": dict(read_back),
+            "checks": {name: {"checked": n, "widened": w, "mean_miss": m / n if n else 0.0}
+                       for name, (n, w, m) in sorted(checks.items())}}
