@@ -296,6 +296,19 @@ def test_block_mass_of_a_blocks_last_queries():
     assert torch.allclose(two[0], torch.tensor(want, dtype=torch.float64))
 
 
+def test_the_miss_check_per_chunk_of_uniform_attention():
+    """Zero queries attend uniformly. Chunks of 4 tokens, blocks of 2; only
+    the last block (positions 6 and 7) drops blocks 1 and 2: 2 kept of 4.
+    Its queries give blocks 0-2 (2/7 + 2/8) / 2 each and block 3 (1/7 +
+    2/8) / 2: kept blocks 0 and 3 hold 1/14 less than the two heaviest."""
+    q, k = torch.zeros(1, 1, 8, 4), torch.randn(1, 1, 8, 4)
+    idx = torch.tensor([[[[0, -1, -1, -1], [0, 1, -1, -1], [0, 1, 2, -1], [0, 3, -1, -1]]]],
+                       dtype=torch.int32)
+    lengths = torch.tensor([[[1, 2, 3, 2]]], dtype=torch.int32)
+    got = fr.chunk_misses(q, k, idx, lengths, 1.0, bs=2, chunk=4)
+    assert got[0] is None and got[1] == pytest.approx(1 / 14, abs=1e-4)
+
+
 def test_sampled_picks_keep_the_forced_blocks_and_the_count():
     sampled = torch.tensor([[0.1, 0.5, 0.2, 0.15, 0.05], [0.3, 0.0, 0.0, 0.6, 0.1]])
     picks = fr.sampled_picks(sampled, [[0, 1, 4], [2, 4]], forced={4})

@@ -282,12 +282,16 @@ def test_the_miss_check_measures_the_mass_a_selection_leaves_out(blocks, sampled
             lists[h, r, :len(keep)] = torch.tensor(keep, dtype=torch.int32)
             lengths[h, r] = len(keep)
     scale = dim ** -0.5
-    got, n = selection_miss(q[:, context:].transpose(0, 1), k.transpose(0, 1), lists, lengths,
-                            context=context, seq_len=seq_len, block_size=BS, queries=m,
-                            blocks=blocks, scale=scale)
+    got, n, dropped = selection_miss(q[:, context:].transpose(0, 1), k.transpose(0, 1), lists,
+                                     lengths, context=context, seq_len=seq_len, block_size=BS,
+                                     queries=m, blocks=blocks, scale=scale)
     want = miss_truth(q, k, lists, lengths, sampled, context=context, seq_len=seq_len,
                       scale=scale, m=m)
     assert n == len(sampled)
+    # the share of the sampled rows' visible blocks their lists leave out
+    seen = [context // BS + r + 1 for r in sampled]
+    assert dropped == pytest.approx(sum(1 - int(lengths[h, r]) / s for r, s in zip(sampled, seen)
+                                        for h in range(hq)) / (len(sampled) * hq))
     assert want > 0.01
     assert got == pytest.approx(want, abs=1e-5)
 
@@ -302,7 +306,7 @@ def test_the_miss_check_of_lists_holding_every_block_samples_nothing():
     got = selection_miss(torch.randn(seq_len, hq, 8), torch.randn(seq_len, 1, 8), lists,
                          lengths, context=0, seq_len=seq_len, block_size=BS, queries=4,
                          blocks=4, scale=0.3)
-    assert got == (0.0, 0)
+    assert got == (0.0, 0, 0.0)
 
 
 @pytest.mark.parametrize("kw, arg", [

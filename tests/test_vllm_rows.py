@@ -57,6 +57,10 @@ def test_the_miss_check_is_set_or_turned_off():
     invariant = StemSettings.from_mapping({"chunk_invariant": True})
     assert invariant.miss_check == DEFAULT_MISS_CHECK and not invariant.checks_misses
     assert "miss_check=off (chunk_invariant)" in invariant.describe()
+    # The verdict: widen over the threshold; a pass is final only from a
+    # sample that left out at least half of what it sees
+    assert [s.verdict(0.11, 0.1), s.verdict(0.09, 0.5), s.verdict(0.09, 0.49),
+            s.verdict(0.0, 0.0), s.verdict(0.1, 0.9)] == [True, False, None, None, False]
 
 
 def test_settings_take_a_preset_and_overrides():

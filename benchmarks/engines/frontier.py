@@ -86,7 +86,10 @@ probe's: a mean over a block's queries can hide single queries that lose
 most of theirs. Last, it names the layers where the indexer keeps over
 ``--miss`` (0.05) less of the mass than the oracle at its count, with the
 ``layer_budgets`` and ``dense_layers`` entries that keep every block there
-(docs/VLLM.md, "Which layers to widen").
+(docs/VLLM.md, "Which layers to widen"), and, per layer, what the vLLM
+backend's miss check measures in each ``--chunk``-token chunk of the same
+selection (``chunk_misses``; the backend decides on a request's first
+chunk that drops blocks, from ``miss_check_min_prompt`` tokens on).
 """
 
 from __future__ import annotations
@@ -750,6 +753,29 @@ def sampled_picks(sampled, picked: list[list[int]], forced: set[int],
     return out
 
 
+def chunk_misses(q, k, idx, lengths, scale: float, bs: int, chunk: int,
+                 queries: int = 16) -> list[float | None]:
+    """The vLLM backend's miss check (``probe.selection_miss``, its default
+    sample: the last sparse query block, its last ``queries`` queries) on
+    each ``chunk``-token chunk of one prompt's selection, as a chunked
+    prefill would meet it: ``q [1, Hq, S, D]``, ``k [1, Hkv, S, D]``,
+    ``idx``/``lengths`` the one-shot lists ``[1, Hq, Qb, W]``. None for a
+    chunk whose rows keep every block."""
+    from stem_indexer.pipeline.probe import selection_miss
+
+    seq = q.shape[2]
+    out = []
+    for a in range(0, seq, chunk):
+        b = min(a + chunk, seq)
+        rows = slice(a // bs, -(-b // bs))
+        miss, sampled, _ = selection_miss(q[0, :, a:b].transpose(0, 1), k[0, :, :b].transpose(0, 1),
+                                       idx[0, :, rows], lengths[0, :, rows], context=a,
+                                       seq_len=b, block_size=bs, queries=queries, blocks=1,
+                                       scale=scale)
+        out.append(round(miss, 4) if sampled else None)
+    return out
+
+
 def oracle(args) -> None:
     import torch
 
@@ -788,7 +814,7 @@ def oracle(args) -> None:
         oam = stem.get("oam", True)
         indexer = {n: getattr(params, n) for n in contract.PARAM_NAMES}
         wide = {n: getattr(probe_params(params, 2.0), n) for n in contract.PARAM_NAMES}
-        per_layer, quarters, hungry = {}, {}, [0, 0, 0]
+        per_layer, quarters, hungry, checks = {}, {}, [0, 0, 0], {}
         for layer, (q, k, v, scale) in sorted(seen.items()):
             bs, stride = params.stem_block_size, params.stem_stride
             inputs = stem_indexer.stem_inputs(q, k, v, stem_block_size=bs, stem_stride=stride,
@@ -796,6 +822,8 @@ def oracle(args) -> None:
                                               oam_lambda=stem.get("oam_lambda", 0.3))
             idx, lens = stem_indexer.stem_indexer(*inputs, **indexer)
             idx2, lens2 = stem_indexer.stem_indexer(*inputs, **wide)
+            if args.chunk % bs == 0:  # the chunks the backend meets start on block bounds
+                checks[layer] = chunk_misses(q, k, idx, lens, scale, bs, args.chunk)
             qb = idx.shape[2]
             rows = [r for r in range(qb) if int(lens[0, 0, r]) < r + 1]  # sparse rows only
             rows = rows[::max(1, len(rows) // args.rows)][:args.rows]
@@ -835,7 +863,8 @@ def oracle(args) -> None:
             rows=args.rows, picked=got, oracle=best, sampled=args.sampled,
             by_sample=by_sample, by_probe=by_probe, by_quarter=by_quarter,
             starved=hungry[0], starved_probe=hungry[1], queries=hungry[2],
-            cpu=machine().split(";")[0], miss=args.miss, missed=missing,
+            cpu=machine().split(";")[0], miss=args.miss, missed=missing, chunk=args.chunk,
+            check={str(n): v for n, v in checks.items()},
             layers={str(n): [round(x, 4) for x in v] for n, v in per_layer.items()}))
         if missing:
             from stem_indexer.integrations.vllm.settings import layer_ranges
@@ -845,6 +874,13 @@ def oracle(args) -> None:
                   f"160 blocks on: \"layer_budgets\": {{\"{named}\": "
                   f"{{\"k_block_num_rate_large\": 1.0}}}}, at every length, on vLLM's "
                   f"kernel: \"dense_layers\": \"{named}\"", flush=True)
+        if checks:
+            print(f"{name}: the miss check in each {args.chunk}-token chunk (the last sparse "
+                  "block's last 16 queries; - where a chunk keeps every block), by layer:",
+                  flush=True)
+            for n, values in sorted(checks.items()):
+                print(f"  {n}: " + " ".join("-" if v is None else f"{v:.3f}" for v in values),
+                      flush=True)
         low = sorted(per_layer, key=lambda n: per_layer[n][0])[:3]
         lines.append(f"| `{name}` | {got:.3f} | {best:.3f} | {1 - best:.3f} | {best - got:.3f} | "
                      + ", ".join(f"{n}: {per_layer[n][0]:.2f}" for n in low)
@@ -885,6 +921,9 @@ def main(argv=None) -> None:
     p.add_argument("--miss", type=float, default=0.05,
                    help="name the layers where the indexer keeps this much less of the mass "
                         "than the oracle at its count (the layers to keep dense)")
+    p.add_argument("--chunk", type=int, default=4096,
+                   help="the miss check's chunks (vLLM's prefill chunk); a multiple of the "
+                        "block size")
     p.add_argument("--record", default=None)
     p.add_argument("--results", default=str(areas.RESULTS / "frontier_oracle.jsonl"),
                    help="each setting's masses, per layer too, one JSON line each")

@@ -269,7 +269,7 @@ def execute(q, k, v, plan: StemPlan, miss_check: tuple[float, int, int] = (0.0, 
     if plan.info.backend == "sdpa":
         out = torch.ops.stem_indexer.planned_dense(q, k, v, plan.qlen, plan.kvlen, p.causal,
                                                    plan.scale)
-        return out, None, None
+        return out, None, None, 0
     if plan.lists is not None:
         idx, lengths = plan.lists
     else:
@@ -316,7 +316,7 @@ def widen_missed(q, k, idx, lengths, plan: StemPlan, miss: float, queries: int, 
         qlen, kvlen = int(plan.qlen[b]), int(plan.kvlen[b])
         if not p.causal or qlen != kvlen or qlen == 0:
             continue
-        missed, sampled = selection_miss(
+        missed, sampled, _ = selection_miss(
             q[b, :, :qlen].transpose(0, 1), k[b, :, :kvlen].transpose(0, 1),
             idx[b, :, :ceil_div(qlen, bs)], lengths[b, :, :ceil_div(qlen, bs)], context=0,
             seq_len=kvlen, block_size=bs, queries=queries, blocks=blocks, scale=plan.scale,

@@ -160,7 +160,8 @@ def _block_mass(query, keys_t, ends, starts, context: int, nb: int, bs: int,
     at ``ends``, none before ``starts``), the attention probability each of
     key blocks ``0 .. nb-1`` gets from the block's last ``queries`` queries,
     summed over them (each query's softmax over every key it can see).
-    ``keys_t [Hkv, D, >= nb * Bs]``: the keys, transposed."""
+    ``keys_t [Hkv, D, S]``: the keys, transposed (a view will do), ``S`` at
+    least the last query's position + 1."""
     hkv, dim = keys_t.shape[0], keys_t.shape[1]
     hq = query.shape[1]
     group, t = hq // hkv, ends.shape[0]
@@ -171,7 +172,13 @@ def _block_mass(query, keys_t, ends, starts, context: int, nb: int, bs: int,
     qp = query[(pos - context).clamp(min=0)]  # [T*m, Hq, D]
     qp = qp.view(-1, hkv, group, dim).permute(1, 2, 0, 3).reshape(hkv, -1, dim)
     span = nb * bs
-    logits = torch.bmm(qp, keys_t[..., :span]).float()  # [Hkv, G*T*m, span]
+    # [Hkv, G*T*m, <= span]: keys as the left operand, so that a transposed
+    # view of the cache's keys is read in place (not copied first)
+    logits = torch.matmul(keys_t[..., :span].transpose(1, 2), qp.transpose(1, 2)).transpose(
+        1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+    if logits.shape[-1] < span:  # keys_t ends with the sequence: the rest is masked
+        logits = torch.nn.functional.pad(logits, (0, span - logits.shape[-1]),
+                                         value=-math.inf)
     logits = logits.view(hkv, group, t * queries, span)
     if softcap:
         logits = torch.tanh(logits * (scale / softcap)) * softcap
@@ -192,9 +199,9 @@ def _block_mass(query, keys_t, ends, starts, context: int, nb: int, bs: int,
 def selection_miss(query: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor,
                    lengths: torch.Tensor, *, context: int, seq_len: int, block_size: int,
                    queries: int, blocks: int, scale: float,
-                   softcap: float | None = None) -> tuple[float, int]:
+                   softcap: float | None = None) -> tuple[float, int, float]:
     """How much attention one sequence's lists miss, from a sample of exact
-    attention: ``(miss, sampled query blocks)``.
+    attention: ``(miss, sampled query blocks, dropped)``.
 
     Of the query blocks whose lists leave out a block they can see, up to
     ``blocks`` evenly spaced ones (the last among them) are sampled. Their
@@ -203,8 +210,10 @@ def selection_miss(query: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor,
     averaged over those queries. ``miss`` is, averaged over the sampled
     (query block, query head) pairs, the mass of as many heaviest blocks as
     the list holds less the mass of the listed blocks: 0 where the lists are
-    the best of their size for the sample, up to 1. ``(0.0, 0)`` where every
-    list holds every block it can see.
+    the best of their size for the sample, up to 1. ``dropped`` is the share
+    of the blocks they can see that the sampled lists leave out, averaged
+    alike (a list that drops little cannot miss much). ``(0.0, 0, 0.0)``
+    where every list holds every block it can see.
 
     The arguments are ``probe_refine``'s: ``query [q_len, Hq, D]`` at
     positions ``[context, seq_len)``, ``keys [>= seq_len, Hkv, D]`` in token
@@ -212,21 +221,18 @@ def selection_miss(query: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor,
     query blocks ``context // block_size ..``.
     """
     hq, qb, _ = idx.shape
-    hkv, dim = keys.shape[1], keys.shape[2]
     bs = block_size
     first = context // bs
     absolute = torch.arange(first, first + qb, dtype=torch.int64)
     lens = lengths.to(torch.int64).cpu()
     partial = (lens < (absolute + 1)[None, :]).any(0).nonzero().flatten()
     if partial.numel() == 0:
-        return 0.0, 0
+        return 0.0, 0, 0.0
     at = torch.linspace(partial.numel() - 1, 0, min(blocks, partial.numel())).round().long()
     sampled = partial[at.unique()].tolist()
-    span = ceil_div(seq_len, bs) * bs
-    keys_t = keys.new_zeros(hkv, dim, span)
-    keys_t[..., :seq_len] = keys[:seq_len].permute(1, 2, 0)
+    keys_t = keys[:seq_len].permute(1, 2, 0)  # a view: bmm reads it transposed
     device = query.device
-    total = 0.0
+    total = dropped = 0.0
     for r in sampled:
         a = int(absolute[r])
         end, start = min((a + 1) * bs, seq_len), max(a * bs, context)
@@ -241,4 +247,5 @@ def selection_miss(query: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor,
         ranked = mass.sort(-1, descending=True).values.cumsum(-1)
         best = torch.where(n > 0, ranked.gather(-1, (n - 1).clamp(min=0)[:, None])[:, 0], 0.0)
         total += float((best - kept).clamp(min=0).sum())
-    return total / (len(sampled) * hq), len(sampled)
+        dropped += float((1 - n.double() / (a + 1)).sum())
+    return total / (len(sampled) * hq), len(sampled), dropped / (len(sampled) * hq)

@@ -1070,21 +1070,25 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
     def _check(self, layer, kv_cache: torch.Tensor, plan, q, keys, idx, lengths) -> bool | None:
         """The miss check of a request's Stem row in this layer (``miss_check``):
         whether the layer keeps every block for the rest of the prompt, kept
-        as the request's verdict; None (no verdict yet) where the row has no
-        sparse query block to sample. ``keys [Hkv, >= seq_len, D]`` where read
+        as the request's verdict (``StemSettings.verdict``: a pass is kept
+        only where the sample dropped enough to tell; else the next row is
+        checked again); None where the row has no sparse query block to
+        sample. ``keys [Hkv, >= seq_len, D]`` where read
         already."""
         s, row = self.settings, plan.row
         if keys is None:
             keys, _ = self._keys_reader(layer, kv_cache).read_heads(kv_cache, plan.pages,
                                                                     values=False)
-        miss, sampled = selection_miss(
+        miss, sampled, dropped = selection_miss(
             q, keys.transpose(0, 1), idx, lengths, context=row.seq_len - row.q_len,
             seq_len=row.seq_len, block_size=s.block_size, queries=s.miss_check_queries,
             blocks=s.miss_check_blocks, scale=self.scale, softcap=self.logits_soft_cap)
         if not sampled:
             return None
-        wide = miss > s.miss_check
-        STATS.check(getattr(layer, "layer_name", ""), miss, wide)
+        wide = s.verdict(miss, dropped)
+        STATS.check(getattr(layer, "layer_name", ""), miss, bool(wide))
+        if wide is None:  # this row keeps its selection; the next is checked again
+            return False
         if row.request:  # (a row of no known request is checked each time)
             if len(self.verdicts) >= _MAX_VERDICTS:  # requests aborted mid-prompt
                 self.verdicts.pop(next(iter(self.verdicts)))

@@ -46,6 +46,13 @@ DEFAULT_MISS_CHECK = 0.05
 # check"). 20,480 tokens: where the budget's large regime starts with
 # 128-token blocks (contract.BRANCH_LARGE blocks).
 DEFAULT_MISS_CHECK_MIN_PROMPT = 20480
+# A pass of the miss check is final (the layer is not checked again for that
+# prompt) only where the sampled block's lists leave out at least this share
+# of the blocks it can see. The budget's share falls along a prompt, so an
+# early chunk drops little and cannot miss much: on Gemma-3 at 32K the
+# layer the check should widen misses 0.00 in the chunk at 4K to 8K tokens
+# (it drops under a sixth there) and 0.05 to 0.08 from 8K on.
+MISS_CHECK_FINAL_DROPPED = 0.5
 #: the values of the ``decoded_pages`` setting
 DECODED_PAGES = ("read_back", "write")
 #: the values of the ``sparse_kernel`` setting
@@ -225,8 +232,10 @@ class StemSettings:
       (``probe.selection_miss``): where the selected blocks keep more than
       ``miss_check`` less of that attention than as many heaviest blocks
       would, the layer keeps every block for the rest of the request's
-      prompt (its rows count as ``dense:miss check``), else the selection
-      stands for the rest of the prompt. It
+      prompt (its rows count as ``dense:miss check``); else the selection
+      stands, for the rest of the prompt where the sample left out at least
+      half of the blocks it can see (``MISS_CHECK_FINAL_DROPPED``), and
+      until the next chunk's check otherwise. It
       reads the row's keys back from vLLM's cache; where the layout cannot
       be read back, or with ``chunk_invariant`` (the sample depends on the
       chunk), the check is off, said in the log;
@@ -350,6 +359,17 @@ class StemSettings:
         return cls(params, preset, oam, float(oam_lambda), min_prompt, dense_layers,
                    layer_budgets, float(dense_above), exact_tail, invariant, decoded, probe_queries,
                    float(candidates), kernel, float(miss), miss_queries, miss_blocks, miss_from)
+
+    def verdict(self, miss: float, dropped: float) -> bool | None:
+        """The miss check's verdict on one sample (``probe.selection_miss``'s
+        ``miss`` and ``dropped``): True, the layer keeps every block for the
+        rest of the prompt; False, its selection stands for the rest of the
+        prompt; None, it stands for this row and the next is checked again
+        (the sample dropped under ``MISS_CHECK_FINAL_DROPPED`` of what it
+        can see)."""
+        if miss > self.miss_check:
+            return True
+        return False if dropped >= MISS_CHECK_FINAL_DROPPED else None
 
     @property
     def checks_misses(self) -> bool:

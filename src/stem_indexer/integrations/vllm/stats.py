@@ -56,7 +56,7 @@ class WorkerStats:
     #: indexer-cache pages rebuilt from vLLM's cache when a Stem row read them
     #: (``pages``, summed over layers)
     read_back_pages: collections.Counter = field(default_factory=collections.Counter)
-    #: the miss check, per layer's name: [rows checked, rows widened, summed miss]
+    #: the miss check, per layer's name: [checks, checks that widened, summed miss]
     checks: dict = field(default_factory=dict)
     layers: int = 0
     log_requests: bool = True
@@ -205,8 +205,8 @@ def merge(snapshots: list[dict]) -> dict:
     ``staged``: the steps without Stem rows whose writes were carried out for
     every layer at once, and the layers' writes in them; ``read_back``: the
     indexer-cache pages rebuilt from vLLM's cache, summed over layers;
-    ``checks``: per layer, the miss check's rows checked and widened, and
-    their mean miss."""
+    ``checks``: per layer, the miss check's checks, those that widened the
+    layer, and their mean miss."""
     rows: collections.Counter = collections.Counter()
     layouts: collections.Counter = collections.Counter()
     kernels: collections.Counter = collections.Counter()
