@@ -57,7 +57,7 @@ def check_probe(who: str, queries, candidates) -> None:
 def check_miss(who: str, miss, queries, blocks) -> None:
     """``miss`` a number in [0, 1) (0: off); ``queries`` and ``blocks`` ints >= 1."""
     if (isinstance(miss, bool) or not isinstance(miss, (int, float))
-            or not math.isfinite(miss) or not 0 <= miss < 1):
+            or not contract.is_finite(miss) or not 0 <= miss < 1):
         fail(who, "miss_check", "must be a number with 0 <= miss_check < 1 (0: off)", repr(miss))
     for name, value in (("miss_check_queries", queries), ("miss_check_blocks", blocks)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

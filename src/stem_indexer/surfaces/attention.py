@@ -176,16 +176,12 @@ def stem_attention(
             two rows per head; 0: every row is the indexer's selection.
             ``benchmarks/QUALITY.md`` ("An exact question block") measures it.
         miss_check, miss_check_queries, miss_check_blocks: the selection
-            checked against exact attention (0: off, the default). In each
-            batch of a causal prefill (``q_len == kv_len``) whose lists drop
-            blocks, the last ``miss_check_blocks`` query blocks that drop
-            some (evenly spaced where more) are sampled, and their last
-            ``miss_check_queries`` queries attend exactly; where the listed
-            blocks keep more than ``miss_check`` less of that attention than
-            as many heaviest blocks would (``probe.selection_miss``), the
-            batch attends every block it can see (``info``: ``"dense"``,
-            reason ``"miss check"``, when every batch did). It reads one
-            number per batch on the host: not inside a CUDA graph capture.
+            checked against exact attention (0: off, the default): in each
+            causal prefill (``q_len == kv_len``) whose lists keep more than
+            ``miss_check`` less of a sample's attention than as many
+            heaviest blocks (``plan.widen_missed``), every block it can see
+            is attended (``info`` reason ``"miss check"`` when every batch
+            was). Not inside a CUDA graph capture.
         backend: ``block_sparse_attention``'s backend.
         return_lse: also return the float32 log-sum-exp [B, Hq, Sq] of the
             scores attended (for merging partial results).

@@ -1073,8 +1073,7 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         as the request's verdict (``StemSettings.verdict``: a pass is kept
         only where the sample dropped enough to tell; else the next row is
         checked again); None where the row has no sparse query block to
-        sample. ``keys [Hkv, >= seq_len, D]`` where read
-        already."""
+        sample. ``keys [Hkv, >= seq_len, D]`` where read already."""
         s, row = self.settings, plan.row
         if keys is None:
             keys, _ = self._keys_reader(layer, kv_cache).read_heads(kv_cache, plan.pages,

@@ -35,15 +35,15 @@ _WHO = f"additional_config['{SETTINGS_KEY}']"
 DEFAULT_DENSE_ABOVE = 0.9
 # A layer whose selection keeps this much less of the sampled queries'
 # attention than the heaviest blocks would keeps every block
-# (``miss_check``). Measured on SmolLM2 at 32K, in the first chunk that
-# drops blocks: layers 3 to 10, where widening bought back most of the
-# perplexity, miss 0.06 to 0.17; the others 0.03 or less
-# (benchmarks/FRONTIER.md, "The miss check").
+# (``miss_check``). Measured on SmolLM2 at 32K, chunk by chunk from 8K
+# tokens on: layers 3 to 10, where widening bought back most of the
+# perplexity, miss 0.06 to 0.25; layer 20 0.03 to 0.09; the others under
+# 0.045 (benchmarks/FRONTIER.md, "The miss check").
 DEFAULT_MISS_CHECK = 0.05
 # The check runs on prompts of this many tokens or more. Below, on SmolLM2 at
-# 16K, widening the layers it finds bought back 0.03% of perplexity for a
-# sixth of the speed-up; at 32K, 1.2% (benchmarks/FRONTIER.md, "The miss
-# check"). 20,480 tokens: where the budget's large regime starts with
+# 16K, widening the layers it finds bought back 0.03 points of perplexity
+# for a sixth of the speed-up; at 32K, 1.4 points (benchmarks/FRONTIER.md,
+# "The miss check"). 20,480 tokens: where the budget's large regime starts with
 # 128-token blocks (contract.BRANCH_LARGE blocks).
 DEFAULT_MISS_CHECK_MIN_PROMPT = 20480
 # A pass of the miss check is final (the layer is not checked again for that
