@@ -93,7 +93,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 from ..surfaces.attention import stem_attention
 from ..pipeline.checks import check_stem_options
 from ..operator.contract import IndexerParams, check_dense_above, check_int, fail
-from ..pipeline.probe import check_miss
+from ..pipeline.probe import MISS_CHECK_BLOCKS, MISS_CHECK_QUERIES, check_miss
 from ..pipeline.window import _windowed, sliding_window_mask
 
 # The first release whose mask functions are called with (q_length, q_offset)
@@ -490,7 +490,8 @@ class StemAttention:
 
 
 # stem_attention's miss check, and its defaults (checked apart: not an indexer option)
-_MISS_CHECK = {"miss_check": 0.0, "miss_check_queries": 16, "miss_check_blocks": 1}
+_MISS_CHECK = {"miss_check": 0.0, "miss_check_queries": MISS_CHECK_QUERIES,
+               "miss_check_blocks": MISS_CHECK_BLOCKS}
 
 
 def _stem_arguments() -> list[str]:

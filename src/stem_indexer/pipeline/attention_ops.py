@@ -16,6 +16,7 @@ from ..operator.contract import IndexerParams, ceil_div
 from .dispatch import _backend, _Call, _run, check_triton_lengths
 from .plan import Shape, cached_plan, execute
 from .prepare import check_lens_values
+from .probe import MISS_CHECK_BLOCKS, MISS_CHECK_QUERIES
 
 @torch.library.custom_op("stem_indexer::block_sparse_attention", mutates_args=())
 def _block_sparse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -50,7 +51,7 @@ def _stem_attention_op(
     scale: float, softcap: float | None, oam: bool, oam_lambda: float,
     indexer_scale: float | None, min_q_blocks: int, backend: str, want_lse: bool,
     dense_above: float = 1.0, exact_tail: int = 0, miss_check: float = 0.0,
-    miss_check_queries: int = 16, miss_check_blocks: int = 1,
+    miss_check_queries: int = MISS_CHECK_QUERIES, miss_check_blocks: int = MISS_CHECK_BLOCKS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     who = "stem_attention"
     qlen = check_lens_values(q_lens, q.shape[2], "q_lens", who)

@@ -73,8 +73,8 @@ from ..operator.api import stem_indexer_metadata
 from .checks import check_call_options, check_triton_device
 from ..operator.contract import (BUDGET_FIELDS, DEFAULT_EXACT_TAIL, IndexerParams, ceil_div,
                                  check_int, fail)
-from .dispatch import (TailRows, _backend_for, _Call, _run, apply_tail, dense_reason,
-                       tail_plan)
+from .dispatch import (TailRows, _backend_for, _Call, _dense_lists, _run, apply_tail,
+                       dense_reason, tail_plan)
 from .index_cache import IndexCache, page_ids
 from .plan import PlanSettings
 from .probe import check_probe, probe_params, probe_refine
@@ -133,18 +133,10 @@ class PagedPlan(PlanSettings):
         block it can see (``stem_paged_select``'s shapes and dtypes): what a
         dense row lists, for a caller that widens sparse rows whole (the
         vLLM backend's ``miss_check``). No indexer."""
-        bs = self.params.stem_block_size
-        rows = []
-        for b in range(self.batch):
-            qb = ceil_div(int(self.window_lens[b]), bs)
-            if qb:
-                reach = contract.reach_blocks(torch.arange(qb), self.window_lens[b],
-                                              self.seq_lens[b], bs, True)
-                rows.append(TailRows(b, range(qb), reach.to(self.q_map.device)))
-        i32 = dict(device=self.q_map.device, dtype=torch.int32)
-        empty = torch.full((self.batch, self.num_heads, self.qmax, 0), -1, **i32)
-        return apply_tail(empty, torch.zeros(self.batch, self.num_heads, self.qmax, **i32),
-                          tuple(rows), self.kmax)
+        idx, lengths = _dense_lists(self.window_lens, self.seq_lens, self.params.stem_block_size,
+                                    True, self.num_heads, self.qmax, self.kmax,
+                                    self.q_map.device)
+        return idx.to(torch.int32), lengths.to(torch.int32)
 
     @property
     def indexer_params(self) -> IndexerParams:

@@ -259,7 +259,7 @@ def stem_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return (out, lse) if plan.return_lse else out
 
 
-def execute(q, k, v, plan: StemPlan, miss_check: tuple[float, int, int] = (0.0, 16, 1)):
+def execute(q, k, v, plan: StemPlan, miss_check: tuple[float, int, int] | None = None):
     """``(out, lse or None, lengths or None, widened)``: the run, with the
     sparse path's list lengths (for counting the kept pairs). With
     ``miss_check`` ``(miss, queries, blocks)``, miss > 0, each batch's
@@ -289,7 +289,7 @@ def execute(q, k, v, plan: StemPlan, miss_check: tuple[float, int, int] = (0.0, 
             topk_score_precision=p.topk_score_precision)
         idx, lengths = apply_tail(idx, lengths, plan.tail, ceil_div(plan.kv_len, bs))
     widened = 0
-    if miss_check[0] > 0 and plan.lists is None:
+    if miss_check and miss_check[0] > 0 and plan.lists is None:
         idx, lengths, widened = widen_missed(q, k, idx, lengths, plan, *miss_check)
     out, lse = torch.ops.stem_indexer.planned_attention(
         q, k, v, idx, lengths, plan.qlen, plan.kvlen, plan.q_seq_lens, plan.kv_seq_lens,

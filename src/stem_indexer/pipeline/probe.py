@@ -38,10 +38,12 @@ from ..operator import contract
 from ..operator.contract import IndexerParams, ceil_div, fail
 
 __all__ = ["probe_params", "check_probe", "probe_refine", "row_keep", "check_miss",
-           "selection_miss"]
+           "selection_miss", "MISS_CHECK_QUERIES", "MISS_CHECK_BLOCKS"]
 
 #: float32 elements of one tile's probabilities (about 32 MB)
 TILE_ELEMENTS = 1 << 23
+#: the miss check's sample by default: the last 16 queries of one query block
+MISS_CHECK_QUERIES, MISS_CHECK_BLOCKS = 16, 1
 
 
 def check_probe(who: str, queries, candidates) -> None:
@@ -230,7 +232,7 @@ def selection_miss(query: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor,
         return 0.0, 0, 0.0
     at = torch.linspace(partial.numel() - 1, 0, min(blocks, partial.numel())).round().long()
     sampled = partial[at.unique()].tolist()
-    keys_t = keys[:seq_len].permute(1, 2, 0)  # a view: bmm reads it transposed
+    keys_t = keys[:seq_len].permute(1, 2, 0)  # a view: _block_mass reads it in place
     device = query.device
     total = dropped = 0.0
     for r in sampled:

@@ -63,7 +63,7 @@ from ..pipeline.checks import (_check_backend, _check_inference, _check_layout, 
 from ..pipeline.dense import dense_attention
 from ..pipeline.dispatch import StemInfo
 from ..pipeline.prepare import DEFAULT_OAM_LAMBDA, Lengths, check_qkv, lens_argument
-from ..pipeline.probe import check_miss
+from ..pipeline.probe import MISS_CHECK_BLOCKS, MISS_CHECK_QUERIES, check_miss
 
 __all__ = ["block_sparse_attention", "dense_attention", "stem_attention", "StemInfo"]
 
@@ -135,7 +135,7 @@ def stem_attention(
     oam: bool = True, oam_lambda: float = DEFAULT_OAM_LAMBDA, indexer_scale: float | None = None,
     min_q_blocks: int = 2, dense_above: float | None = None,
     exact_tail: int = DEFAULT_EXACT_TAIL, miss_check: float = 0.0,
-    miss_check_queries: int = 16, miss_check_blocks: int = 1,
+    miss_check_queries: int = MISS_CHECK_QUERIES, miss_check_blocks: int = MISS_CHECK_BLOCKS,
     backend: str = "auto", return_lse: bool = False, return_info: bool = False,
     **indexer_params,
 ) -> torch.Tensor | tuple:

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 from ...operator.contract import (BUDGET_FIELDS, DEFAULT_EXACT_TAIL, PARAM_NAMES, PRESETS,
                                   IndexerParams, StemIndexerInputError, fail)
 from ...pipeline.prepare import DEFAULT_OAM_LAMBDA
-from ...pipeline.probe import check_miss, check_probe
+from ...pipeline.probe import MISS_CHECK_BLOCKS, MISS_CHECK_QUERIES, check_miss, check_probe
 
 __all__ = ["StemSettings", "SETTINGS_KEY", "DEFAULT_DENSE_ABOVE", "DEFAULT_MISS_CHECK",
            "DEFAULT_MISS_CHECK_MIN_PROMPT", "layer_ranges"]
@@ -222,12 +222,12 @@ class StemSettings:
       that cannot be read back runs vLLM's kernel, counted;
     * ``miss_check`` (0.05; 0: off), ``miss_check_queries`` (16),
       ``miss_check_blocks`` (1), ``miss_check_min_prompt`` (20480): the
-      selection checked against exact attention, once per layer and
-      request, for prompts of at least ``miss_check_min_prompt`` tokens
-      (where the budget's share of a long prompt is smallest: its large
-      regime, 160 blocks of 128 tokens). In a request's first Stem row
-      of each layer that drops blocks, the last ``miss_check_blocks`` such
-      query blocks (evenly spaced where there are more) are sampled, and
+      selection checked against exact attention, per layer and request,
+      for prompts of at least ``miss_check_min_prompt`` tokens (where the
+      budget's share of a long prompt is smallest: its large regime, 160
+      blocks of 128 tokens). In each of a request's Stem rows that drop
+      blocks, until the layer's verdict, the last ``miss_check_blocks``
+      such query blocks (evenly spaced where there are more) are sampled, and
       their last ``miss_check_queries`` queries attend exactly
       (``probe.selection_miss``): where the selected blocks keep more than
       ``miss_check`` less of that attention than as many heaviest blocks
@@ -276,8 +276,8 @@ class StemSettings:
     probe_candidates: float = 2.0
     sparse_kernel: str = "auto"
     miss_check: float = DEFAULT_MISS_CHECK
-    miss_check_queries: int = 16
-    miss_check_blocks: int = 1
+    miss_check_queries: int = MISS_CHECK_QUERIES
+    miss_check_blocks: int = MISS_CHECK_BLOCKS
     miss_check_min_prompt: int = DEFAULT_MISS_CHECK_MIN_PROMPT
 
     @property
@@ -352,8 +352,8 @@ class StemSettings:
             fail(_WHO, "sparse_kernel", f"must be one of {', '.join(map(repr, SPARSE_KERNELS))}",
                  repr(kernel))
         miss = section.get("miss_check", DEFAULT_MISS_CHECK)
-        miss_queries = section.get("miss_check_queries", 16)
-        miss_blocks = section.get("miss_check_blocks", 1)
+        miss_queries = section.get("miss_check_queries", MISS_CHECK_QUERIES)
+        miss_blocks = section.get("miss_check_blocks", MISS_CHECK_BLOCKS)
         check_miss(_WHO, miss, miss_queries, miss_blocks)
         miss_from = _count(section, "miss_check_min_prompt", DEFAULT_MISS_CHECK_MIN_PROMPT)
         return cls(params, preset, oam, float(oam_lambda), min_prompt, dense_layers,
