@@ -99,6 +99,23 @@ def test_branch_edge_budgets_at_the_last_position():
             assert both_budgets(p, pos) == (k, k), (p, pos)
 
 
+# Each preset's Ks by hand at P = 55, 56, 128 (16K tokens), 159, 160, 256 (32K):
+# below 56 blocks every preset keeps every block; floor(f32(P) * f32(rate)) + bias
+# after, f32(0.1) rounding up by 1.5e-9 (256 * f32(0.1) = 25.6000004 -> 25).
+@pytest.mark.parametrize("preset, want", [
+    ("default", (55, 41, 55, 61, 46, 55)),    # 0.2 P + 30, then 0.1 P + 30
+    ("serving", (55, 40, 40, 40, 46, 55)),    # 40 flat, then 0.1 P + 30
+    ("balanced", (55, 21, 28, 31, 32, 41)),   # 0.1 P + 16: floor(5.6), floor(12.8), ...
+    ("tight", (55, 11, 16, 17, 18, 24)),      # P / 16 + 8: floor(3.5), 8, floor(9.94), ...
+])
+def test_every_preset_budget_by_hand(preset, want):
+    rates = {n: v for n, v in stem_indexer.PRESETS[preset].items() if n in RATE_NAMES}
+    assert set(rates) | {"alpha"} >= set(stem_indexer.PRESETS[preset])  # budget fields only
+    got = [both_budgets(p, 0, **rates) for p in (55, 56, 128, 159, 160, 256)]
+    assert got == [(k, k) for k in want]
+    assert set(stem_indexer.PRESETS) == {"default", "serving", "balanced", "tight"}
+
+
 def test_clamp_at_one_with_alpha_0_01():
     """P = 400: Ks = floor(f32(400) * f32(0.1)) + 30 = floor(40.0000006 -> f32 40.0)
     + 30 = 70; decay = 330.

@@ -263,7 +263,8 @@ def test_presets_keep_fewer_blocks_in_order(device):
     density = {name: stem_attention(q, k, v, preset=name, return_info=True, **paths,
                                     **SMALL)[1].density
                for name in PRESETS}
-    assert density["default"] > density["balanced"] > density["tight"]
+    # 128 blocks: Ks 55, 40, 28 and 16 (test_budget.py has them by hand)
+    assert density["default"] > density["serving"] > density["balanced"] > density["tight"]
     # a preset's field can still be set by hand, and equals the explicit call
     a = stem_attention(q, k, v, preset="tight", alpha=0.5, **SMALL)
     b = stem_attention(q, k, v, alpha=0.5, **PRESETS["tight"], **SMALL)

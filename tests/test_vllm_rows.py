@@ -35,9 +35,16 @@ from stem_indexer.operator.contract import BUDGET_FIELDS
 # --------------------------------------------------------------------------- #
 
 
-def test_settings_default_to_the_default_preset():
+def test_settings_default_to_the_serving_preset():
     s = StemSettings.from_config({})
-    assert s.params == stem_indexer.IndexerParams()
+    # the operator's budget with 40 blocks flat for prompts of 56 to 159 blocks
+    assert s.params == stem_indexer.IndexerParams(k_block_num_rate_medium=0.0,
+                                                  k_block_num_bias_medium=40)
+    assert s.preset == "serving" and s.describe().startswith("preset=serving oam=True")
+    # the operator's own budget by name
+    op = StemSettings.from_config({"stem": {"preset": "default"}})
+    assert op.params == stem_indexer.IndexerParams() and op.describe().startswith(
+        "preset=default oam=True")
     assert (s.oam, s.min_prompt_tokens, s.dense_above) == (True, 0, DEFAULT_DENSE_ABOVE)
     assert StemSettings.from_config({"other_plugin": 1}) == s
     # The miss check is on, and said so

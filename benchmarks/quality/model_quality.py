@@ -86,6 +86,8 @@ CONFIGS = {  # name: stem_attention keyword arguments (None: dense SDPA)
     "default": dict(preset="default", exact_tail=0),
     "balanced": dict(preset="balanced", exact_tail=0),
     "tight": dict(preset="tight", exact_tail=0),
+    # the vLLM backend's budget: default's, flat at 40 blocks below 20K tokens
+    "serving": dict(preset="serving", exact_tail=0),
     # ablations, on request (--configs): the Output-Aware Metric off, a decaying budget
     "default-no-oam": dict(preset="default", oam=False, exact_tail=0),
     "tight-no-oam": dict(preset="tight", oam=False, exact_tail=0),

@@ -175,12 +175,18 @@ BUDGET_FIELDS = ("alpha", "k_block_num_rate_medium", "k_block_num_bias_medium",
 
 # Named budgets, as overrides of the schema defaults. ``default`` is the
 # operator's (the paper's and the NPU's): Ks = P below 56 prompt blocks,
-# 0.2 P + 30 below 160, 0.1 P + 30 beyond. The others keep fewer blocks at
-# every length from 56 blocks on: ``balanced`` Ks = P/10 + 16, ``tight``
-# Ks = P/16 + 8. Their measured density, speed and accuracy are in
-# benchmarks/QUALITY.md and benchmarks/ATTENTION.md.
+# 0.2 P + 30 below 160, 0.1 P + 30 beyond. ``serving`` is ``default`` with
+# a flat Ks = 40 below 160 blocks (7K to 20K tokens), the vLLM backend's
+# default: ``default``'s medium regime keeps more blocks the longer the
+# prompt (55 of 128 at 16K); through vLLM on SmolLM2 a flat 40 stays at
+# dense's accuracy at 8K, 12K and 16K and is faster from 12K on
+# (benchmarks/FRONTIER.md, "A flat budget below 20K"). The
+# others keep fewer blocks at every length from 56 blocks on: ``balanced``
+# Ks = P/10 + 16, ``tight`` Ks = P/16 + 8. Their measured density, speed
+# and accuracy are in benchmarks/QUALITY.md and benchmarks/ATTENTION.md.
 PRESETS: dict[str, dict] = {
     "default": {},
+    "serving": dict(k_block_num_rate_medium=0.0, k_block_num_bias_medium=40),
     "balanced": dict(k_block_num_rate_medium=0.1, k_block_num_bias_medium=16,
                      k_block_num_rate_large=0.1, k_block_num_bias_large=16),
     "tight": dict(k_block_num_rate_medium=0.0625, k_block_num_bias_medium=8,

@@ -2,7 +2,7 @@
 
     pip install 'stem-indexer[vllm]'
     python -m vllm.entrypoints.openai.api_server --model DIR --attention-backend CUSTOM \\
-        --additional-config '{"stem": {"preset": "default"}}'
+        --additional-config '{"stem": {"preset": "serving"}}'
 
     from vllm import LLM
     llm = LLM(model=DIR, attention_backend="CUSTOM", additional_config={"stem": {}})

@@ -19,11 +19,20 @@ from ...operator.contract import (BUDGET_FIELDS, DEFAULT_EXACT_TAIL, PARAM_NAMES
 from ...pipeline.prepare import DEFAULT_OAM_LAMBDA
 from ...pipeline.probe import MISS_CHECK_BLOCKS, MISS_CHECK_QUERIES, check_miss, check_probe
 
-__all__ = ["StemSettings", "SETTINGS_KEY", "DEFAULT_DENSE_ABOVE", "DEFAULT_MISS_CHECK",
+__all__ = ["StemSettings", "SETTINGS_KEY", "DEFAULT_PRESET", "DEFAULT_DENSE_ABOVE",
+           "DEFAULT_MISS_CHECK",
            "DEFAULT_MISS_CHECK_MIN_PROMPT", "layer_ranges"]
 
 SETTINGS_KEY = "stem"
 _WHO = f"additional_config['{SETTINGS_KEY}']"
+
+# The budget the backend runs without a ``preset`` setting: the operator's
+# ``default`` with a flat 40-block budget for 7K- to 20K-token prompts
+# (contract.PRESETS). Measured through this backend on SmolLM2 at 8K, 12K
+# and 16K: at dense's accuracy at each, where ``default`` keeps up to 55
+# blocks for 0.2 points less perplexity and less speed from 12K on
+# (benchmarks/FRONTIER.md, "A flat budget below 20K").
+DEFAULT_PRESET = "serving"
 
 # Above this share of a row's visible (query block, key block) pairs, the
 # row runs vLLM's own kernel: Stem's scoring costs more than the pairs it
@@ -175,7 +184,8 @@ class StemSettings:
 
     Keys (all optional):
 
-    * ``preset``: a named budget of ``stem_indexer.PRESETS`` (``"default"``);
+    * ``preset``: a named budget of ``stem_indexer.PRESETS`` (``"serving"``:
+      ``default`` with a flat 40-block budget for 56 to 159 prompt blocks);
     * ``stem_block_size`` (128), ``stem_stride`` (16): Stem's block of tokens
       and its stride (the names of ``stem_attention``); the block must be a
       multiple of vLLM's KV-cache block size;
@@ -260,8 +270,8 @@ class StemSettings:
       ``stats()["kernels"]`` counts rows by kernel.
     """
 
-    params: IndexerParams = IndexerParams()
-    preset: str = "default"
+    params: IndexerParams = IndexerParams(**PRESETS[DEFAULT_PRESET])
+    preset: str = DEFAULT_PRESET
     oam: bool = True
     oam_lambda: float = DEFAULT_OAM_LAMBDA
     min_prompt_tokens: int = 0
@@ -312,7 +322,7 @@ class StemSettings:
             if key not in known:
                 fail(_WHO, repr(key), f"is not a Stem setting (those are {', '.join(known)})",
                      repr(section[key]))
-        preset = section.get("preset", "default")
+        preset = section.get("preset", DEFAULT_PRESET)
         if not isinstance(preset, str) or preset not in PRESETS:
             fail(_WHO, "preset", f"must be one of {', '.join(map(repr, PRESETS))}",
                  repr(preset))
