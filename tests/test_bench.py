@@ -122,7 +122,7 @@ def test_shapes_match_the_benchmark_brief():
     ({"preset": "default", "exact_tail": 0}, "default"),     # the recorded cells' settings
     ({"preset": "default"}, "default-tail"),                 # the default exact_tail, 128
     ({"preset": "tight", "exact_tail": 64}, "tight-tail64"),
-    ({"exact_tail": 0, "alpha": 0.5}, 'default {"alpha": 0.5}'),
+    ({"exact_tail": 0, "alpha": 0.5}, 'serving {"alpha": 0.5}'),   # the backend's preset
 ])
 def test_vllm_passkey_trials_are_named_by_their_settings(stem, name):
     """``vllm_bench.py passkey`` files a Stem engine's trials under a name

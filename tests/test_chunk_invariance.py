@@ -115,8 +115,8 @@ def test_the_vllm_setting_plans_its_rows_chunk_invariant():
     from stem_indexer.integrations.vllm.rows import Row, plan_stem_row, select_blocks
     from stem_indexer.integrations.vllm.settings import StemSettings
 
-    settings = StemSettings.from_mapping({"stem_block_size": BS, "stem_stride": STRIDE,
-                                          "k_block_num_bias_medium": 6,
+    settings = StemSettings.from_mapping({"preset": "default", "stem_block_size": BS,
+                                          "stem_stride": STRIDE, "k_block_num_bias_medium": 6,
                                           "k_block_num_bias_large": 6,
                                           "chunk_invariant": True})
     assert "chunk_invariant=True" in settings.describe()
