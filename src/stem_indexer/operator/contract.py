@@ -179,7 +179,7 @@ BUDGET_FIELDS = ("alpha", "k_block_num_rate_medium", "k_block_num_bias_medium",
 # a flat Ks = 40 below 160 blocks (7K to 20K tokens), the vLLM backend's
 # default: ``default``'s medium regime keeps more blocks the longer the
 # prompt (55 of 128 at 16K); through vLLM on SmolLM2 a flat 40 stays at
-# dense's accuracy at 8K, 12K and 16K and is faster from 12K on
+# dense's accuracy from 8K to 19K tokens and is faster from 12K on
 # (benchmarks/FRONTIER.md, "A flat budget below 20K"). The
 # others keep fewer blocks at every length from 56 blocks on: ``balanced``
 # Ks = P/10 + 16, ``tight`` Ks = P/16 + 8. Their measured density, speed

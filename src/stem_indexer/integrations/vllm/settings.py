@@ -28,9 +28,9 @@ _WHO = f"additional_config['{SETTINGS_KEY}']"
 
 # The budget the backend runs without a ``preset`` setting: the operator's
 # ``default`` with a flat 40-block budget for 7K- to 20K-token prompts
-# (contract.PRESETS). Measured through this backend on SmolLM2 at 8K, 12K
-# and 16K: at dense's accuracy at each, where ``default`` keeps up to 55
-# blocks for 0.2 points less perplexity and less speed from 12K on
+# (contract.PRESETS). Measured through this backend on SmolLM2 at 8K, 12K,
+# 16K and 19K: at dense's accuracy at each, where ``default`` keeps up to
+# 60 blocks for at most 0.2 points less perplexity and less speed from 12K on
 # (benchmarks/FRONTIER.md, "A flat budget below 20K").
 DEFAULT_PRESET = "serving"
 
