@@ -351,9 +351,38 @@ def test_the_miss_check_widens_the_batches_whose_selection_misses(device):
     assert (info.path, info.reason, info.density) == ("dense", "miss check", 1.0), info
 
 
+def test_the_miss_check_widens_from_its_first_position(device):
+    """``miss_check_from``: under any miss, a batch's query rows before it keep
+    the indexer's selection (the float64 masked reference) and its rows from
+    it on attend every key they can see; a batch no longer than it is not
+    checked (its selection everywhere)."""
+    q, k, v = qkv(2, 4, 2, 1100, 1100, 8, 16, device=device)
+    lens, first = [1100, 400], 512
+    budget = dict(SMALL, k_block_num_rate_medium=0.0, k_block_num_bias_medium=8)
+    inputs = stem_indexer.stem_inputs(q, k, v, q_lens=lens, kv_lens=lens, scale=8 ** -0.5 / 4,
+                                      **SMALL)
+    idx, seq_len = (host(t, device) for t in stem_indexer.stem_indexer(*inputs, **budget))
+    out, info = stem_attention(q, k, v, q_lens=lens, kv_lens=lens, dense_above=1.0,
+                               exact_tail=0, return_info=True, miss_check=1e-9,
+                               miss_check_from=first, **budget)
+    mask = token_mask(idx, seq_len, 16, 1100, 1100, lens, lens, True)
+    t, j = torch.arange(1100)[:, None], torch.arange(1100)[None, :]
+    every = (j <= t) & (t < lens[0])
+    mask[0, :, first:] = every[first:]
+    torch.testing.assert_close(host(out, device).double(), reference_attention(q, k, v, mask),
+                               rtol=1e-5, atol=1e-5)
+    widened = 4 * sum(r + 1 for r in range(first // 16, -(-lens[0] // 16)))  # every block
+    kept = int(seq_len[0, :, :first // 16].sum()) + int(seq_len[1].sum()) + widened
+    assert (info.path, info.kept_pairs) == ("sparse", kept), info
+    # the sparse rows before it really drop blocks, so the mask is not dense there
+    assert not torch.equal(mask[0, :, :first], every[:first].expand(4, -1, -1))
+
+
 @pytest.mark.parametrize("kw, arg", [(dict(miss_check=1.5), "miss_check"),
                                      (dict(miss_check_queries=0), "miss_check_queries"),
-                                     (dict(miss_check_blocks=None), "miss_check_blocks")])
+                                     (dict(miss_check_blocks=None), "miss_check_blocks"),
+                                     (dict(miss_check_from=-1), "miss_check_from"),
+                                     (dict(miss_check_from=1.0), "miss_check_from")])
 def test_bad_miss_check_arguments_name_themselves(kw, arg):
     q, k, v = qkv(1, 2, 2, 64, 64, 8, 1)
     with pytest.raises(stem_indexer.StemIndexerInputError, match=f"stem_attention: {arg} "):

@@ -313,10 +313,11 @@ def test_the_miss_check_of_lists_holding_every_block_samples_nothing():
     (dict(miss=-0.1), "miss_check"), (dict(miss=1.0), "miss_check"),
     (dict(miss=float("nan")), "miss_check"), (dict(miss=True), "miss_check"),
     (dict(queries=0), "miss_check_queries"), (dict(queries=2.0), "miss_check_queries"),
-    (dict(blocks=0), "miss_check_blocks"), (dict(blocks=False), "miss_check_blocks")])
+    (dict(blocks=0), "miss_check_blocks"), (dict(blocks=False), "miss_check_blocks"),
+    (dict(first=-1), "miss_check_from"), (dict(first=True), "miss_check_from")])
 def test_bad_miss_check_settings_name_themselves(kw, arg):
     from stem_indexer.pipeline.probe import check_miss
 
-    args = dict(miss=0.05, queries=16, blocks=4) | kw
+    args = dict(miss=0.05, queries=16, blocks=4, first=0) | kw
     with pytest.raises(StemIndexerInputError, match=arg):
-        check_miss("who", args["miss"], args["queries"], args["blocks"])
+        check_miss("who", args["miss"], args["queries"], args["blocks"], args["first"])

@@ -458,7 +458,7 @@ def test_the_miss_check_widens_a_layer_whose_selection_misses(model):
     assert rows["dense:miss check"] > sum(c["checked"] for c in checks.values()), rows
     assert wide["stats"]["density"] is None or wide["stats"]["density"] == 1.0, wide["stats"]
     assert_same_tokens(wide, plain(model), 1e-4)
-    assert "miss_check=1e-09 (queries=16 blocks=1 min_prompt=0)" in wide["log"]
+    assert "miss_check=1e-09 (queries=16 blocks=1 min_prompt=0 from=0)" in wide["log"]
 
     narrow = cached(model, "miss-narrow", {**SPARSE, "miss_check": 0.999,
                                            "miss_check_min_prompt": 0}, check_rows=True)
@@ -472,6 +472,27 @@ def test_the_miss_check_widens_a_layer_whose_selection_misses(model):
     short = cached(model, "miss-short", {**SPARSE, "miss_check": 1e-9})
     assert short["stats"]["checks"] == {} and "dense:miss check" not in short["stats"]["rows"]
     assert "min_prompt=20480" in short["log"]
+
+
+def test_the_miss_check_starts_at_its_first_position(model):
+    """``miss_check_from``: under any miss, every Stem row whose queries start
+    before it keeps the indexer's selection (as ``stem_indexer`` picks on
+    the same keys), and from it on each layer's first sampled row widens the
+    layer for the rest of its request's prompt (every block it sees)."""
+    start = 1200
+    run = cached(model, "miss-from", {**SPARSE, "miss_check": 1e-9, "miss_check_min_prompt": 0,
+                                      "miss_check_from": start}, check_rows=True)
+    rec, checks = run["record"], run["stats"]["checks"]
+    assert set(checks) == {f"model.layers.{i}.self_attn.attn" for i in range(2)}, checks
+    assert all(c["widened"] == c["checked"] > 0 for c in checks.values()), checks
+    # The sampled rows: widened after the indexer ran, so their lists are not its.
+    assert rec["mismatch_contexts"] and min(rec["mismatch_contexts"]) >= start, rec
+    # The rows after them: every block, from the first position on only.
+    assert rec["widened"] and all(ok for _, ok in rec["widened"]), rec["widened"]
+    assert min(context for context, _ in rec["widened"]) >= start, rec["widened"]
+    before = rec["rows"] - len(rec["mismatch_contexts"])
+    assert before > 10 and rec["sparse_rows"] > 0, rec
+    assert "min_prompt=0 from=1200" in run["log"]
 
 
 # --------------------------------------------------------------------------- #

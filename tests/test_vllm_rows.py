@@ -48,16 +48,18 @@ def test_settings_default_to_the_serving_preset():
     assert (s.oam, s.min_prompt_tokens, s.dense_above) == (True, 0, DEFAULT_DENSE_ABOVE)
     assert StemSettings.from_config({"other_plugin": 1}) == s
     # The miss check is on, and said so
-    assert (s.miss_check, s.miss_check_queries, s.miss_check_blocks,
-            s.miss_check_min_prompt) == (DEFAULT_MISS_CHECK, 16, 1, 20480)
-    assert s.checks_misses and ("miss_check=0.05 (queries=16 blocks=1 min_prompt=20480)"
+    assert (s.miss_check, s.miss_check_queries, s.miss_check_blocks, s.miss_check_min_prompt,
+            s.miss_check_from) == (DEFAULT_MISS_CHECK, 16, 1, 20480, 0)
+    assert s.checks_misses and ("miss_check=0.05 (queries=16 blocks=1 min_prompt=20480 from=0)"
                                 in s.describe())
 
 
 def test_the_miss_check_is_set_or_turned_off():
     s = StemSettings.from_mapping({"miss_check": 0.1, "miss_check_queries": 8,
-                                   "miss_check_blocks": 2, "miss_check_min_prompt": 0})
-    assert s.checks_misses and "miss_check=0.1 (queries=8 blocks=2 min_prompt=0)" in s.describe()
+                                   "miss_check_blocks": 2, "miss_check_min_prompt": 0,
+                                   "miss_check_from": 4096})
+    assert s.checks_misses and ("miss_check=0.1 (queries=8 blocks=2 min_prompt=0 from=4096)"
+                                in s.describe())
     off = StemSettings.from_mapping({"miss_check": 0})
     assert not off.checks_misses and "miss_check=off" in off.describe()
     # The sample depends on where a chunk starts: not under chunk_invariant
@@ -128,6 +130,7 @@ def test_settings_take_a_preset_and_overrides():
     ({"miss_check_queries": 0}, "miss_check_queries"),
     ({"miss_check_blocks": 1.5}, "miss_check_blocks"),
     ({"miss_check_min_prompt": -1}, "miss_check_min_prompt"),
+    ({"miss_check_from": -1}, "miss_check_from"), ({"miss_check_from": 1.5}, "miss_check_from"),
     ({"layer_budgets": [1]}, "layer_budgets"), ({"layer_budgets": {"3-": "tight"}},
                                                 r"layer_budgets\['3-'\]"),
     ({"layer_budgets": {"": "tight"}}, r"layer_budgets\[''\]"),

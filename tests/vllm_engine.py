@@ -77,6 +77,14 @@ def _checker(settings, record: dict, shadow: _Shadow):
 
     def check(trace) -> None:
         row, bs = trace.row, settings.block_size
+        if trace.kflat is None:  # widened by the miss check's verdict: every block it sees
+            first, width = row.context // bs, trace.indices.shape[-1]
+            last = first + torch.arange(trace.lengths.shape[1])[:, None]
+            every = torch.where(torch.arange(width) <= last, torch.arange(width), -1)
+            every_len = (last + 1).T.expand_as(trace.lengths)
+            record["widened"].append((row.context, torch.equal(trace.lengths, every_len) and
+                                      torch.equal(trace.indices, every.expand_as(trace.indices))))
+            return
         # The layer's budget: its ``layer_budgets`` entry, by the index in its name.
         layer = settings.layer_params(int(re.search(r"\.(\d+)\.", trace.layer).group(1)))
         params = op_params(layer)
@@ -144,6 +152,8 @@ def _checker(settings, record: dict, shadow: _Shadow):
         record["rows"] += 1
         record["max_error"] = max(record["max_error"], err)
         record["selection_mismatches"] += not same
+        if not same:
+            record["mismatch_contexts"].append(row.context)
         record["kinds"][row.kind] = record["kinds"].get(row.kind, 0) + 1
         record["unaligned"] += row.context % bs != 0
         record["beside_other_rows"] += row.start > 0  # other rows come first in the step
@@ -209,7 +219,7 @@ def main() -> None:
     at_start = stem_vllm.stats(llm) if spec.get("stem") is not None else None
     record = {"rows": 0, "max_error": 0.0, "selection_mismatches": 0, "tail_rows": 0,
               "kinds": {}, "unaligned": 0, "beside_other_rows": 0, "cache_mismatches": 0,
-              "sparse_rows": 0}
+              "sparse_rows": 0, "mismatch_contexts": [], "widened": []}
     if spec.get("check_rows"):
         from stem_indexer.integrations.vllm import backend
         from stem_indexer.integrations.vllm.settings import StemSettings

@@ -101,6 +101,9 @@ CONFIGS = {  # name: stem_attention keyword arguments (None: dense SDPA)
     # the default budget with the miss check: a layer whose selection misses
     # more than 0.05 of its last sparse block's exact attention attends every block
     "default-miss": dict(preset="default", exact_tail=0, miss_check=0.05),
+    # the same, widening only the query blocks from token 20,480 on (miss_check_from)
+    "default-miss-20k": dict(preset="default", exact_tail=0, miss_check=0.05,
+                             miss_check_from=20480),
     # the default budget's selection even where it keeps more than dense_above
     # of the pairs (contract.DENSE_ABOVE), where stem_attention runs dense
     "default-sparse": dict(preset="default", dense_above=1.0, exact_tail=0),

@@ -491,7 +491,7 @@ class StemAttention:
 
 # stem_attention's miss check, and its defaults (checked apart: not an indexer option)
 _MISS_CHECK = {"miss_check": 0.0, "miss_check_queries": MISS_CHECK_QUERIES,
-               "miss_check_blocks": MISS_CHECK_BLOCKS}
+               "miss_check_blocks": MISS_CHECK_BLOCKS, "miss_check_from": 0}
 
 
 def _stem_arguments() -> list[str]:

@@ -52,6 +52,7 @@ def _stem_attention_op(
     indexer_scale: float | None, min_q_blocks: int, backend: str, want_lse: bool,
     dense_above: float = 1.0, exact_tail: int = 0, miss_check: float = 0.0,
     miss_check_queries: int = MISS_CHECK_QUERIES, miss_check_blocks: int = MISS_CHECK_BLOCKS,
+    miss_check_from: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     who = "stem_attention"
     qlen = check_lens_values(q_lens, q.shape[2], "q_lens", who)
@@ -72,7 +73,7 @@ def _stem_attention_op(
                        tuple(prompt.tolist()), params, scale, softcap, oam, oam_lambda,
                        indexer_scale, min_q_blocks, backend, want_lse, dense_above, exact_tail)
     out, lse, lengths, widened = execute(q, k, v, plan, (miss_check, miss_check_queries,
-                                                         miss_check_blocks))
+                                                         miss_check_blocks, miss_check_from))
     info = plan.info
     if widened == plan.batch:  # the miss check widened every batch: dense attention
         info = info._replace(path="dense", reason="miss check", kept_pairs=info.visible_pairs)

@@ -259,10 +259,10 @@ def stem_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return (out, lse) if plan.return_lse else out
 
 
-def execute(q, k, v, plan: StemPlan, miss_check: tuple[float, int, int] | None = None):
+def execute(q, k, v, plan: StemPlan, miss_check: tuple[float, int, int, int] | None = None):
     """``(out, lse or None, lengths or None, widened)``: the run, with the
     sparse path's list lengths (for counting the kept pairs). With
-    ``miss_check`` ``(miss, queries, blocks)``, miss > 0, each batch's
+    ``miss_check`` ``(miss, queries, blocks, first)``, miss > 0, each batch's
     selection is checked (``widen_missed``); ``widened`` counts the batches
     that then attended every block."""
     p = plan.params
@@ -299,13 +299,15 @@ def execute(q, k, v, plan: StemPlan, miss_check: tuple[float, int, int] | None =
             (None if plan.lists is not None else lengths), widened)
 
 
-def widen_missed(q, k, idx, lengths, plan: StemPlan, miss: float, queries: int, blocks: int):
+def widen_missed(q, k, idx, lengths, plan: StemPlan, miss: float, queries: int, blocks: int,
+                 first: int = 0):
     """The miss check on a run's lists (``stem_attention``'s ``miss_check``):
     each batch whose causal prefill (``q_len == kv_len``) keeps more than
     ``miss`` less of a sample of exact attention than the heaviest blocks
-    would (``probe.selection_miss``) lists every block it can see instead.
-    Returns ``(idx, lengths, batches widened)``. Reads the miss on the host:
-    not under CUDA graph capture."""
+    would (``probe.selection_miss``) lists every block it can see instead,
+    in its query blocks that start at ``first`` or later (a prompt shorter
+    than that is not checked). Returns ``(idx, lengths, batches widened
+    whole)``. Reads the miss on the host: not under CUDA graph capture."""
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         fail("stem_attention", "miss_check", "reads the selection's miss on the host, so it "
              "cannot run inside a CUDA graph capture; set it to 0 there", miss)
@@ -314,7 +316,7 @@ def widen_missed(q, k, idx, lengths, plan: StemPlan, miss: float, queries: int, 
     wide = []
     for b in range(plan.batch):
         qlen, kvlen = int(plan.qlen[b]), int(plan.kvlen[b])
-        if not p.causal or qlen != kvlen or qlen == 0:
+        if not p.causal or qlen != kvlen or qlen <= first:
             continue
         missed, sampled, _ = selection_miss(
             q[b, :, :qlen].transpose(0, 1), k[b, :, :kvlen].transpose(0, 1),
@@ -328,10 +330,12 @@ def widen_missed(q, k, idx, lengths, plan: StemPlan, miss: float, queries: int, 
     every, every_len = _dense_lists(plan.qlen, plan.kvlen, bs, True, plan.num_heads,
                                     idx.shape[2], ceil_div(plan.kv_len, bs), idx.device)
     idx = torch.nn.functional.pad(idx, (0, every.shape[3] - idx.shape[3]), value=-1)
-    at = torch.tensor(wide, device=idx.device)
-    idx = idx.index_copy(0, at, every[at].to(idx.dtype))
-    lengths = lengths.index_copy(0, at, every_len[at].to(lengths.dtype))
-    return idx, lengths, len(wide)
+    batches = torch.zeros(plan.batch, 1, 1, dtype=torch.bool, device=idx.device)
+    batches[wide] = True
+    rows = batches & (torch.arange(idx.shape[2], device=idx.device) >= ceil_div(first, bs))
+    idx = torch.where(rows[..., None], every.to(idx.dtype), idx)
+    lengths = torch.where(rows, every_len.to(lengths.dtype), lengths)
+    return idx, lengths, len(wide) if first == 0 else 0
 
 
 # The run's floating-point work outside the kernels, as custom ops: compiled,

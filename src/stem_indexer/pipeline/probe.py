@@ -56,14 +56,17 @@ def check_probe(who: str, queries, candidates) -> None:
              "is this many times the kept one)", repr(candidates))
 
 
-def check_miss(who: str, miss, queries, blocks) -> None:
-    """``miss`` a number in [0, 1) (0: off); ``queries`` and ``blocks`` ints >= 1."""
+def check_miss(who: str, miss, queries, blocks, first=0) -> None:
+    """``miss`` a number in [0, 1) (0: off); ``queries`` and ``blocks`` ints >=
+    1; ``first`` (``miss_check_from``) an int >= 0."""
     if (isinstance(miss, bool) or not isinstance(miss, (int, float))
             or not contract.is_finite(miss) or not 0 <= miss < 1):
         fail(who, "miss_check", "must be a number with 0 <= miss_check < 1 (0: off)", repr(miss))
     for name, value in (("miss_check_queries", queries), ("miss_check_blocks", blocks)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             fail(who, name, "must be an int >= 1", repr(value))
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        fail(who, "miss_check_from", "must be an int >= 0 (a token position)", repr(first))
 
 
 def probe_params(params: IndexerParams, candidates: float) -> IndexerParams:

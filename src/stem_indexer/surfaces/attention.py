@@ -136,7 +136,8 @@ def stem_attention(
     min_q_blocks: int = 2, dense_above: float | None = None,
     exact_tail: int = DEFAULT_EXACT_TAIL, miss_check: float = 0.0,
     miss_check_queries: int = MISS_CHECK_QUERIES, miss_check_blocks: int = MISS_CHECK_BLOCKS,
-    backend: str = "auto", return_lse: bool = False, return_info: bool = False,
+    miss_check_from: int = 0, backend: str = "auto", return_lse: bool = False,
+    return_info: bool = False,
     **indexer_params,
 ) -> torch.Tensor | tuple:
     """Stem attention in one call: Q/K/V -> indexer -> block-sparse attention.
@@ -182,6 +183,10 @@ def stem_attention(
             heaviest blocks (``plan.widen_missed``), every block it can see
             is attended (``info`` reason ``"miss check"`` when every batch
             was). Not inside a CUDA graph capture.
+        miss_check_from: the first query position the miss check widens
+            (default 0): the query blocks that start before it keep the
+            selection (the vLLM backend's setting of the same name, for a
+            prompt in one call).
         backend: ``block_sparse_attention``'s backend.
         return_lse: also return the float32 log-sum-exp [B, Hq, Sq] of the
             scores attended (for merging partial results).
@@ -213,7 +218,7 @@ def stem_attention(
     even when every listed row is complete).
     """
     who = "stem_attention"
-    check_miss(who, miss_check, miss_check_queries, miss_check_blocks)
+    check_miss(who, miss_check, miss_check_queries, miss_check_blocks, miss_check_from)
     params, indexer_scale, scale, softcap, dense_above, lengths = _stem_arguments(
         who, q, k, v, causal=causal, scale=scale, softcap=softcap, q_lens=q_lens,
         kv_lens=kv_lens, num_prompt_tokens=num_prompt_tokens, preset=preset, oam=oam,
@@ -224,7 +229,7 @@ def stem_attention(
         q, k, v, *lengths, *(getattr(params, f) for f in PARAM_NAMES),
         scale, softcap, oam, float(oam_lambda), indexer_scale, min_q_blocks, backend,
         return_lse, float(dense_above), exact_tail, float(miss_check), miss_check_queries,
-        miss_check_blocks)
+        miss_check_blocks, miss_check_from)
     extra = ((lse,) if return_lse else ()) + ((StemInfo.decode(info),) if return_info else ())
     return (out, *extra) if extra else out
 

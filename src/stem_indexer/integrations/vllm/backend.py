@@ -1026,7 +1026,8 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                 idx, lengths = select_blocks(q, kflat, vbias, plan, self.scale, s,
                                              None if keys is None else keys.transpose(0, 1),
                                              self.logits_soft_cap)
-                if checking and wide is None and row.prompt >= s.miss_check_min_prompt:
+                if (checking and wide is None and row.prompt >= s.miss_check_min_prompt
+                        and row.context >= s.miss_check_from):
                     wide = self._check(layer, kv_cache, plan, q, keys, idx, lengths)
                     if wide:
                         idx, lengths = (x[0] for x in plan.paged.every_block())

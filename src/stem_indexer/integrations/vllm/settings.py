@@ -55,6 +55,9 @@ DEFAULT_MISS_CHECK = 0.05
 # "The miss check"). 20,480 tokens: where the budget's large regime starts with
 # 128-token blocks (contract.BRANCH_LARGE blocks).
 DEFAULT_MISS_CHECK_MIN_PROMPT = 20480
+# The check samples a prompt's chunks whose queries start at this token or
+# later; the chunks before keep their selection.
+DEFAULT_MISS_CHECK_FROM = 0
 # A pass of the miss check is final (the layer is not checked again for that
 # prompt) only where the sampled block's lists leave out at least this share
 # of the blocks it can see. The budget's share falls along a prompt, so an
@@ -245,7 +248,9 @@ class StemSettings:
       prompt (its rows count as ``dense:miss check``); else the selection
       stands, for the rest of the prompt where the sample left out at least
       half of the blocks it can see (``MISS_CHECK_FINAL_DROPPED``), and
-      until the next chunk's check otherwise. It
+      until the next chunk's check otherwise. ``miss_check_from`` (0):
+      the first token a sampled chunk may start at; a request's rows that
+      start before it keep their selection unchecked. It
       reads the row's keys back from vLLM's cache; where the layout cannot
       be read back, or with ``chunk_invariant`` (the sample depends on the
       chunk), the check is off, said in the log;
@@ -289,6 +294,7 @@ class StemSettings:
     miss_check_queries: int = MISS_CHECK_QUERIES
     miss_check_blocks: int = MISS_CHECK_BLOCKS
     miss_check_min_prompt: int = DEFAULT_MISS_CHECK_MIN_PROMPT
+    miss_check_from: int = DEFAULT_MISS_CHECK_FROM
 
     @property
     def block_size(self) -> int:
@@ -317,7 +323,7 @@ class StemSettings:
                  "layer_budgets", "dense_above", "exact_tail", "chunk_invariant", "decoded_pages",
                  "probe_queries", "probe_candidates", "sparse_kernel", "miss_check",
                  "miss_check_queries", "miss_check_blocks",
-                 "miss_check_min_prompt") + _INDEXER_KEYS
+                 "miss_check_min_prompt", "miss_check_from") + _INDEXER_KEYS
         for key in section:
             if key not in known:
                 fail(_WHO, repr(key), f"is not a Stem setting (those are {', '.join(known)})",
@@ -365,10 +371,12 @@ class StemSettings:
         miss_queries = section.get("miss_check_queries", MISS_CHECK_QUERIES)
         miss_blocks = section.get("miss_check_blocks", MISS_CHECK_BLOCKS)
         check_miss(_WHO, miss, miss_queries, miss_blocks)
-        miss_from = _count(section, "miss_check_min_prompt", DEFAULT_MISS_CHECK_MIN_PROMPT)
+        miss_prompt = _count(section, "miss_check_min_prompt", DEFAULT_MISS_CHECK_MIN_PROMPT)
+        miss_from = _count(section, "miss_check_from", DEFAULT_MISS_CHECK_FROM)
         return cls(params, preset, oam, float(oam_lambda), min_prompt, dense_layers,
                    layer_budgets, float(dense_above), exact_tail, invariant, decoded, probe_queries,
-                   float(candidates), kernel, float(miss), miss_queries, miss_blocks, miss_from)
+                   float(candidates), kernel, float(miss), miss_queries, miss_blocks, miss_prompt,
+                   miss_from)
 
     def verdict(self, miss: float, dropped: float) -> bool | None:
         """The miss check's verdict on one sample (``probe.selection_miss``'s
@@ -417,7 +425,8 @@ class StemSettings:
         if self.checks_misses:
             extra.append(f"miss_check={self.miss_check:g} (queries={self.miss_check_queries} "
                          f"blocks={self.miss_check_blocks} "
-                         f"min_prompt={self.miss_check_min_prompt})")
+                         f"min_prompt={self.miss_check_min_prompt} "
+                         f"from={self.miss_check_from})")
         else:
             extra.append("miss_check=off" + (" (chunk_invariant)" if self.miss_check else ""))
         if self.dense_layers:
