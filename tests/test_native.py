@@ -448,6 +448,15 @@ def test_overflowing_dots_select_as_the_reference_on_other_instruction_sets(mkl,
 # The bfloat16 products of the scores
 # --------------------------------------------------------------------------- #
 
+@pytest.fixture(autouse=True)
+def bf16_products_where_they_run(monkeypatch):
+    """The op takes bfloat16 products wherever the CPU can run them, also
+    where its dispatch prefers float32 GEMMs (an Intel CPU without AMX:
+    ``torch_blas.bf16_products_pay``), so that they are tested there too; a
+    test of that choice sets it itself."""
+    monkeypatch.setattr(torch_blas, "bf16_products_pay", lambda: (True, "the tests' choice"))
+
+
 needs_bf16_scores = pytest.mark.skipif(not native.bf16_scores_available(16),
                                        reason=native.bf16_scores_status())
 
@@ -534,8 +543,10 @@ def test_scores_on_either_product_select_as_the_reference(bf16, monkeypatch):
     real = native.scores_bf16
     monkeypatch.setattr(native, "scores_bf16",  # records whether each call streams
                         lambda *a, **kw: (calls.append(len(a) > 5 and a[5]), real(*a, **kw))[1])
-    if not bf16:
-        monkeypatch.setattr(native, "bf16_scores_available", lambda df: False)
+    # bfloat16 products where they can run, taken even where the float32
+    # GEMM is the faster (an Intel CPU without AMX); else the float32 GEMMs
+    # the dispatch takes where bfloat16 products do not pay
+    monkeypatch.setattr(torch_blas, "bf16_products_pay", lambda: (bf16, "as the test sets"))
     gen = torch.Generator().manual_seed(9)
     kflat = torch.randint(-3, 4, (2, 2, 20, 70), generator=gen).bfloat16()
     inputs = dict(qflat=torch.randint(-3, 4, (2, 4, 70, 20), generator=gen).bfloat16(),

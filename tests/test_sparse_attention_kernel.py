@@ -450,6 +450,7 @@ def test_an_unusable_micro_kernel_widens_with_the_reason(fresh_probe, monkeypatc
     bf16 runs widened (bit for bit as bf16='widen'), with one warning and
     the reason in status(); bf16='brgemm' is refused with it."""
     monkeypatch.setattr(torch_blas, "bf16_brgemm", lambda: ((1, 2), "a bfloat16 CPU"))
+    monkeypatch.setattr(torch_blas, "bf16_products_pay", lambda: (True, "a bfloat16 CPU"))
     monkeypatch.setattr(torch_blas, "PROBE_CODE", "import os; os.abort()")
     case = make_case(41, sq=100, bs=16, dim=32, dtype=torch.bfloat16)
     with pytest.warns(RuntimeWarning,
@@ -479,6 +480,27 @@ def test_a_cpu_without_bfloat16_dot_products_widens(monkeypatch):
         sa.sparse_attention(**case, bf16="brgemm")
 
 
+@pytest.mark.parametrize("vendor, flags, pays", [
+    ("GenuineIntel", "avx2 avx512f avx512_bf16 amx_tile amx_bf16", True),
+    ("AuthenticAMD", "avx2 avx512f avx512_bf16", True),
+    ("GenuineIntel", "avx2 avx512f avx512_bf16", False),
+    ("AuthenticAMD", "avx2 fma", False)])
+def test_bfloat16_products_are_taken_where_they_are_the_faster(vendor, flags, pays,
+                                                                monkeypatch):
+    """``bf16_products_pay``, by the rule its docstring states: AMX, and AMD's
+    AVX512-BF16, yes; an Intel CPU with AVX512-BF16 but no AMX, and a CPU
+    without bfloat16 dot products, no. Where not, ``bf16="auto"`` widens,
+    bit for bit as ``bf16="widen"``, and status() says why."""
+    monkeypatch.setattr(torch_blas, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(torch_blas, "cpu_vendor", lambda: vendor)
+    assert torch_blas.bf16_products_pay()[0] == pays
+    if not pays:
+        case = make_case(44, sq=96, bs=32, dim=32, dtype=torch.bfloat16)
+        monkeypatch.setattr(sa, "brgemm_probe", lambda *a: pytest.fail("probed"))
+        assert torch.equal(sa.sparse_attention(**case), sa.sparse_attention(**case, bf16="widen"))
+        assert "bfloat16 widened to float32 by default" in sa.status()
+
+
 @needs_cpublas
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_micro_kernel_path_on_edges(fresh_probe, causal):
@@ -492,7 +514,8 @@ def test_the_micro_kernel_path_on_edges(fresh_probe, causal):
     edge = make_case(42, sq=150, skv=170, bs=32, dim=32, causal=causal, dtype=torch.bfloat16,
                      q_lens=[150], kv_lens=[161])
     out = check(edge, bf16="brgemm")
-    assert torch.equal(sa.sparse_attention(**edge), out)  # the default here
+    if torch_blas.bf16_products_pay()[0]:
+        assert torch.equal(sa.sparse_attention(**edge), out)  # the default here
     check_nonfinite("auto", torch.bfloat16, causal, ["brgemm"], seeds=range(2))
     case = make_case(40, hq=2, hkv=1, sq=64, dim=32, bs=32, dtype=torch.bfloat16, p=1.0,
                      empty=0.0, causal=causal)

@@ -4,16 +4,20 @@ Dense attention and ``block_sparse_attention`` at full density (every
 causally visible key block listed) do the same useful work: for S tokens,
 ``4 x D x Hq x S (S + 1) / 2`` floating-point operations (Q K^T and P V over
 the causally visible pairs). Each is reported as TFLOP/s and as a fraction of
-what ``torch.matmul`` reaches on a square bfloat16 GEMM in the same run (the
-machine's GEMM throughput, the ceiling a kernel built on GEMMs can approach).
-One process, B=1, causal, random Q/K/V; per turn, in order:
+what ``torch.matmul`` reaches on a square GEMM in the same run, the faster
+of bfloat16 and float32 (the machine's GEMM throughput, the ceiling a kernel
+built on GEMMs can approach; on an Intel CPU without AMX the float32 one is
+the faster). One process, B=1, causal, random Q/K/V; per turn, in order:
 
-* ``gemm``: ``torch.matmul`` of two N x N bfloat16 matrices (``--gemm``);
+* ``gemm`` and ``gemm32``: ``torch.matmul`` of two N x N matrices
+  (``--gemm``), bfloat16 and float32;
 * ``sdpa``: ``scaled_dot_product_attention(is_causal=True, enable_gqa=...)``;
-* ``kernel``: ``block_sparse_attention`` (the native kernel) on the full lists;
+* ``kernel``: ``block_sparse_attention`` (the native kernel) on the full
+  lists, its default bfloat16 path (``sparse_attention.status()``);
+* ``micro-kernel``: the kernel with ``bf16="brgemm"`` (torch's bfloat16
+  micro-kernel), where the CPU has one;
 * ``widen``: the kernel with ``bf16="widen"`` (bfloat16 widened to float32
-  and multiplied by MKL's ``sgemm_``: the path of CPUs without bfloat16 dot
-  products), for comparison.
+  and multiplied by MKL's ``sgemm_``).
 
 Times are medians over the turns; ``kernel / sdpa`` is the speed ratio per
 turn (median [min, max]). The kernel's output is checked against SDPA's (max
@@ -61,6 +65,7 @@ def measure(seq: int, dim: int, heads: int, kv_heads: int, gemm_n: int, reps: in
     q, k, v = (torch.randn(1, h, seq, dim, generator=gen).bfloat16()
                for h in (heads, kv_heads, kv_heads))
     a, b = (torch.randn(gemm_n, gemm_n, generator=gen).bfloat16() for _ in range(2))
+    a32, b32 = a.float(), b.float()
     idx, lens = full_lists(seq, heads)
     scale = dim ** -0.5
     lengths = torch.tensor([seq])
@@ -73,34 +78,41 @@ def measure(seq: int, dim: int, heads: int, kv_heads: int, gemm_n: int, reps: in
         return stem_indexer.block_sparse_attention(q, k, v, idx, lens, stem_block_size=BLOCK,
                                                    scale=scale, backend="native")
 
-    def widen():
-        return sa.sparse_attention(q, k, v, idx, lens, lengths, lengths, BLOCK, True, scale,
-                                   bf16="widen")
+    def path(bf16):
+        return lambda: sa.sparse_attention(q, k, v, idx, lens, lengths, lengths, BLOCK, True,
+                                           scale, bf16=bf16)
 
     diff = (kernel().float() - sdpa().float()).abs().max().item()
-    runs = interleaved_runs({"gemm": lambda: a @ b, "sdpa": sdpa, "kernel": kernel,
-                             "widen": widen}, reps=reps)
+    calls = {"gemm": lambda: a @ b, "gemm32": lambda: a32 @ b32, "sdpa": sdpa,
+             "kernel": kernel, "widen": path("widen")}
+    if sa.bf16_packed(dim, BLOCK) is None:
+        calls["micro-kernel"] = path("brgemm")
+    runs = interleaved_runs(calls, reps=reps)
     ms = {name: statistics.median(t) for name, t in runs.items()}
     work = causal_flops(seq, heads, dim)
-    tflops = {name: work / (ms[name] * 1e-3) / 1e12 for name in ("sdpa", "kernel", "widen")}
-    tflops["gemm"] = 2.0 * gemm_n ** 3 / (ms["gemm"] * 1e-3) / 1e12
+    tflops = {name: work / (ms[name] * 1e-3) / 1e12 for name in ms if "gemm" not in name}
+    for name in ("gemm", "gemm32"):
+        tflops[name] = 2.0 * gemm_n ** 3 / (ms[name] * 1e-3) / 1e12
     turns = [s / kt for s, kt in zip(runs["sdpa"], runs["kernel"])]
     return {"seq": seq, "dim": dim, "ms": ms, "tflops": tflops, "diff": diff,
             "ratio": (statistics.median(turns), min(turns), max(turns))}
 
 
-COLUMNS = ("tokens", "D", "GEMM TFLOP/s", "SDPA TFLOP/s (of GEMM)",
-           "kernel TFLOP/s (of GEMM)", "widen TFLOP/s (of GEMM)",
-           "kernel speed / SDPA's, median [min, max]", "SDPA ms", "kernel ms",
-           "max diff vs SDPA")
+COLUMNS = ("tokens", "D", "GEMM TFLOP/s, bfloat16 / float32", "SDPA TFLOP/s (of GEMM)",
+           "kernel TFLOP/s (of GEMM)", "micro-kernel TFLOP/s (of GEMM)",
+           "widen TFLOP/s (of GEMM)", "kernel speed / SDPA's, median [min, max]", "SDPA ms",
+           "kernel ms", "max diff vs SDPA")
 
 
 def row(r: dict) -> str:
-    t, gemm = r["tflops"], r["tflops"]["gemm"]
-    frac = {name: f"{t[name]:.3f} ({t[name] / gemm:.0%})" for name in ("sdpa", "kernel", "widen")}
+    t = r["tflops"]
+    gemm = max(t["gemm"], t["gemm32"])  # the machine's faster GEMM
+    frac = {name: f"{t[name]:.3f} ({t[name] / gemm:.0%})" if name in t else "-"
+            for name in ("sdpa", "kernel", "micro-kernel", "widen")}
     med, lo, hi = r["ratio"]
-    cells = [f"{r['seq'] // 1024}K", str(r["dim"]), f"{gemm:.3f}", frac["sdpa"], frac["kernel"],
-             frac["widen"], f"{med:.2f}x [{lo:.2f}, {hi:.2f}]", f"{r['ms']['sdpa']:.0f}",
+    cells = [f"{r['seq'] // 1024}K", str(r["dim"]), f"{t['gemm']:.3f} / {t['gemm32']:.3f}",
+             frac["sdpa"], frac["kernel"], frac["micro-kernel"], frac["widen"],
+             f"{med:.2f}x [{lo:.2f}, {hi:.2f}]", f"{r['ms']['sdpa']:.0f}",
              f"{r['ms']['kernel']:.0f}", f"{r['diff']:.1e}"]
     return "| " + " | ".join(cells) + " |"
 
@@ -121,11 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     if not sa.available():
         parser.error(f"the native kernel is unavailable here: {sa.status()}")
     fns, why = torch_blas.bf16_brgemm()
-    path = "torch's bfloat16 micro-kernel" if fns is not None else f"widen ({why})"
+    pays, reason = torch_blas.bf16_products_pay()
+    path = ("torch's bfloat16 micro-kernel" if fns is not None and pays
+            else f"widen ({why if fns is None else reason})")
     header = table_header(
         f"B=1, Hq={args.heads}, Hkv={args.kv_heads}, causal, bfloat16, block {BLOCK}, "
         f"{torch.get_num_threads()} threads; the kernel's bfloat16 path: {path}; GEMM "
-        f"{args.gemm}^3; medians of {args.reps} turns, the four calls alternating.", COLUMNS)
+        f"{args.gemm}^3, the fraction of the faster; medians of {args.reps} turns, the calls "
+        "alternating.", COLUMNS)
     print("\n".join(header), flush=True)
     lines = []
     for seq in (int(s) for s in args.seqs.split(",")):

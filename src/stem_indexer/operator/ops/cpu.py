@@ -73,7 +73,7 @@ import torch
 from .. import contract
 from ..contract import IndexerParams, ceil_div
 from ..metadata import OPERAND_BYTES, tile_rows
-from . import native
+from . import native, torch_blas
 
 # Key blocks per float32 matmul: up to GEMM_KEYS_MAX where every row of the
 # matmul can pick them all; along a causal diagonal, steps of GEMM_KEYS_MIN (a
@@ -280,9 +280,13 @@ def release_workspace() -> None:
 
 
 def _bf16_gemm(kflat_b: torch.Tensor) -> bool:
-    """The scores of these keys come from bfloat16 products (``_scores``)."""
+    """The scores of these keys come from bfloat16 products (``_scores``):
+    where they can (``native.bf16_scores_available``) and are the faster
+    (``torch_blas.bf16_products_pay``; else float32 GEMMs, said in
+    ``native.bf16_scores_status``)."""
     return (kflat_b.device.type == "cpu" and kflat_b.dtype == torch.bfloat16
-            and kflat_b.stride(-1) == 1 and native.bf16_scores_available(kflat_b.shape[-1]))
+            and kflat_b.stride(-1) == 1 and torch_blas.bf16_products_pay()[0]
+            and native.bf16_scores_available(kflat_b.shape[-1]))
 
 
 def _batch_keys(kflat_b: torch.Tensor, kb: int, ws: _Workspace) -> torch.Tensor:

@@ -320,6 +320,9 @@ def bf16_scores_status() -> str:
     fns, why = torch_blas.bf16_brgemm()
     if fns is None or load(SELECT_ROWS) is None:
         return f"float32 GEMM ({why if fns is None else 'no selection kernel'})"
+    pays, reason = torch_blas.bf16_products_pay()
+    if not pays:
+        return f"float32 GEMM ({reason})"
     if dp_scores():
         why = "this library's vdpbf16ps kernel (AVX512-BF16, no AMX)"
     failed = [f"float32 GEMM for Df={df} ({reason})"

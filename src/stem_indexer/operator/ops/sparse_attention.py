@@ -20,11 +20,14 @@ in one GEMM) with an online softmax in float32. How the products are made:
   (oneDNN's micro-kernel, the one behind torch's own CPU flash attention: AMX
   tiles, or AVX512-BF16's vdpbf16ps): bfloat16 products, float32
   accumulation, probabilities rounded to bfloat16 before P V as torch's flash
-  kernel does. The default on CPUs with bfloat16 dot products
-  (``torch_blas.bf16_brgemm``) where D and the block size are even;
+  kernel does. The default on CPUs whose bfloat16 dot products are faster
+  than float32 GEMMs (``torch_blas.bf16_brgemm`` and
+  ``torch_blas.bf16_products_pay``: AMX, AMD's AVX512-BF16) where D and the
+  block size are even;
 * bfloat16, ``bf16="widen"``: Q and each step's K/V pieces widened to float32
   in thread scratch, then ``sgemm_`` (float32 probabilities). The default
-  elsewhere (AVX2 CPUs; odd D or block size).
+  elsewhere (AVX2 CPUs, Intel CPUs with AVX512-BF16 but no AMX; odd D or
+  block size).
 
 The micro-kernel is tried in a child process before the first such call
 for a (D, block size), with every call of the shapes the kernel will make
@@ -83,7 +86,9 @@ def status() -> str:
         return "torch fallback: " + why
     failed = [f"bfloat16 micro-kernel unusable for D={d}, block {bs}, bfloat16 widened instead "
               f"({reason})" for (d, bs), reason in sorted(_probed.items()) if reason]
-    return "; ".join([native.status(LIB) + f"; {why}", *failed])
+    pays, reason = torch_blas.bf16_products_pay()
+    widened = [] if pays else [f"bfloat16 widened to float32 by default ({reason})"]
+    return "; ".join([native.status(LIB) + f"; {why}", *widened, *failed])
 
 
 def report_fallback() -> None:
@@ -158,6 +163,8 @@ def _mode(dtype: torch.dtype, bf16: str, dim: int, block_size: int) -> int:
     if bf16 == "brgemm" and refused:
         raise ValueError("sparse_attention: bf16='brgemm' needs torch's bfloat16 micro-kernel "
                          f"and even D and block size ({refused})")
+    if bf16 == "auto" and not torch_blas.bf16_products_pay()[0]:
+        return _MODE_WIDEN  # the faster here (status() says why)
     if bf16 == "brgemm" or (bf16 == "auto" and not refused):
         why = brgemm_probe(dim, block_size)
         if why is None:

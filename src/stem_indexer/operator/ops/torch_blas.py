@@ -94,6 +94,37 @@ def bf16_brgemm() -> tuple[tuple[int, int] | None, str]:
     return fns, "torch's cpublas::brgemm (oneDNN)"
 
 
+def bf16_products_pay() -> tuple[bool, str]:
+    """Whether bfloat16 dot products multiply faster than MKL's float32 GEMM
+    on this CPU, and why: with AMX tiles, and on AMD's AVX512-BF16 cores
+    (Zen 4 and 5: torch's bfloat16 GEMM 2.5x to 5x its float32 one), yes.
+    An Intel CPU with AVX512-BF16 and no AMX (Cooper Lake, or a newer Xeon
+    whose host hides AMX) issues its vdpbf16ps at half the rate of its
+    float32 FMAs, the same products per cycle, and there torch's bfloat16
+    GEMM measured 0.72x the speed of its float32 one (benchmarks/RESULTS.md,
+    "An Intel Xeon without AMX"): no; the float32 paths run instead."""
+    flags = set(cpu_flags().split())
+    if "amx_bf16" in flags:
+        return True, "AMX tiles"
+    if "avx512_bf16" not in flags:
+        return False, "the CPU has no bfloat16 dot product instructions"
+    if cpu_vendor() == "GenuineIntel":
+        return False, ("an Intel CPU with AVX512-BF16 but no AMX: its bfloat16 dot products "
+                       "are no faster than float32 FMAs")
+    return True, "AVX512-BF16"
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The ``vendor_id`` of /proc/cpuinfo (``GenuineIntel``, ``AuthenticAMD``), or ""."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return line.split(":", 1)[1].strip() if ":" in line else ""
+
+
 @functools.cache
 def cpu_flags() -> str:
     """The ``flags`` line of /proc/cpuinfo (where there is none, the processor's name)."""
