@@ -131,14 +131,12 @@ def stem_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     causal: bool = True, scale: float | None = None, softcap: float | None = None,
     q_lens: Lengths = None, kv_lens: Lengths = None, num_prompt_tokens: Lengths = None,
-    preset: str = "default",
-    oam: bool = True, oam_lambda: float = DEFAULT_OAM_LAMBDA, indexer_scale: float | None = None,
-    min_q_blocks: int = 2, dense_above: float | None = None,
+    preset: str = "default", oam: bool = True, oam_lambda: float = DEFAULT_OAM_LAMBDA,
+    indexer_scale: float | None = None, min_q_blocks: int = 2, dense_above: float | None = None,
     exact_tail: int = DEFAULT_EXACT_TAIL, miss_check: float = 0.0,
     miss_check_queries: int = MISS_CHECK_QUERIES, miss_check_blocks: int = MISS_CHECK_BLOCKS,
     miss_check_from: int = 0, backend: str = "auto", return_lse: bool = False,
-    return_info: bool = False,
-    **indexer_params,
+    return_info: bool = False, **indexer_params,
 ) -> torch.Tensor | tuple:
     """Stem attention in one call: Q/K/V -> indexer -> block-sparse attention.
 
@@ -176,17 +174,14 @@ def stem_attention(
             (``contract.DEFAULT_EXACT_TAIL``): with 128-token blocks, one or
             two rows per head; 0: every row is the indexer's selection.
             ``benchmarks/QUALITY.md`` ("An exact question block") measures it.
-        miss_check, miss_check_queries, miss_check_blocks: the selection
-            checked against exact attention (0: off, the default): in each
-            causal prefill (``q_len == kv_len``) whose lists keep more than
-            ``miss_check`` less of a sample's attention than as many
-            heaviest blocks (``plan.widen_missed``), every block it can see
-            is attended (``info`` reason ``"miss check"`` when every batch
-            was). Not inside a CUDA graph capture.
-        miss_check_from: the first query position the miss check widens
-            (default 0): the query blocks that start before it keep the
-            selection (the vLLM backend's setting of the same name, for a
-            prompt in one call).
+        miss_check, miss_check_queries, miss_check_blocks, miss_check_from:
+            the selection checked against exact attention (0: off, the
+            default): in each causal prefill (``q_len == kv_len``) whose
+            lists keep more than ``miss_check`` less of a sample's attention
+            than as many heaviest blocks (``plan.widen_missed``), the query
+            blocks from token ``miss_check_from`` (0) on attend every block
+            they can see (``info`` reason ``"miss check"`` when every batch
+            did, from 0). Not inside a CUDA graph capture.
         backend: ``block_sparse_attention``'s backend.
         return_lse: also return the float32 log-sum-exp [B, Hq, Sq] of the
             scores attended (for merging partial results).
