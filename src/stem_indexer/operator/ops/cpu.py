@@ -16,8 +16,9 @@ How the rows of a tile of the metadata's work plan (one batch, query blocks
    ``* 1/R^2`` and ``+ vbias`` written into the tile's score buffer. Query
    blocks are the outer row index, so the rows that can pick a key block
    form a suffix and a causal tile computes little more than its triangle
-   (``gemm_blocks``). On CPUs with bfloat16 dot products (AVX512-BF16, AMX)
-   the bf16 operands are multiplied where they lie by oneDNN's micro-kernel
+   (``gemm_blocks``). On CPUs whose bfloat16 dot products beat their float32
+   GEMM (AMX, AMD's AVX512-BF16: ``torch_blas.bf16_products_pay``) the bf16
+   operands are multiplied where they lie by oneDNN's micro-kernel
    into float32 (``native.scores_bf16``, keys repacked in pairs in cache),
    and each product tile is scaled and biased (the same two roundings) as it
    is stored: products exact, sums in float32, so integer-valued inputs
