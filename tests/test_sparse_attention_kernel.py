@@ -493,6 +493,8 @@ def test_bfloat16_products_are_taken_where_they_are_the_faster(vendor, flags, pa
     bit for bit as ``bf16="widen"``, and status() says why."""
     monkeypatch.setattr(torch_blas, "cpu_flags", lambda: flags)
     monkeypatch.setattr(torch_blas, "cpu_vendor", lambda: vendor)
+    # decided once per process (cached): the rule itself, uncached, on this CPU
+    monkeypatch.setattr(torch_blas, "bf16_products_pay", torch_blas.bf16_products_pay.__wrapped__)
     assert torch_blas.bf16_products_pay()[0] == pays
     if not pays:
         case = make_case(44, sq=96, bs=32, dim=32, dtype=torch.bfloat16)

@@ -370,9 +370,9 @@ class StemSettings:
         miss = section.get("miss_check", DEFAULT_MISS_CHECK)
         miss_queries = section.get("miss_check_queries", MISS_CHECK_QUERIES)
         miss_blocks = section.get("miss_check_blocks", MISS_CHECK_BLOCKS)
-        check_miss(_WHO, miss, miss_queries, miss_blocks)
+        miss_from = section.get("miss_check_from", DEFAULT_MISS_CHECK_FROM)
+        check_miss(_WHO, miss, miss_queries, miss_blocks, miss_from)
         miss_prompt = _count(section, "miss_check_min_prompt", DEFAULT_MISS_CHECK_MIN_PROMPT)
-        miss_from = _count(section, "miss_check_from", DEFAULT_MISS_CHECK_FROM)
         return cls(params, preset, oam, float(oam_lambda), min_prompt, dense_layers,
                    layer_budgets, float(dense_above), exact_tail, invariant, decoded, probe_queries,
                    float(candidates), kernel, float(miss), miss_queries, miss_blocks, miss_prompt,

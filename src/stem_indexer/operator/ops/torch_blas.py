@@ -94,6 +94,7 @@ def bf16_brgemm() -> tuple[tuple[int, int] | None, str]:
     return fns, "torch's cpublas::brgemm (oneDNN)"
 
 
+@functools.cache
 def bf16_products_pay() -> tuple[bool, str]:
     """Whether bfloat16 dot products multiply faster than MKL's float32 GEMM
     on this CPU, and why: with AMX tiles, and on AMD's AVX512-BF16 cores
