@@ -490,7 +490,8 @@ def test_bfloat16_products_are_taken_where_they_are_the_faster(vendor, flags, pa
     """``bf16_products_pay``, by the rule its docstring states: AMX, and AMD's
     AVX512-BF16, yes; an Intel CPU with AVX512-BF16 but no AMX, and a CPU
     without bfloat16 dot products, no. Where not, ``bf16="auto"`` widens,
-    bit for bit as ``bf16="widen"``, and status() says why."""
+    bit for bit as ``bf16="widen"``, on a paged cache too, and status() and
+    ``paged_products`` say why."""
     monkeypatch.setattr(torch_blas, "cpu_flags", lambda: flags)
     monkeypatch.setattr(torch_blas, "cpu_vendor", lambda: vendor)
     # decided once per process (cached): the rule itself, uncached, on this CPU
@@ -501,6 +502,10 @@ def test_bfloat16_products_are_taken_where_they_are_the_faster(vendor, flags, pa
         monkeypatch.setattr(sa, "brgemm_probe", lambda *a: pytest.fail("probed"))
         assert torch.equal(sa.sparse_attention(**case), sa.sparse_attention(**case, bf16="widen"))
         assert "bfloat16 widened to float32 by default" in sa.status()
+        views = vec_views(16, 32)
+        assert torch.equal(run_paged(case, 16, views, seed=5),
+                           run_paged(case, 16, views, seed=5, bf16="widen"))
+        assert sa.paged_products(16, 32, 32, *views).startswith("float32 products")
 
 
 @needs_cpublas
@@ -528,6 +533,30 @@ def test_the_micro_kernel_path_on_edges(fresh_probe, causal):
     out = sa.sparse_attention(**case, bf16="brgemm")
     assert bool(out[:, :, 40:].isnan().all())
     assert bool(out[:, :, :40].isfinite().all()) == causal
+
+
+@pytest.mark.parametrize("once", [True, False])
+def test_widening_once_per_kv_head_or_step_by_step_gives_the_reference(once, monkeypatch):
+    """``bf16="widen"``'s two ways to widen K and V (once per KV head into
+    shared buffers, or each step's pieces): each is the reference's, NaN and
+    inf included, with padding, GQA, unseen keys and a batch."""
+    mode = sa._MODE_PACK32 if once else sa._MODE_WIDEN
+    monkeypatch.setattr(sa, "_widen_mode", lambda *args: mode)
+    check(make_case(46, batch=2, hq=6, hkv=2, sq=300, skv=333, dim=40, bs=32,
+                    dtype=torch.bfloat16, q_lens=[300, 77], kv_lens=[333, 110]), bf16="widen")
+    check(make_case(47, hq=2, hkv=1, sq=1100, dim=64, bs=64, dtype=torch.bfloat16, p=1.0,
+                    empty=0.0), bf16="widen")  # rows of several steps
+    for causal in (True, False):
+        check_nonfinite("auto", torch.bfloat16, causal, ["widen"], seeds=range(2))
+
+
+def test_widening_once_where_rows_read_each_key_twice():
+    """The rule ``_widen_mode`` states: a prefill's rows (every block listed)
+    read each key many times, so K and V are widened once; one query block
+    over a long cache reads each at most once, so piece by piece."""
+    full = torch.arange(1, 9)[None, None, :].expand(1, 4, 8)  # causal, every block
+    assert sa._widen_mode(full, 32, 2, 256) == sa._MODE_PACK32
+    assert sa._widen_mode(torch.full((1, 2, 1), 8), 32, 2, 256) == sa._MODE_WIDEN
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow),
@@ -589,6 +618,8 @@ def token_major_views(page, dim):
 
 
 LAYOUTS = {"amx": amx_views, "vec": vec_views, "tiled halves": tiled_halves_views}
+#: every strided view: the widened path reads the pages element by element
+ANY_LAYOUTS = {**LAYOUTS, "token-major": token_major_views}
 
 
 def to_pages(case, page, views, seed, garbage=math.nan):
@@ -626,37 +657,47 @@ def run_paged(case, page, views, seed, garbage=math.nan, **kw):
         case["kv_lens"], case["block_size"], case["causal"], case["scale"], **kw)
 
 
+_PACKING_REFUSED = sa.paged_refused(128, 64, 128, *amx_views(128, 64), bf16="brgemm")
 needs_packing = pytest.mark.skipif(
-    sa.paged_refused(128, 64, 128, *amx_views(128, 64)) is not None,
-    reason=f"keys cannot be packed from pages here: "
-           f"{sa.paged_refused(128, 64, 128, *amx_views(128, 64))}")
+    _PACKING_REFUSED is not None,
+    reason=f"keys cannot be packed for the micro-kernel from pages here: {_PACKING_REFUSED}")
+#: the paged products: bfloat16 on the micro-kernel, or widened to float32
+PAGED_MODES = [pytest.param("brgemm", marks=needs_packing), "widen"]
 
 
-@needs_packing
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("bf16", PAGED_MODES)
+@pytest.mark.parametrize("layout", ANY_LAYOUTS)
 @pytest.mark.parametrize("page,bs,dim", [(128, 128, 64), (16, 32, 64), (32, 16, 128),
-                                         (64, 64, 32)])
-def test_paged_keys_and_values_give_the_reference(page, bs, dim, layout):
+                                         (64, 64, 32), (24, 16, 40)])
+def test_paged_keys_and_values_give_the_reference(page, bs, dim, layout, bf16):
     """Batches of several lengths, chunked prefill (fewer queries than keys),
     a last page the sequence only partly fills (NaN past it, as in every
-    unused page), in each layout the pack takes: the reference's output."""
+    unused page), in each layout each path takes (the micro-kernel's pack
+    only runs of 16 tokens, the widened one any view): the reference's
+    output."""
+    if layout == "token-major" and bf16 == "brgemm":
+        why = sa.paged_refused(page, dim, bs, *token_major_views(page, dim), bf16="brgemm")
+        assert "keys lie neither" in why or "whole runs of 16" in why
+        return
+    if page % 16 and layout != "token-major":
+        pytest.skip("these layouts tile pages by 16 tokens")
     sq = 3 * bs + 7
     case = make_case(60 + page, batch=3, hq=4, hkv=2, sq=sq, skv=sq + 2 * page + 5, dim=dim,
                      bs=bs, dtype=torch.bfloat16, q_lens=[sq, sq - 20, 9],
                      kv_lens=[sq + 2 * page + 5, sq + page - 3, 40], p=0.5)
-    views = LAYOUTS[layout](page, dim)
-    assert sa.paged_refused(page, dim, bs, *views) is None
-    out = agrees(case, run_paged(case, page, views, seed=page))
+    views = ANY_LAYOUTS[layout](page, dim)
+    assert sa.paged_refused(page, dim, bs, *views, bf16=bf16) is None
+    out = agrees(case, run_paged(case, page, views, seed=page, bf16=bf16))
     assert bool(out.isfinite().all())
 
 
-@needs_packing
-def test_paged_row_spanning_many_steps_and_pages():
+@pytest.mark.parametrize("bf16", PAGED_MODES)
+def test_paged_row_spanning_many_steps_and_pages(bf16):
     """A long row (2,600 keys: six steps of 512, 21 pages of 128), every
     block listed, and its log-sum-exp."""
     case = make_case(70, hq=2, hkv=1, sq=256, skv=2600, dim=64, bs=128, dtype=torch.bfloat16,
                      p=1.0, empty=0.0)
-    out, lse = run_paged(case, 128, amx_views(128, 64), seed=1, lse=True)
+    out, lse = run_paged(case, 128, amx_views(128, 64), seed=1, lse=True, bf16=bf16)
     agrees(case, out)
     q, k, v = case["q"], case["k"], case["v"]
     vis = token_mask(case["idx"], case["lengths"], 128, 256, 2600, case["q_lens"],
@@ -665,10 +706,10 @@ def test_paged_row_spanning_many_steps_and_pages():
     assert (lse.double() - want).abs().max().item() < 1e-2
 
 
-@needs_packing
+@pytest.mark.parametrize("bf16", PAGED_MODES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("causal", [True, False])
-def test_paged_nonfinite_values_act_as_in_dense_attention(causal, layout):
+def test_paged_nonfinite_values_act_as_in_dense_attention(causal, layout, bf16):
     """NaN and inf in valid keys and values (V read from the packed pages
     where a step must go query by query) reach the outputs as in dense
     attention; the garbage past each sequence's keys leaks nothing."""
@@ -677,7 +718,7 @@ def test_paged_nonfinite_values_act_as_in_dense_attention(causal, layout):
                          causal=causal, dtype=torch.bfloat16, q_lens=[70, 41],
                          kv_lens=[90, 53], p=0.6)
         case = plant_specials(case, seed)
-        out, lse = run_paged(case, 16, LAYOUTS[layout](16, 32), seed, lse=True)
+        out, lse = run_paged(case, 16, LAYOUTS[layout](16, 32), seed, lse=True, bf16=bf16)
         q, k, v = (clean(case[n], case[ln]) for n, ln in (
             ("q", "q_lens"), ("k", "kv_lens"), ("v", "kv_lens")))
         vis = token_mask(case["idx"], case["lengths"], 16, 70, 90, case["q_lens"],
@@ -689,8 +730,8 @@ def test_paged_nonfinite_values_act_as_in_dense_attention(causal, layout):
         same_nonfinite(lse, want_lse, 1e-4)
 
 
-@needs_packing
-def test_paged_unseen_keys_never_reach_a_query():
+@pytest.mark.parametrize("bf16", PAGED_MODES)
+def test_paged_unseen_keys_never_reach_a_query(bf16):
     """NaN in key 40's K and V, inside the block it shares with earlier
     queries: those stay finite (the step's P V goes query by query)."""
     case = make_case(40, hq=2, hkv=1, sq=64, dim=32, bs=32, dtype=torch.bfloat16, p=1.0,
@@ -699,13 +740,13 @@ def test_paged_unseen_keys_never_reach_a_query():
         x = case[name].clone()
         x[:, :, 40] = math.nan
         case[name] = x
-    out = run_paged(case, 16, amx_views(16, 32), seed=2)
+    out = run_paged(case, 16, amx_views(16, 32), seed=2, bf16=bf16)
     assert bool(out[:, :, :40].isfinite().all())
     assert bool(out[:, :, 40:].isnan().all())
 
 
-@needs_packing
-def test_paged_refuses_what_it_cannot_read():
+@pytest.mark.parametrize("bf16", PAGED_MODES)
+def test_paged_refuses_what_it_cannot_read(bf16):
     case = make_case(80, hq=2, hkv=1, sq=64, skv=64, dim=32, bs=32, dtype=torch.bfloat16)
     views = amx_views(16, 32)
     cache, table = to_pages(case, 16, views, seed=3)
@@ -713,13 +754,20 @@ def test_paged_refuses_what_it_cannot_read():
                 kv_lens=case["kv_lens"], block_size=32, causal=True, scale=case["scale"])
 
     def call(q=case["q"], cache=cache, table=table, page=16, views=views, **kw):
-        return sa.sparse_attention_paged(q, cache, table, page, *views, **{**args, **kw})
+        return sa.sparse_attention_paged(q, cache, table, page, *views,
+                                         **{"bf16": bf16, **args, **kw})
 
-    with pytest.raises(ValueError, match="keys lie neither"):
-        call(views=token_major_views(16, 32))
     keys, _ = amx_views(16, 32)
-    with pytest.raises(ValueError, match="values lie neither"):  # values column-major
-        call(views=(keys, (16 * 32, (16, 1, 32, 1), (1, 0, 16, 0))))
+    if bf16 == "brgemm":
+        with pytest.raises(ValueError, match="keys lie neither"):
+            call(views=token_major_views(16, 32))
+        with pytest.raises(ValueError, match="values lie neither"):  # values column-major
+            call(views=(keys, (16 * 32, (16, 1, 32, 1), (1, 0, 16, 0))))
+    with pytest.raises(ValueError, match="strides not negative" if bf16 == "widen" else
+                       "values lie neither"):
+        call(views=(keys, (16 * 32 + 15, (16, 1, 32, 1), (-1, 0, 16, 0))))
+    with pytest.raises(ValueError, match="bf16 in"):
+        call(bf16="fast")
     with pytest.raises(TypeError, match="bfloat16"):
         call(q=case["q"].float())
     assert "not bfloat16" in sa.paged_refused(16, 32, 32, *views, torch.float32)

@@ -626,18 +626,24 @@ def test_the_reader_takes_only_its_own_cache_shape():
         reader.read(kv, pages)
 
 
-@pytest.mark.skipif(not sparse_attention.available()
-                    or sparse_attention.bf16_packed(32, 32) is not None,
-                    reason="Stem's kernel has no bfloat16 micro-kernel here")
-@pytest.mark.parametrize("write", [_tile_writer, _vec_writer], ids=["amx", "vec"])
+_NO_MICRO_KERNEL = pytest.mark.skipif(
+    not sparse_attention.available() or sparse_attention.bf16_packed(32, 32) is not None,
+    reason="Stem's kernel has no bfloat16 micro-kernel here")
+
+
+@pytest.mark.skipif(not sparse_attention.available(), reason="Stem's kernel is unavailable")
+@pytest.mark.parametrize("bf16", [pytest.param("brgemm", marks=_NO_MICRO_KERNEL), "widen"])
+@pytest.mark.parametrize("write", [_tile_writer, _vec_writer, _pair_writer],
+                         ids=["amx", "vec", "pairs"])
 @pytest.mark.parametrize("context, q_len", [(0, 400), (300, 211), (1640, 64), (3097, 303)])
 def test_stems_kernel_packing_the_pages_itself_is_attention_on_the_selection(context, q_len,
-                                                                             write):
+                                                                             write, bf16):
     """The ``amx`` and ``vec`` layouts (here their stand-in writers): the
     kernel packs the row's keys and values straight from the shuffled pages
-    (``attend_row_paged``), against float64 attention masked to the listed
-    blocks; a layout whose keys' tokens are not adjacent is refused with the
-    reason."""
+    (``attend_row_paged``), for the micro-kernel or widened to float32,
+    against float64 attention masked to the listed blocks. A layout whose
+    keys' tokens are not adjacent is refused for the micro-kernel with the
+    reason, and widened like any other."""
     page, hq, hkv, dim, bs = 32, 4, 2, 32, 32
     s = StemSettings.from_mapping({"preset": "tight", "stem_block_size": bs, "stem_stride": 8,
                                    "exact_tail": 0})
@@ -656,11 +662,12 @@ def test_stems_kernel_packing_the_pages_itself_is_attention_on_the_selection(con
     plan, (idx, lengths) = _select(query.float(), k.float(), v.float(), row, scale, s, page,
                                    pages.to(torch.int32))
     reader = PageReader.probe(write, page, hkv, dim, torch.bfloat16)
-    assert sparse_attention.paged_refused(page, dim, bs, reader.key_view,
-                                          reader.value_view) is None
-    got = attend_row_paged(query, raw, reader, idx, lengths, plan, scale)
+    refused = sparse_attention.paged_refused(page, dim, bs, reader.key_view, reader.value_view,
+                                             bf16=bf16)
+    if write is _pair_writer and bf16 == "brgemm":
+        assert "keys lie neither" in refused
+        return
+    assert refused is None
+    got = attend_row_paged(query, raw, reader, idx, lengths, plan, scale, bf16=bf16)
     want = _masked_attention(query, k, v, idx, lengths, row, bs, scale)
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
-    pairs = PageReader.probe(_pair_writer, page, hkv, dim, torch.bfloat16)
-    assert "keys lie neither" in sparse_attention.paged_refused(page, dim, bs, pairs.key_view,
-                                                                pairs.value_view)

@@ -279,7 +279,7 @@ def pairs(args) -> None:
     from stem_indexer.integrations.vllm.rows import (Row, attend_row, attend_row_paged,
                                                      plan_row, plan_stem_row, select_blocks,
                                                      virtual_rows)
-    from stem_indexer.operator.ops.sparse_attention import paged_refused
+    from stem_indexer.operator.ops.sparse_attention import paged_products, paged_refused
     from stem_indexer.integrations.vllm.settings import StemSettings
 
     torch.manual_seed(0)
@@ -293,6 +293,15 @@ def pairs(args) -> None:
     refused = paged_refused(page, dim, settings.block_size, reader.key_view, reader.value_view,
                             dtype)
     scale = 1 / math.sqrt(dim)
+    products = other = None
+    if refused is None:
+        products = paged_products(page, dim, settings.block_size, reader.key_view,
+                                  reader.value_view)
+        # the pack's other way to multiply, timed beside it where it can run here
+        other = "brgemm" if products.startswith("float32") else "widen"
+        if paged_refused(page, dim, settings.block_size, reader.key_view, reader.value_view,
+                         dtype, other) is not None:
+            other = None
     lines = [f"\n### One attention layer, vLLM's kernel against Stem's path ({args.stem})\n",
              header(), "",
              f"`python benchmarks/engines/vllm_bench.py pairs --lengths {args.lengths} "
@@ -302,15 +311,18 @@ def pairs(args) -> None:
              f"{torch.get_num_threads()} threads; the row is the prompt's last chunk of "
              f"{args.chunk or 'all its'} tokens; the indexer reads the indexer cache; Stem's "
              "kernel time includes reading the row's keys and values out of vLLM's cache: "
-             + ("the kernel packs them straight from its pages)" if refused is None else
+             + (f"the kernel packs them straight from its pages, {products})"
+                if refused is None else
                 f"read in token order first, as they cannot be packed from its pages: {refused})"),
              "",
              "| tokens | density | vLLM (ms) | indexer (ms) | vLLM's kernel on virtual rows "
              "(ms) | Stem's kernel, the read included (ms) | the same, keys and values read "
-             "in token order first (ms) | Stem with Stem's kernel: "
-             "speed-up, median [min, max] | per kept pair / vLLM's per visible pair: "
-             "vLLM's kernel, Stem's |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "in token order first (ms) | the same, packed, "
+             + {None: "no other products here", "brgemm": "bfloat16 products",
+                "widen": "float32 products"}[other]
+             + " (ms) | Stem with Stem's kernel: speed-up, median [min, max] | per kept pair / "
+             "vLLM's per visible pair: vLLM's kernel, Stem's |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for length in [int(x) for x in args.lengths.split(",")]:
         chunk = min(args.chunk or length, length)
         nb = length // page + 2
@@ -365,21 +377,26 @@ def pairs(args) -> None:
             else:
                 read_first(sel)
 
-        times = {"dense": [], "index": [], "virtual": [], "stem": [], "read": []}
+        def on_other_products(sel):
+            if other is not None:
+                attend_row_paged(query, kv, reader, *sel, plan, scale, bf16=other)
+
+        times = {"dense": [], "index": [], "virtual": [], "stem": [], "read": [], "other": []}
         sel = index()
         for _ in range(args.reps):  # the calls alternate within each repetition
             for name, fn in (("dense", dense), ("index", index), ("virtual", on_virtual_rows),
-                             ("stem", on_stems_kernel), ("read", read_first)):
+                             ("stem", on_stems_kernel), ("read", read_first),
+                             ("other", on_other_products)):
                 t0 = time.perf_counter()
-                fn(sel) if name in ("virtual", "stem", "read") else fn()
+                fn(sel) if name in ("virtual", "stem", "read", "other") else fn()
                 times[name].append(time.perf_counter() - t0)
         # the pairs the kernels ran: the budget's, and the prompt's widened tail
         share = float(sel[1].sum()) / (hq * plan_row(row, settings).visible)
-        d, i, k, st, rd = (statistics.median(times[n]) * 1e3
-                           for n in ("dense", "index", "virtual", "stem", "read"))
+        d, i, k, st, rd, ot = (statistics.median(times[n]) * 1e3
+                               for n in ("dense", "index", "virtual", "stem", "read", "other"))
         ratios = [a / (b + c) for a, b, c in zip(times["dense"], times["index"], times["stem"])]
         lines.append(f"| {length} | {share:.0%} | {d:.0f} | {i:.0f} | {k:.0f} | {st:.0f} "
-                     f"| {rd:.0f} "
+                     f"| {rd:.0f} | {f'{ot:.0f}' if other else '-'} "
                      f"| {statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}] "
                      f"| {(k / share) / d:.2f}, {(st / share) / d:.2f} |")
         print(lines[-1], flush=True)

@@ -879,9 +879,12 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                 reader.value_view, kv_cache.dtype)
             self.sparse = (reader, reader is not None and refused is None)
             if self.sparse[1]:
+                products = sparse_kernel.paged_products(
+                    kv_cache.shape[2], self.head_size, self.settings.block_size,
+                    reader.key_view, reader.value_view)
                 _report_once("kernel:stem", "Stem rows run Stem's block-sparse kernel on keys "
-                             "and values it packs straight from vLLM's %s cache pages", isa,
-                             level=logging.INFO)
+                             "and values it packs straight from vLLM's %s cache pages: %s",
+                             isa, products, level=logging.INFO)
             elif reader is not None:
                 _report_once("kernel:stem", "Stem rows run Stem's block-sparse kernel on keys "
                              "and values read from vLLM's %s cache (not packed from its pages: "

@@ -240,16 +240,18 @@ def attend_row(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 def attend_row_paged(query: torch.Tensor, kv_cache: torch.Tensor, reader, indices: torch.Tensor,
                      lengths: torch.Tensor, plan: StemRow, scale: float,
-                     softcap: float | None = None) -> torch.Tensor:
+                     softcap: float | None = None, bf16: str = "auto") -> torch.Tensor:
     """``attend_row`` with the row's keys and values packed by the kernel
     straight from vLLM's cache ``kv_cache [num_pages, Hkv, page, 2D]``,
     where ``reader`` (its ``kv_read.PageReader``) says they lie; the layout
-    must pass ``sparse_attention.paged_refused``."""
+    must pass ``sparse_attention.paged_refused`` (for ``bf16``: how the
+    kernel multiplies, ``sparse_attention_paged``'s)."""
     p = plan.paged
     out = sparse_attention_paged(window_queries(query, p.q_map), kv_cache, plan.pages[None],
                                  kv_cache.shape[2], reader.key_view, reader.value_view,
                                  indices[None], lengths[None], p.window_lens, p.seq_lens,
-                                 p.params.stem_block_size, True, scale, softcap or None)
+                                 p.params.stem_block_size, True, scale, softcap or None,
+                                 bf16=bf16)
     return out.transpose(1, 2).flatten(0, 1)[p.out_map]
 
 

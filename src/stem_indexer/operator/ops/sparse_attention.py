@@ -24,10 +24,12 @@ in one GEMM) with an online softmax in float32. How the products are made:
   than float32 GEMMs (``torch_blas.bf16_brgemm`` and
   ``torch_blas.bf16_products_pay``: AMX, AMD's AVX512-BF16) where D and the
   block size are even;
-* bfloat16, ``bf16="widen"``: Q and each step's K/V pieces widened to float32
-  in thread scratch, then ``sgemm_`` (float32 probabilities). The default
-  elsewhere (AVX2 CPUs, Intel CPUs with AVX512-BF16 but no AMX; odd D or
-  block size).
+* bfloat16, ``bf16="widen"``: products in float32 by ``sgemm_`` (float32
+  probabilities), Q widened per row; K and V widened once per (batch, KV
+  head) into shared float32 buffers where its rows read each key at least
+  twice on average (prefill), else each step's pieces in thread scratch
+  (``_widen_mode``). The default elsewhere (AVX2 CPUs, Intel CPUs with
+  AVX512-BF16 but no AMX; odd D or block size).
 
 The micro-kernel is tried in a child process before the first such call
 for a (D, block size), with every call of the shapes the kernel will make
@@ -63,13 +65,13 @@ LIB = native.Library("sparse_attention", {
     "stem_sparse_attention_paged": (_int, [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr,
                                            _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _ptr,
                                            _i64, _ptr, _ptr, _ptr, _int, ctypes.c_double,
-                                           ctypes.c_double, _ptr, _int, _int]),
+                                           ctypes.c_double, _int, _ptr, _int, _int]),
 })
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 BF16_MODES = ("auto", "brgemm", "widen")
 ISAS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
-_MODE_SGEMM, _MODE_WIDEN, _MODE_BRGEMM = 0, 1, 2
+_MODE_SGEMM, _MODE_WIDEN, _MODE_BRGEMM, _MODE_PACK32 = 0, 1, 2, 3
 _ERR_MEMORY = 1
 
 
@@ -175,6 +177,13 @@ def _mode(dtype: torch.dtype, bf16: str, dim: int, block_size: int) -> int:
     return _MODE_WIDEN
 
 
+def _widen_mode(lengths: torch.Tensor, block_size: int, kv_heads: int, skv: int) -> int:
+    """How ``bf16="widen"`` widens K and V: once per (batch, KV head) where
+    its rows read each key at least twice on average, else piece by piece."""
+    read = int(lengths.sum()) * block_size
+    return _MODE_PACK32 if read >= 2 * lengths.shape[0] * kv_heads * skv else _MODE_WIDEN
+
+
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
                      lengths: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor,
                      block_size: int, causal: bool, scale: float, softcap: float | None = None,
@@ -209,6 +218,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: tor
     mode = _mode(q.dtype, bf16, q.shape[3], block_size)
     q, k, v = (t.contiguous() for t in (q, k, v))
     idx, lengths, q_lens, kv_lens = _int64(idx, lengths, q_lens, kv_lens)
+    if mode == _MODE_WIDEN:
+        mode = _widen_mode(lengths, block_size, k.shape[1], k.shape[2])
     out = torch.empty_like(q)
     lse_out = torch.empty(q.shape[:3], dtype=torch.float32) if lse else None
     code = lib.stem_sparse_attention(
@@ -267,21 +278,63 @@ View = tuple[int, tuple[int, ...], tuple[int, ...]]
 
 
 def paged_refused(page: int, dim: int, block_size: int, key_view: View | None,
-                  value_view: View | None,
-                  dtype: torch.dtype = torch.bfloat16) -> str | None:
-    """Why ``sparse_attention_paged`` cannot pack keys and values straight
-    from pages of this layout, or None where it can. The pack goes 16 tokens
-    at a time, by runs (csrc ``pack_kinds``): each half must hold either the
-    micro-kernel's 32-bit words in runs (vLLM's ``amx`` layout: keys in tiles
-    of 16 tokens by pairs of dimensions, values in tiles of dimensions by
-    pairs of tokens) or its 16-bit elements in runs along the same axis
-    (vLLM's ``vec`` layout: keys transposed, values row-major). The cache
-    must be bfloat16 (``dtype``), and the micro-kernel must take it here
-    (``bf16_packed``)."""
+                  value_view: View | None, dtype: torch.dtype = torch.bfloat16,
+                  bf16: str = "auto") -> str | None:
+    """Why ``sparse_attention_paged`` with ``bf16`` cannot read keys and
+    values straight from pages of this layout, or None where it can. The
+    cache must be bfloat16 (``dtype``) and each half a strided view of the
+    page. ``"widen"`` reads any such view (``"auto"`` widens where the
+    micro-kernel does not take the pages); ``"brgemm"`` must pass
+    ``_brgemm_refused``."""
     if dtype != torch.bfloat16:
         return f"the cache is {dtype}, not bfloat16"
     if key_view is None or value_view is None:
         return "the keys or values are not a strided view of the page"
+    if bf16 not in BF16_MODES:
+        raise ValueError(f"paged_refused: bf16 in {BF16_MODES}; got {bf16!r}")
+    return _brgemm_refused(page, dim, block_size, key_view, value_view) if bf16 == "brgemm" \
+        else None
+
+
+def paged_products(page: int, dim: int, block_size: int, key_view: View,
+                   value_view: View) -> str:
+    """How ``sparse_attention_paged``'s ``bf16="auto"`` multiplies for this
+    layout here, and why (for logs)."""
+    mode, why = _paged_mode(page, dim, block_size, key_view, value_view, "auto")
+    if mode == _MODE_BRGEMM:
+        return "bfloat16 products on torch's micro-kernel"
+    return f"float32 products, the pages widened once per KV head ({why})"
+
+
+def _paged_mode(page: int, dim: int, block_size: int, key_view: View, value_view: View,
+                bf16: str) -> tuple[int, str]:
+    """The kernel's mode for ``sparse_attention_paged`` and, where it widens
+    under ``"auto"``, why."""
+    if bf16 == "widen":
+        return _MODE_PACK32, "bf16='widen'"
+    pays, reason = torch_blas.bf16_products_pay()
+    if bf16 == "auto" and not pays:
+        return _MODE_PACK32, reason
+    refused = _brgemm_refused(page, dim, block_size, key_view, value_view)
+    if refused is None:
+        return _MODE_BRGEMM, ""
+    if bf16 == "brgemm":
+        raise ValueError("sparse_attention_paged: keys and values cannot be packed for the "
+                         f"micro-kernel from these pages ({refused})")
+    native.report_fallback("paged attention bfloat16 micro-kernel", refused)
+    return _MODE_PACK32, refused
+
+
+def _brgemm_refused(page: int, dim: int, block_size: int, key_view: View,
+                    value_view: View) -> str | None:
+    """Why the micro-kernel's pack cannot take keys and values straight from
+    pages of this layout, or None where it can. The pack goes 16 tokens at a
+    time, by runs (csrc ``pack_kinds``): each half must hold either the
+    micro-kernel's 32-bit words in runs (vLLM's ``amx`` layout: keys in tiles
+    of 16 tokens by pairs of dimensions, values in tiles of dimensions by
+    pairs of tokens) or its 16-bit elements in runs along the same axis
+    (vLLM's ``vec`` layout: keys transposed, values row-major), and the
+    micro-kernel must take it here (``bf16_packed``)."""
     (_, (_, ka, _, kb), (k0, k1, _, k3)), (_, (_, va, _, vb), (_, v1, v2, v3)) = (key_view,
                                                                                     value_view)
     if page % 16:
@@ -303,9 +356,14 @@ def sparse_attention_paged(q: torch.Tensor, cache: torch.Tensor, table: torch.Te
                            lengths: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor,
                            block_size: int, causal: bool, scale: float,
                            softcap: float | None = None, *, lse: bool = False,
+                           bf16: str = "auto",
                            isa: str = "auto") -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``sparse_attention`` in bfloat16 with the keys and values read from a
-    paged cache by the kernel's own packing (no copy of them in token order).
+    paged cache by the kernel's own packing (no copy of them in token order):
+    for the micro-kernel (``bf16="brgemm"``), or widened to float32 once per
+    (batch, KV head) (``"widen"``); ``"auto"`` takes the micro-kernel where
+    ``sparse_attention``'s would and the layout allows it (``paged_products``
+    says which).
 
     ``cache [num_pages, Hkv, ...]`` bfloat16: the (page, KV head) block
     ``cache[p, h]`` is contiguous and holds a page's keys and values where
@@ -313,16 +371,18 @@ def sparse_attention_paged(q: torch.Tensor, cache: torch.Tensor, table: torch.Te
     ``kv_read.PageReader.probe`` finds them for vLLM's layouts). ``table [B,
     W]`` integer: the page of each sequence's tokens ``[n * page, (n + 1) *
     page)``, for ``n < ceil(kv_len / page)`` (entries past them are not
-    read). The layout must pass ``paged_refused``. Otherwise as
+    read). The layout must pass ``paged_refused`` for ``bf16``. Otherwise as
     ``sparse_attention`` (with Skv the largest ``kv_len``)."""
     who = "sparse_attention_paged"
     if q.dtype != torch.bfloat16 or cache.dtype != torch.bfloat16:
         raise TypeError(f"{who}: q and cache must be bfloat16; got {q.dtype}, {cache.dtype}")
-    lib, blas = _prepare(who, q, idx, lengths, block_size, "brgemm", isa)
+    lib, blas = _prepare(who, q, idx, lengths, block_size, bf16, isa)
     batch, _, _, dim = q.shape
-    why = paged_refused(page, dim, block_size, key_view, value_view)
+    why = paged_refused(page, dim, block_size, key_view, value_view, cache.dtype, bf16)
     if why:
         raise ValueError(f"{who}: keys and values cannot be packed from these pages ({why})")
+    if page < 1:
+        raise ValueError(f"{who}: page must be at least 1; got {page}")
     if cache.dim() < 3 or not cache[:1, :1].is_contiguous() or cache.stride(-1) != 1:
         raise ValueError(f"{who}: cache must be [num_pages, Hkv, ...] with each (page, head) "
                          f"block contiguous; got {tuple(cache.shape)} strides {cache.stride()}")
@@ -330,9 +390,11 @@ def sparse_attention_paged(q: torch.Tensor, cache: torch.Tensor, table: torch.Te
     block = cache[0, 0].numel()
     for name, (offset, sizes, strides) in (("key_view", key_view), ("value_view", value_view)):
         last = offset + sum((n - 1) * st for n, st in zip(sizes, strides))
-        if sizes[0] * sizes[1] != page or sizes[2] * sizes[3] != dim or offset < 0 or last >= block:
+        if (sizes[0] * sizes[1] != page or sizes[2] * sizes[3] != dim or offset < 0
+                or min(strides) < 0 or last >= block):
             raise ValueError(f"{who}: {name} {sizes} must cover {page} tokens by {dim} "
-                             f"dimensions inside a block of {block} elements")
+                             f"dimensions inside a block of {block} elements, strides "
+                             f"not negative")
     if table.dim() != 2 or table.shape[0] != batch or table.dtype.is_floating_point:
         raise ValueError(f"{who}: table must be integer [{batch}, W]; got "
                          f"{tuple(table.shape)} {table.dtype}")
@@ -349,6 +411,7 @@ def sparse_attention_paged(q: torch.Tensor, cache: torch.Tensor, table: torch.Te
     views = torch.tensor([[offset, sizes[1], strides[0], strides[1], sizes[3], strides[2],
                            strides[3]] for offset, sizes, strides in (key_view, value_view)],
                          dtype=torch.int64)
+    mode = _paged_mode(page, dim, block_size, key_view, value_view, bf16)[0]
     q = q.contiguous()
     out = torch.empty_like(q)
     lse_out = torch.empty(q.shape[:3], dtype=torch.float32) if lse else None
@@ -359,6 +422,6 @@ def sparse_attention_paged(q: torch.Tensor, cache: torch.Tensor, table: torch.Te
         None if lse_out is None else lse_out.data_ptr(), batch, q.shape[1], hkv, q.shape[2],
         skv, dim, block_size, idx.data_ptr(), idx.shape[3], lengths.data_ptr(),
         q_lens.data_ptr(), kv_lens.data_ptr(), int(bool(causal)), float(scale),
-        float(softcap or 0.0), blas, ISAS[isa], torch.get_num_threads())
+        float(softcap or 0.0), mode, blas, ISAS[isa], torch.get_num_threads())
     _raise_for(who, code, f"q {tuple(q.shape)}, cache {tuple(cache.shape)}")
     return (out, lse_out) if lse else out

@@ -32,8 +32,15 @@
  *
  *   MODE_SGEMM  float32: MKL sgemm_ on Q, K, V where they lie.
  *   MODE_WIDEN  bfloat16 where torch's micro-kernel does not run (no
- *               bfloat16 dot products: AVX2): each row's Q and each step's
- *               K/V pieces widened to float32 in thread scratch, then sgemm_.
+ *               bfloat16 dot products: AVX2) or is not the faster: each
+ *               row's Q and each step's K/V pieces widened to float32 in
+ *               thread scratch, then sgemm_.
+ *   MODE_PACK32 bfloat16 as MODE_WIDEN, but K and V widened once per
+ *               (batch, KV head) into shared float32 buffers (token-major),
+ *               which the rows then read as MODE_SGEMM does: less widening
+ *               where the rows of a KV head read its keys many times over,
+ *               and the way a paged cache is read without the micro-kernel
+ *               (any strided view of the pages).
  *   MODE_BRGEMM bfloat16 on a CPU with bfloat16 dot products (AMX, or
  *               AVX512-BF16): per (batch, KV head), K^T and V are packed
  *               once into VNNI layout (pairs of rows interleaved) in shared
@@ -73,7 +80,7 @@
 #endif
 
 enum { F32 = 0, BF16 = 1 };                   /* dtype of q, k, v, out */
-enum { MODE_SGEMM, MODE_WIDEN, MODE_BRGEMM };
+enum { MODE_SGEMM, MODE_WIDEN, MODE_BRGEMM, MODE_PACK32 };
 enum { ISA_AUTO = -1, ISA_SCALAR, ISA_AVX2, ISA_AVX512, ISA_AVX512BF16 };
 enum { ERR_MEMORY = 1, ERR_ARGS = 2 };
 
@@ -453,9 +460,10 @@ struct kv_view {
     int64_t off, a, s0, s1, b, s2, s3;
 };
 
-/* MODE_BRGEMM with K and V packed straight from a paged cache of bfloat16
- * blocks, (page p, KV head h) at cache + p * page_stride + h * head_stride.
- * Each half is packed in one of two ways (pack_kinds), or the views are
+/* K and V packed straight from a paged cache of bfloat16 blocks, (page p,
+ * KV head h) at cache + p * page_stride + h * head_stride. MODE_PACK32
+ * widens any strided view element by element (pack_paged32). MODE_BRGEMM
+ * packs each half in one of two ways (pack_kinds), or the views are
  * refused:
  *   PACK_WORDS   the half already holds the micro-kernel's 32-bit words in
  *                runs: keys, 16 tokens' words of a pair of dimensions;
@@ -474,6 +482,7 @@ struct paged {
     struct kv_view k, v;
     int kind_k, kind_v; /* PACK_WORDS or PACK_HALVES */
     int64_t run_v;      /* PACK_HALVES values: dimensions per contiguous run */
+    int64_t *dk, *dv;   /* MODE_PACK32: dimension d's offset in a token's keys, values */
 };
 
 struct job {
@@ -491,6 +500,7 @@ struct job {
     brgemm_t brgemm;
     struct rowops ops;
     uint16_t *kp, *vp; /* MODE_BRGEMM: the current KV head packed (see pack_chunk) */
+    float *kf, *vf;    /* MODE_PACK32: the current KV head in float32 [keys, D] */
     const struct paged *paged; /* K and V read from a paged cache (k, v NULL); or NULL */
 };
 
@@ -521,6 +531,18 @@ static size_t esize(const struct job *jb)
     return jb->dtype == F32 ? 4 : 2;
 }
 
+/* The rows read K and V as float32 (where they lie, or widened once). */
+static int kv_f32(const struct job *jb)
+{
+    return jb->dtype == F32 || jb->mode == MODE_PACK32;
+}
+
+/* K and V are packed per (batch, KV head) before its rows run. */
+static int packs(const struct job *jb)
+{
+    return jb->mode == MODE_BRGEMM || jb->mode == MODE_PACK32;
+}
+
 static void *alloc(size_t bytes)
 {
     return aligned_alloc(ALIGN, (bytes + ALIGN - 1) / ALIGN * ALIGN);
@@ -537,6 +559,7 @@ static int scratch_init(const struct job *jb, struct scratch *sc)
 {
     size_t bs = (size_t)jb->bs, d = (size_t)jb->dim, keys = (size_t)jb->ld_s;
     int packed = jb->mode == MODE_BRGEMM, widen = jb->mode == MODE_WIDEN;
+    int wide_q = widen || jb->mode == MODE_PACK32;
     memset(sc, 0, sizeof *sc);
     sc->s = alloc(bs * (size_t)jb->ld_s * sizeof(float));
     sc->o = alloc(bs * d * sizeof(float));
@@ -545,11 +568,11 @@ static int scratch_init(const struct job *jb, struct scratch *sc)
     sc->seen = alloc(bs);
     sc->pieces = alloc((size_t)jb->step_blocks * sizeof(struct piece));
     sc->p = packed ? alloc(bs * (size_t)jb->ld_p * sizeof(uint16_t)) : NULL;
-    sc->q32 = widen ? alloc(bs * d * sizeof(float)) : NULL;
+    sc->q32 = wide_q ? alloc(bs * d * sizeof(float)) : NULL;
     sc->k32 = widen ? alloc(keys * d * sizeof(float)) : NULL;
     sc->v32 = widen ? alloc(keys * d * sizeof(float)) : NULL;
     int ok = sc->s && sc->o && sc->m && sc->l && sc->seen && sc->pieces && (!packed || sc->p) &&
-             (!widen || (sc->q32 && sc->k32 && sc->v32));
+             (!wide_q || sc->q32) && (!widen || (sc->k32 && sc->v32));
     if (!ok)
         scratch_free(sc);
     return ok;
@@ -590,6 +613,12 @@ static void pack_v(const uint16_t *v, int64_t d, int64_t kc, int64_t valid, uint
         for (int64_t e = 0; e < d; e++)
             out[e] = (live0 ? r0[e] : 0u) | (live1 ? (uint32_t)r1[e] << 16 : 0u);
     }
+}
+
+static void widen(float *dst, const uint16_t *src, int64_t n)
+{
+    for (int64_t j = 0; j < n; j++)
+        dst[j] = bf16_float(src[j]);
 }
 
 /* Element (t, d)'s place in its block. */
@@ -677,10 +706,52 @@ static void pack_paged(const struct job *jb, int64_t b, int64_t h, int64_t first
     }
 }
 
+/* MODE_PACK32: keys [first, first + n) of KV head h of batch b, widened
+ * from the pages into kf and vf; any strided view (dk, dv: each dimension's
+ * offset in a token's keys and values). */
+static void pack_paged32(const struct job *jb, int64_t b, int64_t h, int64_t first, int64_t n)
+{
+    const struct paged *pg = jb->paged;
+    const struct kv_view *kv = &pg->k, *vv = &pg->v;
+    int64_t d = jb->dim;
+    for (int64_t tok = first; tok < first + n; tok++) {
+        int64_t t = tok % pg->page;
+        const uint16_t *blk = pg->cache + pg->table[b * pg->table_w + tok / pg->page] *
+                                              pg->page_stride + h * pg->head_stride;
+        const uint16_t *k = blk + kv->off + t / kv->a * kv->s0 + t % kv->a * kv->s1;
+        const uint16_t *v = blk + vv->off + t / vv->a * vv->s0 + t % vv->a * vv->s1;
+        float *kf = jb->kf + tok * d, *vf = jb->vf + tok * d;
+        for (int64_t e = 0; e < d; e++)
+            kf[e] = bf16_float(k[pg->dk[e]]);
+        for (int64_t e = 0; e < d; e++)
+            vf[e] = bf16_float(v[pg->dv[e]]);
+    }
+}
+
+/* MODE_PACK32's chunk: its keys below kv_len widened, the rest zeros. */
+static void pack_chunk32(const struct job *jb, int64_t slice, int64_t c, int64_t valid)
+{
+    int64_t d = jb->dim, kc = jb->step_keys, at = c * kc, b = slice / jb->hkv;
+    int64_t n = valid < 0 ? 0 : valid < kc ? valid : kc;
+    if (jb->paged)
+        pack_paged32(jb, b, slice % jb->hkv, at, n);
+    else {
+        int64_t from = (slice * jb->skv + at) * d;
+        widen(jb->kf + at * d, (const uint16_t *)jb->k + from, n * d);
+        widen(jb->vf + at * d, (const uint16_t *)jb->v + from, n * d);
+    }
+    memset(jb->kf + (at + n) * d, 0, (size_t)((kc - n) * d) * sizeof(float));
+    memset(jb->vf + (at + n) * d, 0, (size_t)((kc - n) * d) * sizeof(float));
+}
+
 static void pack_chunk(const struct job *jb, int64_t slice, int64_t c)
 {
     int64_t d = jb->dim, kc = jb->step_keys, b = slice / jb->hkv;
     int64_t valid = jb->kv_lens[b] - c * kc; /* keys of the chunk below kv_len */
+    if (jb->mode == MODE_PACK32) {
+        pack_chunk32(jb, slice, c, valid);
+        return;
+    }
     if (jb->paged) {
         pack_paged(jb, b, slice % jb->hkv, c * kc, valid);
         return;
@@ -728,12 +799,6 @@ static void brgemm_qk(const struct job *jb, const struct row *rw, int64_t key, i
 /* --------------------------------------------------------------------------
  * One row: steps of listed blocks, online softmax, output.
  * -------------------------------------------------------------------------- */
-
-static void widen(float *dst, const uint16_t *src, int64_t n)
-{
-    for (int64_t j = 0; j < n; j++)
-        dst[j] = bf16_float(src[j]);
-}
 
 /* Keys of the step that query t sees: a prefix of its columns (the pieces
  * ascend and every visible key lies below one bound). */
@@ -813,7 +878,7 @@ static void softmax_step(const struct job *jb, struct scratch *sc, const struct 
 static int finite_rows(const struct job *jb, const char *x, int64_t n)
 {
     int64_t count = n * jb->dim;
-    if (jb->dtype == F32) {
+    if (kv_f32(jb)) {
         const uint32_t *w = (const uint32_t *)x;
         for (int64_t j = 0; j < count; j++)
             if ((w[j] & 0x7F800000u) == 0x7F800000u)
@@ -837,7 +902,7 @@ static inline uint16_t packed_v(const struct job *jb, int64_t key, int64_t e)
 static int finite_v(const struct job *jb, const struct row *rw, int64_t key, int64_t n)
 {
     if (jb->mode != MODE_BRGEMM)
-        return finite_rows(jb, rw->v + (size_t)key * jb->dim * esize(jb), n);
+        return finite_rows(jb, rw->v + (size_t)key * jb->dim * (kv_f32(jb) ? 4 : 2), n);
     for (int64_t j = key; j < key + n; j++)
         for (int64_t e = 0; e < jb->dim; e++)
             if ((packed_v(jb, j, e) & 0x7F80u) == 0x7F80u)
@@ -888,7 +953,7 @@ static void pv_exact(const struct job *jb, const struct scratch *sc, const struc
                 if (jb->mode == MODE_BRGEMM) {
                     for (int64_t e = 0; e < d; e++)
                         o[e] += w * bf16_float(packed_v(jb, pc->key + j, e));
-                } else if (jb->dtype == F32) {
+                } else if (kv_f32(jb)) {
                     const float *v = (const float *)rw->v + at;
                     for (int64_t e = 0; e < d; e++)
                         o[e] += w * v[e];
@@ -941,7 +1006,7 @@ static void step_widen(const struct job *jb, struct scratch *sc, const struct ro
         pv_exact(jb, sc, rw);
 }
 
-/* MODE_SGEMM: K and V read where they lie. */
+/* MODE_SGEMM: K and V read where they lie (MODE_PACK32: as widened once). */
 static void step_sgemm(const struct job *jb, struct scratch *sc, const struct row *rw)
 {
     int64_t d = jb->dim;
@@ -967,7 +1032,7 @@ static void step(const struct job *jb, struct scratch *sc, struct row *rw)
     else if (jb->mode == MODE_WIDEN)
         step_widen(jb, sc, rw);
     else
-        step_sgemm(jb, sc, rw);
+        step_sgemm(jb, sc, rw); /* MODE_SGEMM, MODE_PACK32 */
     rw->np = rw->ncols = rw->nblocks = 0;
 }
 
@@ -1044,11 +1109,14 @@ static int row_init(const struct job *jb, struct scratch *sc, int64_t row, struc
         return 0;
     const char *q = (const char *)jb->q + (size_t)(bh * jb->sq + r0) * d * esize(jb);
     rw->q = q;
-    if (jb->mode == MODE_WIDEN) {
+    if (jb->mode == MODE_WIDEN || jb->mode == MODE_PACK32) {
         widen(sc->q32, (const uint16_t *)q, nq * d);
         rw->q = sc->q32;
     }
-    if (!jb->paged) { /* paged: MODE_BRGEMM reads only the packed K and V */
+    if (jb->mode == MODE_PACK32) { /* the current KV head, widened */
+        rw->k = (const char *)jb->kf;
+        rw->v = (const char *)jb->vf;
+    } else if (!jb->paged) { /* paged: MODE_BRGEMM reads only the packed K and V */
         int64_t kv_off = (b * jb->hkv + h / (jb->hq / jb->hkv)) * jb->skv * d *
                          (int64_t)esize(jb);
         rw->k = (const char *)jb->k + kv_off;
@@ -1088,8 +1156,9 @@ static void attend_row(const struct job *jb, struct scratch *sc, int64_t row)
 }
 
 /* --------------------------------------------------------------------------
- * Scheduling. MODE_BRGEMM goes one (batch, KV head) at a time: its K/V packed by
- * all threads, then its rows; the other modes share all rows at once.
+ * Scheduling. MODE_BRGEMM and MODE_PACK32 go one (batch, KV head) at a time:
+ * its K/V packed by all threads, then its rows; the other modes share all
+ * rows at once.
  * -------------------------------------------------------------------------- */
 
 /* Rows [r0, r1) ordered by list length, longest first (counting sort). */
@@ -1116,7 +1185,7 @@ static int run_slices(const struct job *jb, const int64_t *order, int64_t nslice
     int64_t padded = (jb->skv + jb->bs - 1) / jb->bs * jb->bs;
     int64_t nchunks = (padded + jb->step_keys - 1) / jb->step_keys;
     for (int64_t sl = 0; sl < nslices; sl++) {
-        if (jb->mode == MODE_BRGEMM) {
+        if (packs(jb)) {
 #pragma omp for schedule(static)
             for (int64_t c = 0; c < nchunks; c++)
                 pack_chunk(jb, sl, c);
@@ -1134,7 +1203,7 @@ static int run_slices(const struct job *jb, const int64_t *order, int64_t nslice
 static int run(const struct job *jb, threads_t threads, release_t release, int nthreads)
 {
     int64_t nrows = jb->batch * jb->hq * jb->qmax;
-    int64_t nslices = jb->mode == MODE_BRGEMM ? jb->batch * jb->hkv : 1;
+    int64_t nslices = packs(jb) ? jb->batch * jb->hkv : 1;
     int64_t per_slice = nslices ? nrows / nslices : 0;
     int64_t *order = malloc((size_t)(nrows ? nrows : 1) * sizeof(int64_t));
     int64_t *count = malloc((size_t)(jb->width + 2) * sizeof(int64_t));
@@ -1178,37 +1247,42 @@ static int attention(struct job *jb, double scale, double softcap, void *const *
         softcap < 0 || (softcap > 0 && scale == 0) ||
         bs < 1 || jb->width < 0 || dim > 65536 || bs > 65536 ||
         (dtype == F32) != (mode == MODE_SGEMM) || (dtype != F32 && dtype != BF16) ||
-        (mode != MODE_SGEMM && mode != MODE_WIDEN && !packed) ||
+        (mode != MODE_SGEMM && mode != MODE_WIDEN && mode != MODE_PACK32 && !packed) ||
         (packed ? !jb->brgemm || !blas[2] || dim % 2 || bs % 2 : !jb->sgemm) ||
-        (jb->paged && !packed) ||
+        (jb->paged && !packs(jb)) ||
         pick_rowops(isa, &jb->ops))
         return ERR_ARGS;
     jb->qmax = (sq + bs - 1) / bs;
     jb->step_blocks = bs >= STEP_KEYS ? 1 : (int)(STEP_KEYS / bs);
     jb->step_keys = jb->step_blocks * (int)bs;
-    if (jb->paged && jb->step_keys % 16)
+    if (jb->paged && packed && jb->step_keys % 16)
         return ERR_ARGS; /* pack_paged copies 16 keys at a time */
     /* Strides off powers of two (cache sets), rows on 64-byte lines (AMX loads). */
     jb->ld_s = (jb->step_keys + 15) / 16 * 16 + 16;
     jb->ld_p = (jb->step_keys + 31) / 32 * 32 + 32;
-    if (packed) {
-        int64_t keys = ((skv + bs - 1) / bs * bs + jb->step_keys - 1) / jb->step_keys *
-                       jb->step_keys;
-        jb->kp = alloc((size_t)keys * dim * sizeof(uint16_t));
-        jb->vp = alloc((size_t)keys * dim * sizeof(uint16_t));
+    if (packs(jb)) {
+        size_t keys = (size_t)(((skv + bs - 1) / bs * bs + jb->step_keys - 1) /
+                               jb->step_keys * jb->step_keys);
+        size_t size = packed ? sizeof(uint16_t) : sizeof(float);
+        void *k = alloc(keys * (size_t)dim * size), *v = alloc(keys * (size_t)dim * size);
+        if (packed)
+            jb->kp = k, jb->vp = v;
+        else
+            jb->kf = k, jb->vf = v;
     }
-    int err = packed && (!jb->kp || !jb->vp)
+    int err = packs(jb) && !(packed ? jb->kp && jb->vp : jb->kf && jb->vf)
                   ? ERR_MEMORY
                   : run(jb, (threads_t)blas[3], (release_t)blas[2], nthreads < 1 ? 1 : nthreads);
-    free(jb->kp), free(jb->vp);
+    free(jb->kp), free(jb->vp), free(jb->kf), free(jb->vf);
     return err;
 }
 
 /* q [B, Hq, Sq, D], k and v [B, Hkv, Skv, D], out [B, Hq, Sq, D]: contiguous,
  * one dtype (F32 or BF16). idx [B, Hq, Qmax, width] int64, each row's first
  * lengths[b, h, i] entries ascending, in [0, ceil(Skv / bs)), no duplicates;
- * q_lens, kv_lens [B]. mode: MODE_SGEMM for F32, MODE_WIDEN or MODE_BRGEMM
- * for BF16 (MODE_BRGEMM needs bfloat16 dot products, even D and bs). blas:
+ * q_lens, kv_lens [B]. mode: MODE_SGEMM for F32, MODE_WIDEN, MODE_PACK32 or
+ * MODE_BRGEMM for BF16 (MODE_BRGEMM needs bfloat16 dot products, even D and
+ * bs). blas:
  * {sgemm_, brgemm, brgemm_release, MKL_Set_Num_Threads_Local}, the last may
  * be NULL and the brgemm pair when not MODE_BRGEMM. isa: ISA_AUTO, or a set to force (tests).
  * Returns 0, ERR_MEMORY, or ERR_ARGS (bad sizes, missing GEMM, isa not here). */
@@ -1226,13 +1300,14 @@ int stem_sparse_attention(const void *q, const void *k, const void *v, void *out
     return attention(&jb, scale, softcap, blas, isa, nthreads);
 }
 
-/* As stem_sparse_attention in MODE_BRGEMM, bfloat16, with K and V packed
- * straight from the pages of a paged cache (struct paged): cache, table [B,
- * table_w] int64 (the pages of each sequence's first ceil(kv_len / page) runs
- * of tokens, each in [0, pages)), the strides in elements, and views[14]: the
- * keys' kv_view then the values' (off, a, s0, s1, b, s2, s3). skv: at least
- * the largest kv_len. ERR_ARGS also where a half cannot be packed by runs
- * (pack_kinds). */
+/* As stem_sparse_attention in bfloat16, MODE_BRGEMM or MODE_PACK32, with K
+ * and V packed straight from the pages of a paged cache (struct paged):
+ * cache, table [B, table_w] int64 (the pages of each sequence's first
+ * ceil(kv_len / page) runs of tokens, each in [0, pages)), the strides in
+ * elements, and views[14]: the keys' kv_view then the values' (off, a, s0,
+ * s1, b, s2, s3), each element inside a (page, KV head) block (the caller
+ * checks). skv: at least the largest kv_len. ERR_ARGS also where, in
+ * MODE_BRGEMM, a half cannot be packed by runs (pack_kinds). */
 int stem_sparse_attention_paged(const void *q, const void *cache, const int64_t *table,
                                 int64_t table_w, int64_t page, int64_t page_stride,
                                 int64_t head_stride, const int64_t *views, void *out,
@@ -1240,18 +1315,36 @@ int stem_sparse_attention_paged(const void *q, const void *cache, const int64_t 
                                 int64_t skv, int64_t dim, int64_t bs, const int64_t *idx,
                                 int64_t width, const int64_t *lengths, const int64_t *q_lens,
                                 const int64_t *kv_lens, int causal, double scale,
-                                double softcap, void *const *blas, int isa, int nthreads)
+                                double softcap, int mode, void *const *blas, int isa,
+                                int nthreads)
 {
     const int64_t *kw = views, *vw = views + 7;
     struct paged pg = {.cache = cache, .table = table, .table_w = table_w, .page = page,
                        .page_stride = page_stride, .head_stride = head_stride,
                        .k = {kw[0], kw[1], kw[2], kw[3], kw[4], kw[5], kw[6]},
                        .v = {vw[0], vw[1], vw[2], vw[3], vw[4], vw[5], vw[6]}};
-    if (!pack_kinds(&pg, dim))
+    if (mode == MODE_BRGEMM ? !pack_kinds(&pg, dim)
+                            : mode != MODE_PACK32 || page < 1 || dim < 1 || dim > 65536 ||
+                                  pg.k.a < 1 || pg.k.b < 1 || pg.v.a < 1 || pg.v.b < 1)
         return ERR_ARGS;
     struct job jb = {.q = q, .out = out, .lse = lse, .batch = batch, .hq = hq, .hkv = hkv,
                      .sq = sq, .skv = skv, .dim = dim, .bs = bs, .width = width, .idx = idx,
                      .lengths = lengths, .q_lens = q_lens, .kv_lens = kv_lens,
-                     .causal = causal, .dtype = BF16, .mode = MODE_BRGEMM, .paged = &pg};
-    return attention(&jb, scale, softcap, blas, isa, nthreads);
+                     .causal = causal, .dtype = BF16, .mode = mode, .paged = &pg};
+    int err = 0;
+    if (mode == MODE_PACK32) { /* each dimension's offset in a token's keys, values */
+        pg.dk = malloc((size_t)dim * sizeof(int64_t));
+        pg.dv = malloc((size_t)dim * sizeof(int64_t));
+        err = !pg.dk || !pg.dv;
+        for (int64_t e = 0; !err && e < dim; e++) {
+            pg.dk[e] = e / pg.k.b * pg.k.s2 + e % pg.k.b * pg.k.s3;
+            pg.dv[e] = e / pg.v.b * pg.v.s2 + e % pg.v.b * pg.v.s3;
+        }
+    }
+    if (!err)
+        err = attention(&jb, scale, softcap, blas, isa, nthreads);
+    else
+        err = ERR_MEMORY;
+    free(pg.dk), free(pg.dv);
+    return err;
 }
