@@ -685,23 +685,59 @@ def test_auto_picks_stems_kernel_on_the_layouts_measured_faster(isa, head):
     assert reader is not None and said == "", said
 
 
-@pytest.mark.parametrize("kernel, dtype", [("stem", "float32"), ("stem", "bfloat16"),
-                                           ("vllm", "bfloat16")])
-def test_each_sparse_kernel_gives_stem_attention(model, kernel, dtype):
-    """``sparse_kernel`` forced either way, in each dtype the kernels take:
-    every Stem row still equals ``stem_attention`` on the keys vLLM was given
-    (Stem's kernel on keys and values read from vLLM's cache; vLLM's kernel
-    on virtual rows), every sparse row is counted under its kernel, and the
-    log says which kernel ran."""
+@pytest.mark.parametrize("kernel, dtype, products", [
+    ("stem", "float32", "auto"), ("stem", "bfloat16", "auto"), ("stem", "bfloat16", "float32"),
+    ("vllm", "bfloat16", "auto")])
+def test_each_sparse_kernel_gives_stem_attention(model, kernel, dtype, products):
+    """``sparse_kernel`` forced either way, in each dtype the kernels take,
+    Stem's kernel on either product where it packs bfloat16 pages
+    (``sparse_products``): every Stem row still equals ``stem_attention`` on
+    the keys vLLM was given (Stem's kernel on keys and values read from
+    vLLM's cache; vLLM's kernel on virtual rows), every sparse row is counted
+    under its kernel, and the log says which kernel ran, and how it
+    multiplied."""
     engine = BF16 if dtype == "bfloat16" else {}
-    name = f"sparse-{kernel}-{dtype}"
-    run = cached(model, name, {**SPARSE, "sparse_kernel": kernel}, check_rows=True,
-                 engine=engine)
+    name = f"sparse-{kernel}-{dtype}" + ("" if products == "auto" else f"-{products}")
+    run = cached(model, name, {**SPARSE, "sparse_kernel": kernel, "sparse_products": products},
+                 check_rows=True, engine=engine)
     _assert_rows_match_stem(run, 2e-2 if dtype == "bfloat16" else 1e-5)
     assert run["stats"]["kernels"] == {kernel: run["record"]["rows"]}, run["stats"]
     said = ("Stem rows run Stem's block-sparse kernel" if kernel == "stem"
             else "Stem rows run vLLM's kernel on virtual rows (sparse_kernel='vllm')")
     assert run["log"].count(said) == 1, run["log"][-3000:]
+    if products == "float32":
+        assert run["log"].count("it packs straight from vLLM's vec cache pages: float32 "
+                                "products, the pages widened once per KV head (as asked)") == 1
+
+
+def test_bfloat16_products_asked_where_the_micro_kernel_cannot_run_are_auto(monkeypatch,
+                                                                             caplog):
+    """``sparse_products="bfloat16"`` where torch's micro-kernel cannot take
+    the pages: Stem's kernel multiplies as ``"auto"`` does, said once."""
+    import logging
+    import types
+
+    import torch
+
+    from stem_indexer.integrations.vllm import backend
+    from stem_indexer.integrations.vllm.settings import StemSettings
+    from stem_indexer.operator.ops import sparse_attention
+
+    monkeypatch.setattr(sparse_attention, "paged_refused",
+                        lambda *args: "no micro-kernel" if args[-1] == "brgemm" else None)
+    monkeypatch.setattr(sparse_attention, "bf16_packed", lambda *args: "no micro-kernel")
+    impl = backend.StemAttentionImpl.__new__(backend.StemAttentionImpl)
+    impl.head_size = 64
+    kv_cache = torch.zeros(2, 2, 128, 128, dtype=torch.bfloat16)
+    reader = types.SimpleNamespace(key_view=None, value_view=None)  # paged_refused's stand-in
+    monkeypatch.setattr(backend, "_REPORTED", set())
+    for paged in (True, False):
+        impl.settings = StemSettings.from_mapping({"sparse_products": "bfloat16"})
+        with caplog.at_level(logging.WARNING):
+            assert impl._products(kv_cache, reader, paged) == "auto"
+        impl.settings = StemSettings.from_mapping({"sparse_products": "float32"})
+        assert impl._products(kv_cache, reader, paged) == "widen"
+    assert "sparse_products='bfloat16' cannot run here (no micro-kernel)" in caplog.text
 
 
 @pytest.mark.skipif(not HAS_AMX, reason="needs a CPU with AMX (amx_bf16 and amx_tile in "

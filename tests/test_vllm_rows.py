@@ -126,6 +126,8 @@ def test_settings_take_a_preset_and_overrides():
     ({"probe_queries": -1}, "probe_queries"), ({"probe_candidates": 0.5}, "probe_candidates"),
     ({"decoded_pages": "lazy"}, "decoded_pages"), ({"decoded_pages": None}, "decoded_pages"),
     ({"sparse_kernel": "flash"}, "sparse_kernel"), ({"sparse_kernel": None}, "sparse_kernel"),
+    ({"sparse_products": "brgemm"}, "sparse_products"),
+    ({"sparse_products": None}, "sparse_products"),
     ({"miss_check": 1}, "miss_check"), ({"miss_check": "0.05"}, "miss_check"),
     ({"miss_check_queries": 0}, "miss_check_queries"),
     ({"miss_check_blocks": 1.5}, "miss_check_blocks"),

@@ -73,7 +73,7 @@ from .kv_read import PageReader
 from .patches import engine_reason, install_step_hook
 from .rows import (Row, RowKinds, StemRow, attend_row, attend_row_paged, decode_only,
                    decode_tokens_left_out, plan_row, plan_stem_row, select_blocks, virtual_rows)
-from .settings import StemSettings
+from .settings import SPARSE_PRODUCTS, StemSettings
 from .stats import STATS
 
 __all__ = ["StemAttentionBackend", "StemAttentionImpl", "StemMetadataBuilder",
@@ -642,8 +642,9 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         self.index_cache: IndexCache | None = None
         self.held = None  # speculative decoding: (step, key, value, slots, tags) held back
         self.staged_for = None  # the KV cache this layer's staged writes were checked for
-        # (reader, paged): Stem's kernel reads the pages, packing them itself where
-        # paged; (None, False): vLLM's kernel
+        # (reader, paged, bf16): Stem's kernel reads the pages, packing them itself
+        # where paged, multiplying as bf16 says (sparse_attention's); (None, False,
+        # "auto"): vLLM's kernel
         self.sparse = None
         self.ordinal = _LAYER_COUNT[0]
         _LAYER_COUNT[0] += 1
@@ -864,24 +865,26 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                 reason = "indexer cache incomplete"
         return reason
 
-    def _sparse_reader(self, layer, kv_cache: torch.Tensor) -> tuple[PageReader | None, bool]:
+    def _sparse_reader(self, layer,
+                       kv_cache: torch.Tensor) -> tuple[PageReader | None, bool, str]:
         """The reader of this layer's pages where Stem's kernel attends its
         Stem rows (``sparse_kernel``), None where vLLM's kernel does on
-        virtual rows; and whether the kernel packs the keys and values
-        straight from the pages (else the reader reads them out first).
-        Chosen at the layer's first Stem row; the choice is said once per
-        process."""
+        virtual rows; whether the kernel packs the keys and values straight
+        from the pages (else the reader reads them out first); and its
+        ``bf16`` (``sparse_products``). Chosen at the layer's first Stem row;
+        the choice is said once per process."""
         if self.sparse is None:
             reader, why = self._choose_kernel(layer, kv_cache)
             isa = getattr(layer, "isa", "unknown")
             refused = None if reader is None else sparse_kernel.paged_refused(
                 kv_cache.shape[2], self.head_size, self.settings.block_size, reader.key_view,
                 reader.value_view, kv_cache.dtype)
-            self.sparse = (reader, reader is not None and refused is None)
-            if self.sparse[1]:
+            paged = reader is not None and refused is None
+            self.sparse = (reader, paged, self._products(kv_cache, reader, paged))
+            if paged:
                 products = sparse_kernel.paged_products(
                     kv_cache.shape[2], self.head_size, self.settings.block_size,
-                    reader.key_view, reader.value_view)
+                    reader.key_view, reader.value_view, self.sparse[2])
                 _report_once("kernel:stem", "Stem rows run Stem's block-sparse kernel on keys "
                              "and values it packs straight from vLLM's %s cache pages: %s",
                              isa, products, level=logging.INFO)
@@ -896,6 +899,25 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                 _report_once(f"kernel:{why}", "Stem rows run vLLM's kernel on virtual rows "
                              "(%s)", why, level=logging.INFO)
         return self.sparse
+
+    def _products(self, kv_cache: torch.Tensor, reader: PageReader | None, paged: bool) -> str:
+        """Stem's kernel's ``bf16`` for ``sparse_products``: ``"bfloat16"``
+        where the micro-kernel takes these pages here, else ``"auto"`` (said
+        once)."""
+        want = SPARSE_PRODUCTS[self.settings.sparse_products]
+        if want != "brgemm" or reader is None:
+            return want
+        bs = self.settings.block_size
+        refused = (sparse_kernel.paged_refused(kv_cache.shape[2], self.head_size, bs,
+                                               reader.key_view, reader.value_view,
+                                               kv_cache.dtype, "brgemm") if paged
+                   else sparse_kernel.bf16_packed(self.head_size, bs)
+                   if kv_cache.dtype == torch.bfloat16 else f"the cache is {kv_cache.dtype}")
+        if refused is None:
+            return want
+        _report_once(f"products:{refused}", "sparse_products='bfloat16' cannot run here (%s); "
+                     "Stem's kernel multiplies as 'auto' does", refused)
+        return "auto"
 
     def _choose_kernel(self, layer, kv_cache: torch.Tensor) -> tuple[PageReader | None, str]:
         """(the reader, "") where Stem's kernel attends this layer's Stem rows;
@@ -1006,7 +1028,7 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                                                    -1).chunk(2, dim=2)
             self._run_dense(layer, query, key_cache, value_cache, step.batch, out)
         s, cache = self.settings, self.index_cache
-        reader, paged = self._sparse_reader(layer, kv_cache)
+        reader, paged, bf16 = self._sparse_reader(layer, kv_cache)
         checking = self._checks(layer, kv_cache)
         virtual, done, traces = [], [], []
         for plan in step.stem:
@@ -1038,10 +1060,11 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
                 self.verdicts.pop(row.request, None)
             if paged:
                 out[row.start:row.start + row.q_len] = attend_row_paged(
-                    q, kv_cache, reader, idx, lengths, plan, self.scale, self.logits_soft_cap)
+                    q, kv_cache, reader, idx, lengths, plan, self.scale, self.logits_soft_cap,
+                    bf16)
             elif reader is not None:
                 out[row.start:row.start + row.q_len] = attend_row(
-                    q, keys, values, idx, lengths, plan, self.scale, self.logits_soft_cap)
+                    q, keys, values, idx, lengths, plan, self.scale, self.logits_soft_cap, bf16)
             else:
                 virtual.append((plan, q, virtual_rows(idx, lengths, plan, s.block_size, page,
                                                       hkv)))

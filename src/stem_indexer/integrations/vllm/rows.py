@@ -222,8 +222,9 @@ def select_blocks(query: torch.Tensor, kflat: torch.Tensor, vbias: torch.Tensor,
 
 def attend_row(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                indices: torch.Tensor, lengths: torch.Tensor, plan: StemRow, scale: float,
-               softcap: float | None = None) -> torch.Tensor:
-    """A row's attention on its selection, by Stem's CPU block-sparse kernel.
+               softcap: float | None = None, bf16: str = "auto") -> torch.Tensor:
+    """A row's attention on its selection, by Stem's CPU block-sparse kernel
+    (``bf16``: how it multiplies bfloat16, ``sparse_attention``'s).
 
     ``query [q_len, Hq, D]``; ``keys``, ``values [Hkv, >= seq_len, D]`` the
     row's keys and values in token order (``PageReader.read_heads``);
@@ -234,7 +235,7 @@ def attend_row(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     p = plan.paged
     out = sparse_attention(window_queries(query, p.q_map), keys[None], values[None],
                            indices[None], lengths[None], p.window_lens, p.seq_lens,
-                           p.params.stem_block_size, True, scale, softcap or None)
+                           p.params.stem_block_size, True, scale, softcap or None, bf16=bf16)
     return out.transpose(1, 2).flatten(0, 1)[p.out_map]
 
 

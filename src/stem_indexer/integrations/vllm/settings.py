@@ -69,6 +69,9 @@ MISS_CHECK_FINAL_DROPPED = 0.5
 DECODED_PAGES = ("read_back", "write")
 #: the values of the ``sparse_kernel`` setting
 SPARSE_KERNELS = ("auto", "stem", "vllm")
+#: the values of the ``sparse_products`` setting, and the ``bf16`` argument of
+#: Stem's kernel (``sparse_attention``) each asks for
+SPARSE_PRODUCTS = {"auto": "auto", "bfloat16": "brgemm", "float32": "widen"}
 
 # The indexer parameters a user may set (causal is the layer's).
 _INDEXER_KEYS = tuple(n for n in PARAM_NAMES if n != "causal")
@@ -272,7 +275,14 @@ class StemSettings:
       ``amx`` one up to head size 128: ``backend.STEM_KERNEL_FASTER_ON``),
       ``"vllm"`` elsewhere. Where
       ``"stem"`` cannot run, vLLM's kernel does, said once in the log;
-      ``stats()["kernels"]`` counts rows by kernel.
+      ``stats()["kernels"]`` counts rows by kernel;
+    * ``sparse_products`` (``"auto"``): how Stem's kernel multiplies a
+      bfloat16 cache: ``"bfloat16"`` on torch's micro-kernel (AMX tiles or
+      AVX512-BF16), ``"float32"`` widened (once per KV head, by MKL's
+      SGEMM), ``"auto"`` bfloat16 where its products beat float32 GEMMs
+      (``torch_blas.bf16_products_pay``: AMX, AMD's AVX512-BF16) and float32
+      elsewhere. Where ``"bfloat16"`` cannot run here, ``"auto"`` does, said
+      once in the log.
     """
 
     params: IndexerParams = IndexerParams(**PRESETS[DEFAULT_PRESET])
@@ -290,6 +300,7 @@ class StemSettings:
     probe_queries: int = 0
     probe_candidates: float = 2.0
     sparse_kernel: str = "auto"
+    sparse_products: str = "auto"
     miss_check: float = DEFAULT_MISS_CHECK
     miss_check_queries: int = MISS_CHECK_QUERIES
     miss_check_blocks: int = MISS_CHECK_BLOCKS
@@ -321,7 +332,8 @@ class StemSettings:
     def from_mapping(cls, section: Mapping[str, Any]) -> "StemSettings":
         known = ("preset", "oam", "oam_lambda", "min_prompt_tokens", "dense_layers",
                  "layer_budgets", "dense_above", "exact_tail", "chunk_invariant", "decoded_pages",
-                 "probe_queries", "probe_candidates", "sparse_kernel", "miss_check",
+                 "probe_queries", "probe_candidates", "sparse_kernel", "sparse_products",
+                 "miss_check",
                  "miss_check_queries", "miss_check_blocks",
                  "miss_check_min_prompt", "miss_check_from") + _INDEXER_KEYS
         for key in section:
@@ -367,6 +379,10 @@ class StemSettings:
         if kernel not in SPARSE_KERNELS:
             fail(_WHO, "sparse_kernel", f"must be one of {', '.join(map(repr, SPARSE_KERNELS))}",
                  repr(kernel))
+        products = section.get("sparse_products", "auto")
+        if products not in SPARSE_PRODUCTS:
+            fail(_WHO, "sparse_products",
+                 f"must be one of {', '.join(map(repr, SPARSE_PRODUCTS))}", repr(products))
         miss = section.get("miss_check", DEFAULT_MISS_CHECK)
         miss_queries = section.get("miss_check_queries", MISS_CHECK_QUERIES)
         miss_blocks = section.get("miss_check_blocks", MISS_CHECK_BLOCKS)
@@ -375,8 +391,8 @@ class StemSettings:
         miss_prompt = _count(section, "miss_check_min_prompt", DEFAULT_MISS_CHECK_MIN_PROMPT)
         return cls(params, preset, oam, float(oam_lambda), min_prompt, dense_layers,
                    layer_budgets, float(dense_above), exact_tail, invariant, decoded, probe_queries,
-                   float(candidates), kernel, float(miss), miss_queries, miss_blocks, miss_prompt,
-                   miss_from)
+                   float(candidates), kernel, products, float(miss), miss_queries, miss_blocks,
+                   miss_prompt, miss_from)
 
     def verdict(self, miss: float, dropped: float) -> bool | None:
         """The miss check's verdict on one sample (``probe.selection_miss``'s
@@ -446,4 +462,6 @@ class StemSettings:
             extra.append(f"decoded_pages={self.decoded_pages}")
         if self.sparse_kernel != "auto":
             extra.append(f"sparse_kernel={self.sparse_kernel}")
+        if self.sparse_products != "auto":
+            extra.append(f"sparse_products={self.sparse_products}")
         return f"preset={self.preset} " + " ".join(changed + extra)

@@ -297,27 +297,27 @@ def paged_refused(page: int, dim: int, block_size: int, key_view: View | None,
 
 
 def paged_products(page: int, dim: int, block_size: int, key_view: View,
-                   value_view: View) -> str:
-    """How ``sparse_attention_paged``'s ``bf16="auto"`` multiplies for this
+                   value_view: View, bf16: str = "auto") -> str:
+    """How ``sparse_attention_paged`` with ``bf16`` multiplies for this
     layout here, and why (for logs)."""
-    mode, why = _paged_mode(page, dim, block_size, key_view, value_view, "auto")
+    mode, why = _paged_mode(page, dim, block_size, key_view, value_view, bf16)
     if mode == _MODE_BRGEMM:
-        return "bfloat16 products on torch's micro-kernel"
+        return "bfloat16 products on torch's micro-kernel" + (" (as asked)" if why else "")
     return f"float32 products, the pages widened once per KV head ({why})"
 
 
 def _paged_mode(page: int, dim: int, block_size: int, key_view: View, value_view: View,
                 bf16: str) -> tuple[int, str]:
-    """The kernel's mode for ``sparse_attention_paged`` and, where it widens
-    under ``"auto"``, why."""
+    """The kernel's mode for ``sparse_attention_paged`` and why ("as asked"
+    where ``bf16`` named it; "" where ``"auto"`` took the micro-kernel)."""
     if bf16 == "widen":
-        return _MODE_PACK32, "bf16='widen'"
+        return _MODE_PACK32, "as asked"
     pays, reason = torch_blas.bf16_products_pay()
     if bf16 == "auto" and not pays:
         return _MODE_PACK32, reason
     refused = _brgemm_refused(page, dim, block_size, key_view, value_view)
     if refused is None:
-        return _MODE_BRGEMM, ""
+        return _MODE_BRGEMM, "as asked" if bf16 == "brgemm" else ""
     if bf16 == "brgemm":
         raise ValueError("sparse_attention_paged: keys and values cannot be packed for the "
                          f"micro-kernel from these pages ({refused})")
