@@ -369,6 +369,27 @@ def test_concurrent_calls_from_python_threads_agree():
         assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
 
 
+needs_bf16_scores = pytest.mark.skipif(not native.bf16_scores_available(16),
+                                       reason=native.bf16_scores_status())
+
+#: how the scores are multiplied: bfloat16 products, or float32 GEMMs on keys
+#: widened chunk by chunk (their magnitude bounded in that pass) or copied
+#: once per batch (bounded before the products)
+PRODUCTS = [pytest.param("bfloat16", marks=needs_bf16_scores), "float32-widened",
+            "float32-cached"]
+
+
+@pytest.fixture
+def products(request, monkeypatch):
+    """The scores' products as the test's parameter asks (``PRODUCTS``)."""
+    from stem_indexer.operator.ops import cpu
+    if request.param != "bfloat16":
+        monkeypatch.setattr(torch_blas, "bf16_products_pay", lambda: (False, "the test's"))
+    if request.param != "float32-cached":
+        monkeypatch.setattr(cpu, "KEY_CACHE_BYTES", 0)
+    return request.param
+
+
 # --------------------------------------------------------------------------- #
 # Dot products that overflow float32
 # --------------------------------------------------------------------------- #
@@ -416,11 +437,13 @@ def check_overflowing_dots_equal_the_reference(seeds=range(2)):
                 assert torch.equal(got[0], want[0]), (seed, causal, precision)
 
 
+@pytest.mark.parametrize("products", PRODUCTS, indirect=True)
 @pytest.mark.parametrize("selection,cached", [("native", True), ("native", False),
                                               ("torch", True)], indirect=["selection"],
                          ids=["native-all-heads", "native-head-by-head", "torch-all-heads"])
-def test_overflowing_dots_select_as_the_reference(selection, cached, monkeypatch):
-    """The batch's products kept for all heads, or made again per tile."""
+def test_overflowing_dots_select_as_the_reference(selection, cached, products, monkeypatch):
+    """The batch's products kept for all heads, or made again per tile,
+    whichever way the scores are multiplied."""
     from stem_indexer.operator.ops import cpu
     if not cached:
         monkeypatch.setattr(cpu, "EXACT_CACHE_BYTES", 0)
@@ -457,8 +480,6 @@ def bf16_products_where_they_run(monkeypatch):
     monkeypatch.setattr(torch_blas, "bf16_products_pay", lambda: (True, "the tests' choice"))
 
 
-needs_bf16_scores = pytest.mark.skipif(not native.bf16_scores_available(16),
-                                       reason=native.bf16_scores_status())
 
 
 @pytest.fixture(params=["micro-kernel", "vdpbf16ps"])
@@ -840,6 +861,29 @@ def test_bf16_scores_report_the_largest_inputs_they_read(kernel, passes, monkeyp
     assert math.isnan(largest_a())
 
 
+@pytest.mark.skipif(native.load(native.SELECT_ROWS) is None, reason="no native kernel here")
+def test_widened_keys_are_torchs_conversion_and_their_largest_magnitude():
+    """``native.widen_bf16``: torch's float32 conversion bit for bit (every
+    bfloat16 pattern, subnormals and NaN payloads included), strided heads,
+    pieces split between threads; the largest magnitude as torch finds it,
+    inf with an inf, NaN with a NaN; None where the heads are not contiguous."""
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    finite = every[every.float().isfinite()]
+    gen = torch.Generator().manual_seed(3)
+    for keys in (every.view(4, 128, 128), finite[:40000].view(5, 50, 160),
+                 torch.randn(3, 700, 64, generator=gen).bfloat16()[:, 100:600]):
+        out = torch.empty(keys.shape)
+        bound = native.widen_bf16(keys, out)
+        assert torch.equal(out.view(torch.int32), keys.float().view(torch.int32))
+        want = keys.float().abs().max()
+        assert math.isnan(bound) if want.isnan() else bound == float(want)
+    keys = torch.randn(2, 9, 8, generator=gen).bfloat16()
+    keys[1, 4, 2] = -math.inf
+    assert native.widen_bf16(keys, torch.empty(keys.shape)) == math.inf
+    assert native.widen_bf16(keys[:, :, :4], torch.empty(2, 9, 4)) is None
+    assert native.widen_bf16(keys[:, :0], torch.empty(2, 0, 8)) == 0.0
+
+
 def exact_product_calls(monkeypatch, q: torch.Tensor, k: torch.Tensor, bs: int = 16):
     """Run the op on bf16 q and k (one batch, every block full, stride 4)
     against the reference; return the ``_ExactDots.products`` calls it made,
@@ -859,13 +903,14 @@ def exact_product_calls(monkeypatch, q: torch.Tensor, k: torch.Tensor, bs: int =
     return calls
 
 
-@needs_bf16_scores
-def test_exact_products_only_for_tiles_whose_keys_may_overflow(monkeypatch):
-    """With bfloat16 products the keys are checked by the products
-    themselves: keys of bf16's largest magnitude in the sink blocks (kept
-    whatever their score, never scored) cost no exact product; the same keys
-    in a candidate block make the tiles that score it take the exact
-    products. Both select as the reference."""
+@pytest.mark.parametrize("products", PRODUCTS[:2], indirect=True)
+def test_exact_products_only_for_tiles_whose_keys_may_overflow(products, monkeypatch):
+    """With bfloat16 products, or keys widened chunk by chunk, the keys are
+    checked by the products or the widening themselves: keys of bf16's
+    largest magnitude in the sink blocks (kept whatever their score, never
+    scored) cost no exact product; the same keys in a candidate block make
+    the tiles that score it take the exact products. Both select as the
+    reference."""
     gen = torch.Generator().manual_seed(4)
     nq, nk, qmax, df = 4, 2, 100, 16  # from about 56 blocks, rows rank
     for block, exact_calls in ((0, False), (12, True)):
@@ -878,9 +923,10 @@ def test_exact_products_only_for_tiles_whose_keys_may_overflow(monkeypatch):
         assert all(lo <= block < hi for _, _, lo, hi in calls)
 
 
-@needs_bf16_scores
+@pytest.mark.parametrize("products", PRODUCTS[:2], indirect=True)
 @pytest.mark.parametrize("value", [BF16_MAX, math.nan])
-def test_exact_products_only_for_tiles_whose_queries_may_overflow(value, monkeypatch):
+def test_exact_products_only_for_tiles_whose_queries_may_overflow(value, products,
+                                                                  monkeypatch):
     """The queries too are checked by the products: a query block of
     bfloat16's largest magnitude (or NaN) in a row that keeps all its
     candidates (never scored) costs no exact product; the same block in a

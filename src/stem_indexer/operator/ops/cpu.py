@@ -25,7 +25,9 @@ How the rows of a tile of the metadata's work plan (one batch, query blocks
    score exactly as with float32 GEMMs. Elsewhere bf16 operands are upcast
    into float32 buffers:
    keys once per batch when small (``KEY_CACHE_BYTES``), else one
-   ``key_chunk`` at a time.
+   ``key_chunk`` at a time, by a native pass that also bounds the keys'
+   magnitude (``native.widen_bf16``), as the micro-kernel's packing does:
+   the overflow check (``_ExactDots``) then reads no input of its own.
 3. Exact top-k and the output rows, by the native kernel where it is built
    (``native.py``; the default wherever a C compiler exists): per row, a
    radix select over order-preserving integer keys finds the K-th best, and
@@ -153,8 +155,9 @@ def stem_indexer_forward(
         qb, kb = qb_all[b], kb_all[b]
         if cached_for != b:
             keys_b, cached_for = _batch_keys(kflat[b], kb, ws), b
-            exact = _ExactDots.where_needed(qflat[b], kflat[b], qb, kb,
-                                            checked_later=_bf16_gemm(keys_b))
+            exact = _ExactDots.where_needed(
+                qflat[b], kflat[b], qb, kb,
+                checked_later=_bf16_gemm(keys_b) or _widened_bounded(keys_b))
         # A plan squeezed into the fixed-size metadata may hold tiles of more
         # rows than the budget allows; such tiles run in budget-sized steps.
         step = tile_rows(nq, df, kb)
@@ -290,6 +293,15 @@ def _bf16_gemm(kflat_b: torch.Tensor) -> bool:
             and native.bf16_scores_available(kflat_b.shape[-1]))
 
 
+def _widened_bounded(kflat_b: torch.Tensor) -> bool:
+    """The float32 GEMMs widen these bfloat16 keys chunk by chunk in a pass
+    that also bounds their magnitude (``native.widen_bf16``), so their
+    overflow check needs no pass of its own (``_ExactDots.where_needed``)."""
+    return (kflat_b.device.type == "cpu" and kflat_b.dtype == torch.bfloat16
+            and kflat_b.stride(-1) == 1 and kflat_b.stride(-2) == kflat_b.shape[-1]
+            and native.load(native.SELECT_ROWS) is not None)
+
+
 def _batch_keys(kflat_b: torch.Tensor, kb: int, ws: _Workspace) -> torch.Tensor:
     """The batch's key blocks: a float32 copy when small, else the input (as
     is for the bfloat16 GEMM)."""
@@ -370,9 +382,9 @@ def _scores(q, keys_b, vbias_b, lo, hi, cand_end, scale, width, ws, exact=None,
     candidate range may be left unset: the caller masks them. ``exact``: a
     function of (lo, hi) giving the dot products (Nq, c, hi - lo) where they
     may overflow (``_ExactDots.rows``), else None; where the bfloat16
-    products run and the inputs' check waits for them (``exact.deferred``),
-    they are used only if the keys and queries those products read may
-    overflow.
+    products run, or the keys are widened by a pass that bounds them, and
+    the inputs' check waits for them (``exact.deferred``), they are used
+    only if the keys and queries those products read may overflow.
     """
     nq, c, df = q.shape
     nk = keys_b.shape[0]
@@ -398,20 +410,24 @@ def _scores(q, keys_b, vbias_b, lo, hi, cand_end, scale, width, ws, exact=None,
         if exact is None or not exact.needed(_largest([k for k, _ in maxima]),
                                              _largest([q for _, q in maxima])):
             return scores
-    if exact is not None:  # the same two roundings as below
-        prod = (exact(lo, hi) * scale).view(nk, group, c, hi - lo).transpose(1, 2)
-        torch.add(prod, vbias_b[:, None, None, lo:hi], out=scores[..., :hi - lo])
-        return scores
+        return _exact_scores(exact, lo, hi, scale, vbias_b, scores)
+    if exact is not None and not exact.deferred:
+        return _exact_scores(exact, lo, hi, scale, vbias_b, scores)
     qf = ws.take("queries", (nk, c, group, df), torch.float32)
     qf.copy_(q.view(nk, group, c, df).transpose(1, 2))  # upcast and reorder in one pass
     cached = keys_b.dtype == torch.float32
     chunk = hi - lo if cached else key_chunk(nk, df)
-    kc, held = None, None
+    kc, held, key_max = None, None, []
     for u0, u1, j0, j1, r in gemm_blocks(cand_end.tolist(), lo, hi, chunk):
         if cached:
             kc, held = keys_b, 0
         elif held != u0:
-            kc = ws.take("keys", (nk, u1 - u0, df), torch.float32).copy_(keys_b[:, u0:u1])
+            kc = ws.take("keys", (nk, u1 - u0, df), torch.float32)
+            bound = native.widen_bf16(keys_b[:, u0:u1], kc)
+            if bound is None:
+                kc.copy_(keys_b[:, u0:u1])
+                bound = _abs_max(kc)
+            key_max.append(bound)
             held = u0
         rows = qf[:, r:].reshape(nk, (c - r) * group, df)
         prod = ws.take("product", (nk, (c - r) * group, j1 - j0), torch.float32)
@@ -419,6 +435,18 @@ def _scores(q, keys_b, vbias_b, lo, hi, cand_end, scale, width, ws, exact=None,
         prod.mul_(scale)  # then + vbias: the contract's two roundings
         torch.add(prod.view(nk, c - r, group, j1 - j0), vbias_b[:, None, None, j0:j1],
                   out=scores[:, r:, :, j0 - lo:j1 - lo])
+    if exact is not None and exact.needed(_largest(key_max), _abs_max(q)):  # deferred here
+        return _exact_scores(exact, lo, hi, scale, vbias_b, scores)
+    return scores
+
+
+def _exact_scores(exact, lo: int, hi: int, scale: float, vbias_b: torch.Tensor,
+                  scores: torch.Tensor) -> torch.Tensor:
+    """``_scores`` from the exact products (``exact``), with the same two
+    roundings as the GEMMs'."""
+    nk, c, group, _ = scores.shape
+    prod = (exact(lo, hi) * scale).view(nk, group, c, hi - lo).transpose(1, 2)
+    torch.add(prod, vbias_b[:, None, None, lo:hi], out=scores[..., :hi - lo])
     return scores
 
 
@@ -455,9 +483,10 @@ class _ExactDots:
                      checked_later: bool = False) -> _ExactDots | None:
         """The batch's products if some may overflow (or the inputs hold NaN
         or inf), else None. ``checked_later``: the scores' products report the
-        largest key and query they read (``native.scores_bf16``), so the
-        inputs are not read here: the products are then used by the tiles
-        whose inputs need them (``needed``)."""
+        largest key and query they read (``native.scores_bf16``, or the keys'
+        widening, ``native.widen_bf16``), so the inputs are not read here:
+        the products are then used by the tiles whose inputs need them
+        (``needed``)."""
         if checked_later:
             return _ExactDots(qflat_b, kflat_b, qb, kb, deferred=True)
         if _overflow_free(qflat_b.shape[-1], _abs_max(qflat_b[:, :qb]),

@@ -97,6 +97,7 @@ SELECT_ROWS = Library("select_rows", {
     "stem_scores_dp_built": (ctypes.c_int, []),
     "stem_select_vector": (ctypes.c_int, [ctypes.c_int]),
     "stem_fill32": (None, [_ptr, _i64, ctypes.c_uint32, ctypes.c_int, ctypes.c_int]),
+    "stem_widen_bf16": (ctypes.c_uint32, [_ptr, _i64, _i64, _i64, _ptr, ctypes.c_int]),
 }, cflags=("-ffp-contract=off",))  # the scores' two roundings: never one fused multiply-add
 
 # The indexer cache's write (stem_indexer/pipeline/index_cache.py).
@@ -408,6 +409,24 @@ def scores_bf16(a: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, scale: f
     keys_max, a_max = (struct.unpack("<f", struct.pack("<I", bits << 16))[0]  # bf16 -> float
                        for bits in magnitudes)
     return keys_max, a_max
+
+
+def widen_bf16(src: torch.Tensor, out: torch.Tensor) -> float | None:
+    """``out.copy_(src)`` for bfloat16 ``src`` (S, n, k) whose every ``src[s]``
+    is contiguous, into contiguous float32 ``out`` of its shape, in one pass
+    that also returns the largest magnitude in ``src`` (inf, or NaN if one
+    is NaN). None, and nothing written, where the kernel is not built or the
+    strides differ: the caller copies and bounds the keys another way."""
+    segs = src.shape[0]
+    n = src[0].numel() if segs else 0
+    lib = load(SELECT_ROWS)
+    if (lib is None or src.dtype != torch.bfloat16 or out.dtype != torch.float32
+            or out.shape != src.shape or not out.is_contiguous() or src.device.type != "cpu"
+            or (segs and not src[0].is_contiguous())):
+        return None
+    bits = lib.stem_widen_bf16(src.data_ptr(), segs, n, src.stride(0) if segs else 0,
+                               out.data_ptr(), torch.get_num_threads())
+    return struct.unpack("<f", struct.pack("<I", bits << 16))[0]  # bf16 -> float
 
 
 # --------------------------------------------------------------------------- #

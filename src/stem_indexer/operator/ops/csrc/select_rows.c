@@ -16,7 +16,8 @@
  * Built with -fopenmp where the compiler has it (the loop over rows is then
  * shared by threads), serial otherwise.
  *
- * Also here: the bfloat16 score products (stem_scores_bf16, at the end).
+ * Also here: the bfloat16 score products (stem_scores_bf16, at the end), and
+ * the widening of bfloat16 keys for float32 ones (stem_widen_bf16).
  */
 #include <stdbool.h>
 #include <stdint.h>
@@ -657,6 +658,37 @@ void stem_fill32(uint32_t *p, int64_t words, uint32_t value, int threads, int is
     }
     for (int64_t i = head + 16 * lines; i < words; i++)
         p[i] = value;
+}
+
+/* Elements widened by one thread at a time in stem_widen_bf16. */
+#define WIDEN_PIECE (1 << 14)
+
+/* dst[s * n + j] = src[s * ld + j], bfloat16 widened to float32 (exactly:
+ * the bits moved up), for s < segs and j < n, shared by `threads` OpenMP
+ * threads; dst is float32 seen as its bits. Returns the largest magnitude
+ * read as the 15 low bits of a bfloat16 (0x7F80 inf, above it NaN): the
+ * bound on the products of these keys found in the pass that converts
+ * them. */
+uint32_t stem_widen_bf16(const uint16_t *src, int64_t segs, int64_t n, int64_t ld,
+                         uint32_t *dst, int threads)
+{
+    int64_t pieces = (n + WIDEN_PIECE - 1) / WIDEN_PIECE;
+    int most = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(max : most)
+    for (int64_t t = 0; t < segs * pieces; t++) {
+        int64_t s = t / pieces, j0 = t % pieces * WIDEN_PIECE;
+        int64_t j1 = j0 + WIDEN_PIECE < n ? j0 + WIDEN_PIECE : n;
+        const uint16_t *in = src + s * ld;
+        uint32_t *out = dst + s * n;
+        int16_t m = 0; /* magnitudes as non-negative int16: their order is the values' */
+        for (int64_t j = j0; j < j1; j++) {
+            out[j] = (uint32_t)in[j] << 16;
+            int16_t a = (int16_t)(in[j] & 0x7FFF);
+            m = a > m ? a : m;
+        }
+        most = m > most ? m : most;
+    }
+    return (uint32_t)most;
 }
 
 /* --------------------------------------------------------------------------
