@@ -908,11 +908,14 @@ class StemAttentionImpl(CPUAttentionBackendImpl):
         if want != "brgemm" or reader is None:
             return want
         bs = self.settings.block_size
-        refused = (sparse_kernel.paged_refused(kv_cache.shape[2], self.head_size, bs,
-                                               reader.key_view, reader.value_view,
-                                               kv_cache.dtype, "brgemm") if paged
-                   else sparse_kernel.bf16_packed(self.head_size, bs)
-                   if kv_cache.dtype == torch.bfloat16 else f"the cache is {kv_cache.dtype}")
+        if kv_cache.dtype != torch.bfloat16:
+            refused = f"the cache is {kv_cache.dtype}"
+        elif paged:
+            refused = sparse_kernel.paged_refused(kv_cache.shape[2], self.head_size, bs,
+                                                  reader.key_view, reader.value_view,
+                                                  kv_cache.dtype, "brgemm")
+        else:
+            refused = sparse_kernel.bf16_packed(self.head_size, bs)
         if refused is None:
             return want
         _report_once(f"products:{refused}", "sparse_products='bfloat16' cannot run here (%s); "

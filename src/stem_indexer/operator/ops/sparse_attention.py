@@ -292,8 +292,9 @@ def paged_refused(page: int, dim: int, block_size: int, key_view: View | None,
         return "the keys or values are not a strided view of the page"
     if bf16 not in BF16_MODES:
         raise ValueError(f"paged_refused: bf16 in {BF16_MODES}; got {bf16!r}")
-    return _brgemm_refused(page, dim, block_size, key_view, value_view) if bf16 == "brgemm" \
-        else None
+    if bf16 == "brgemm":
+        return _brgemm_refused(page, dim, block_size, key_view, value_view)
+    return None
 
 
 def paged_products(page: int, dim: int, block_size: int, key_view: View,
