@@ -767,6 +767,8 @@ def test_paged_refuses_what_it_cannot_read(bf16):
         call(views=(keys, (16 * 32 + 15, (16, 1, 32, 1), (-1, 0, 16, 0))))
     with pytest.raises(ValueError, match="bf16 in"):
         call(bf16="fast")
+    with pytest.raises(ValueError, match="page must be at least 1"):
+        call(page=0)
     with pytest.raises(TypeError, match="bfloat16"):
         call(q=case["q"].float())
     assert "not bfloat16" in sa.paged_refused(16, 32, 32, *views, torch.float32)

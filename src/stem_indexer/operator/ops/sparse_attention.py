@@ -379,11 +379,11 @@ def sparse_attention_paged(q: torch.Tensor, cache: torch.Tensor, table: torch.Te
         raise TypeError(f"{who}: q and cache must be bfloat16; got {q.dtype}, {cache.dtype}")
     lib, blas = _prepare(who, q, idx, lengths, block_size, bf16, isa)
     batch, _, _, dim = q.shape
+    if page < 1:
+        raise ValueError(f"{who}: page must be at least 1; got {page}")
     why = paged_refused(page, dim, block_size, key_view, value_view, cache.dtype, bf16)
     if why:
         raise ValueError(f"{who}: keys and values cannot be packed from these pages ({why})")
-    if page < 1:
-        raise ValueError(f"{who}: page must be at least 1; got {page}")
     if cache.dim() < 3 or not cache[:1, :1].is_contiguous() or cache.stride(-1) != 1:
         raise ValueError(f"{who}: cache must be [num_pages, Hkv, ...] with each (page, head) "
                          f"block contiguous; got {tuple(cache.shape)} strides {cache.stride()}")

@@ -537,6 +537,12 @@ static int kv_f32(const struct job *jb)
     return jb->dtype == F32 || jb->mode == MODE_PACK32;
 }
 
+/* Bytes per element of the K and V the rows read (rw->k, rw->v). */
+static size_t kv_esize(const struct job *jb)
+{
+    return kv_f32(jb) ? 4 : 2;
+}
+
 /* K and V are packed per (batch, KV head) before its rows run. */
 static int packs(const struct job *jb)
 {
@@ -902,7 +908,7 @@ static inline uint16_t packed_v(const struct job *jb, int64_t key, int64_t e)
 static int finite_v(const struct job *jb, const struct row *rw, int64_t key, int64_t n)
 {
     if (jb->mode != MODE_BRGEMM)
-        return finite_rows(jb, rw->v + (size_t)key * jb->dim * (kv_f32(jb) ? 4 : 2), n);
+        return finite_rows(jb, rw->v + (size_t)key * jb->dim * kv_esize(jb), n);
     for (int64_t j = key; j < key + n; j++)
         for (int64_t e = 0; e < jb->dim; e++)
             if ((packed_v(jb, j, e) & 0x7F80u) == 0x7F80u)
